@@ -1,0 +1,217 @@
+"""The server's side of the engine: spawns the process and speaks to it.
+
+A reader thread turns pipe messages into calls on the event loop; a single
+writer thread sends commands in order without ever blocking the loop. When the
+process dies (segfault, OOM kill), the pipe reaches EOF: every in-flight
+request ends with :class:`EngineCrashedError` and :meth:`start` may be called
+again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import threading
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.connection import Connection
+from typing import Any
+
+from service.config import EngineConfig
+from service.engine import protocol as p
+from service.engine.worker import main as worker_main
+from service.errors import (
+    ContextLengthExceededError,
+    EngineCrashedError,
+    EngineError,
+    InvalidRequestError,
+    LmspdError,
+    ModelError,
+    ModelNotFoundError,
+)
+
+log = logging.getLogger("lmspd.engine")
+
+_ERRORS: dict[str, type[LmspdError]] = {
+    "context_length_exceeded": ContextLengthExceededError,
+    "invalid_request": InvalidRequestError,
+    "model_not_found": ModelNotFoundError,
+    "model_load_failed": ModelError,
+    "engine_crashed": EngineCrashedError,
+}
+
+Event = p.Delta | p.Finished
+
+
+def error_from(reply: p.Failed) -> LmspdError:
+    cls = _ERRORS.get(reply.code, EngineError)
+    return cls(reply.message, param=reply.param)
+
+
+class EngineClient:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.process: mp.process.BaseProcess | None = None
+        self.info: p.Ready | None = None
+        self._conn: Connection | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-writer")
+        self._streams: dict[str, asyncio.Queue[Event | LmspdError]] = {}
+        self._loads: dict[str, list[asyncio.Future[p.ModelLoaded]]] = {}
+        self._ready: asyncio.Future[p.Ready] | None = None
+        self.loaded: dict[str, p.ModelLoaded] = {}
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and self.process.is_alive() and self.info is not None
+
+    async def start(self, timeout: float = 120.0) -> p.Ready:
+        """Spawn the engine process and wait until it has imported MLX."""
+        self._loop = asyncio.get_running_loop()
+        parent, child = mp.get_context("spawn").Pipe(duplex=True)
+        c = self.config
+        self.process = mp.get_context("spawn").Process(
+            target=worker_main,
+            args=(child, c.max_concurrency, c.max_loaded_models, c.weight_dtype, c.prefill_step_size,
+                  logging.getLogger().getEffectiveLevel()),
+            name="lmspd-engine",
+            daemon=True,
+        )
+        self._ready = self._loop.create_future()
+        self.process.start()
+        child.close()  # only the child holds its end now, so its death means EOF for us
+        self._conn = parent
+        threading.Thread(target=self._read, args=(parent, self.process), name="engine-reader", daemon=True).start()
+        self.info = await asyncio.wait_for(self._ready, timeout)
+        return self.info
+
+    def _read(self, conn: Connection, process: mp.process.BaseProcess) -> None:
+        assert self._loop is not None
+        loop = self._loop
+        try:
+            while True:
+                reply = p.reply_decoder.decode(conn.recv_bytes())
+                loop.call_soon_threadsafe(self._dispatch, reply)
+        except (EOFError, OSError):
+            pass
+        process.join(timeout=5)
+        loop.call_soon_threadsafe(self._on_exit, process)
+
+    def _dispatch(self, reply: p.Reply) -> None:
+        if isinstance(reply, p.Deltas):
+            for d in reply.items:
+                if q := self._streams.get(d.request_id):
+                    q.put_nowait(d)
+        elif isinstance(reply, p.Finished):
+            if q := self._streams.get(reply.request_id):
+                q.put_nowait(reply)
+        elif isinstance(reply, p.Failed):
+            if reply.request_id is not None:
+                if q := self._streams.get(reply.request_id):
+                    q.put_nowait(error_from(reply))
+            elif reply.model is not None:
+                for fut in self._loads.pop(reply.model, []):
+                    if not fut.done():
+                        fut.set_exception(error_from(reply))
+        elif isinstance(reply, p.ModelLoaded):
+            self.loaded[reply.model] = reply
+            for fut in self._loads.pop(reply.model, []):
+                if not fut.done():
+                    fut.set_result(reply)
+        elif isinstance(reply, p.ModelLoading):
+            log.info("engine loading model %s", reply.model)
+        elif isinstance(reply, p.Ready) and self._ready and not self._ready.done():
+            self._ready.set_result(reply)
+
+    def _on_exit(self, process: mp.process.BaseProcess) -> None:
+        if process is not self.process:
+            return
+        code = process.exitcode
+        crashed = code != 0 or bool(self._streams)
+        if crashed:
+            log.error("engine process %s exited with code %s", process.pid, code)
+        err = EngineCrashedError(f"the engine process exited (code {code})")
+        for q in self._streams.values():
+            q.put_nowait(err)
+        for futs in self._loads.values():
+            for fut in futs:
+                if not fut.done():
+                    fut.set_exception(err)
+        self._loads.clear()
+        if self._ready and not self._ready.done():
+            self._ready.set_exception(err)
+        self.info = None
+        self.loaded.clear()
+
+    async def _send(self, cmd: p.Command) -> None:
+        if self._conn is None or not self.alive:
+            raise EngineCrashedError("the engine process is not running")
+        data = p.command_encoder.encode(cmd)
+        conn = self._conn
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._writer, conn.send_bytes, data)
+        except (OSError, ValueError) as exc:
+            raise EngineCrashedError(f"the engine process is gone: {exc}") from exc
+
+    async def load(self, model: str, path: str) -> p.ModelLoaded:
+        fut: asyncio.Future[p.ModelLoaded] = asyncio.get_running_loop().create_future()
+        self._loads.setdefault(model, []).append(fut)
+        await self._send(p.LoadModel(model, path))
+        return await fut
+
+    async def generate(self, cmd: p.Generate) -> AsyncIterator[Event]:
+        """Yield the request's deltas, then its Finished; raise on failure.
+
+        Leaving the iterator early (``break``, task cancellation) cancels the
+        request in the engine.
+        """
+        if cmd.request_id in self._streams:
+            raise InvalidRequestError(f"request id {cmd.request_id} is already running")
+        queue: asyncio.Queue[Event | LmspdError] = asyncio.Queue()
+        self._streams[cmd.request_id] = queue
+        finished = False
+        try:
+            await self._send(cmd)
+            while True:
+                item = await queue.get()
+                if isinstance(item, LmspdError):
+                    finished = True
+                    raise item
+                yield item
+                if isinstance(item, p.Finished):
+                    finished = True
+                    return
+        finally:
+            self._streams.pop(cmd.request_id, None)
+            if not finished and self.alive:
+                await asyncio.shield(self._send_quietly(p.Cancel(cmd.request_id)))
+
+    async def _send_quietly(self, cmd: p.Command) -> None:
+        try:
+            await self._send(cmd)
+        except EngineCrashedError:
+            pass
+
+    async def cancel(self, request_id: str) -> None:
+        """Ask the engine to stop a request; its stream ends with ``reason="cancelled"``."""
+        await self._send_quietly(p.Cancel(request_id))
+
+    async def close(self, timeout: float = 10.0) -> None:
+        process = self.process
+        if process is None:
+            return
+        if self.alive:
+            await self._send_quietly(p.Shutdown())
+        await asyncio.get_running_loop().run_in_executor(None, process.join, timeout)
+        if process.is_alive():
+            process.kill()
+            await asyncio.get_running_loop().run_in_executor(None, process.join, 5)
+        if self._conn is not None:
+            self._conn.close()
+        self.process = None
+        self.info = None
+
+    def stats(self) -> dict[str, Any]:
+        return {"pid": self.process.pid if self.process else None, "alive": self.alive,
+                "loaded": sorted(self.loaded), "in_flight": len(self._streams)}

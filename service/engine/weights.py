@@ -1,0 +1,130 @@
+"""Weight dtype: keep a model quantized or run it dense, by setting or by measurement.
+
+On Metal quantized matmuls are fast; on the CPU backend they may not be (the
+mlx-cpu wheel's 4-bit kernel is single-threaded) and dense weights can win.
+``auto`` therefore assumes nothing: it times the model's own layer shapes in
+each candidate dtype and keeps the fastest, excluding dense dtypes whose
+weights would take more than a fixed share of memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+log = logging.getLogger(__name__)
+
+DENSE = ("bfloat16", "float16", "float32")
+_MEMORY_SHARE = 0.4  # dense weights may take at most this share of memory
+
+
+def _quantized_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
+
+
+def _memory_bytes() -> int:
+    if mx.metal.is_available():
+        return int(mx.device_info().get("max_recommended_working_set_size", 0)) or _system_memory()
+    return _system_memory()
+
+
+def _system_memory() -> int:
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def _param_count(model: nn.Module) -> int:
+    total = 0
+    for _, m in model.named_modules():
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            total += m.weight.shape[0] * m.weight.shape[1] * 32 // m.bits
+    return total
+
+
+def _sample_layers(model: nn.Module) -> list[tuple[nn.Module, int]]:
+    """The quantized matmuls of one transformer block, each weighted by the number of
+    blocks, plus the output projection (the tied embedding when there is no lm_head)."""
+    layers = _quantized_modules(model)
+    blocks = len({n.split(".layers.")[1].split(".")[0] for n, _ in layers if ".layers." in n})
+    block = [(m, blocks) for n, m in layers if ".layers.0." in n and isinstance(m, nn.QuantizedLinear)]
+    heads = [m for n, m in layers if n.endswith("lm_head")] or [m for n, m in layers if n.endswith("embed_tokens")]
+    sample = block + [(m, 1) for m in heads[:1]]
+    return sample or [(m, 1) for _, m in layers[:8]]
+
+
+def _time(fn: Any, reps: int) -> float:
+    mx.eval(fn())  # warm-up: kernels compile / caches fill
+    start = time.perf_counter()
+    for _ in range(reps):
+        mx.eval(fn())
+    return (time.perf_counter() - start) / reps
+
+
+def _activation_dtype(model: nn.Module) -> mx.Dtype:
+    """What a quantized model computes in: its widest float parameter dtype (norms, scales)."""
+    dtypes = {v.dtype for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating)}
+    for dt in (mx.float32, mx.bfloat16, mx.float16):
+        if dt in dtypes:
+            return dt
+    return mx.float32
+
+
+def _runner(m: nn.Module, dtype: str, act: mx.Dtype) -> tuple[Any, mx.Dtype]:
+    if dtype == "quantized":
+        return (lambda x: mx.quantized_matmul(x, m.weight, m.scales, m.biases, True, m.group_size, m.bits)), act
+    xdt = getattr(mx, dtype)
+    w = mx.dequantize(m.weight, m.scales, m.biases, m.group_size, m.bits).astype(xdt)
+    mx.eval(w)
+    return (lambda x: x @ w.T), xdt
+
+
+def _seconds(modules: list[tuple[nn.Module, int]], dtype: str, act: mx.Dtype, rows: int, reps: int) -> float:
+    total = 0.0
+    for m, weight in modules:
+        run, xdt = _runner(m, dtype, act)
+        x = mx.random.normal((rows, m.weight.shape[1] * 32 // m.bits)).astype(xdt)
+        total += weight * _time(lambda: run(x), reps)
+    return total
+
+
+def measure(model: nn.Module, prefill_rows: int = 8) -> dict[str, float]:
+    """Seconds per token of the sampled layers for each candidate dtype (lower is faster).
+
+    The score weighs prompt and output tokens equally. Candidates more than 1.5x
+    slower than the best at decoding are dropped before the costlier prefill timing.
+    """
+    modules = _sample_layers(model)
+    act = _activation_dtype(model)
+    budget = _memory_bytes() * _MEMORY_SHARE
+    candidates = ["quantized"] + [d for d in DENSE if _param_count(model) * getattr(mx, d).size <= budget]
+    decode = {d: _seconds(modules, d, act, 1, 3) for d in candidates}
+    best = min(decode.values())
+    return {
+        d: t + _seconds(modules, d, act, prefill_rows, 1) / prefill_rows
+        for d, t in decode.items()
+        if t <= 1.5 * best
+    }
+
+
+def apply_weight_dtype(model: nn.Module, setting: str) -> str:
+    """Convert the model in place per ``setting``; returns the dtype it now runs in."""
+    if not _quantized_modules(model):
+        return "dense"
+    choice = setting
+    if setting == "auto":
+        scores = measure(model)
+        choice = min(scores, key=scores.__getitem__)
+        log.info("weight dtype auto: %s (scores %s)", choice, {k: f"{v * 1e3:.2f}ms" for k, v in scores.items()})
+    if choice == "quantized":
+        return choice
+    from mlx_lm.utils import dequantize_model
+
+    dequantize_model(model)
+    model.set_dtype(getattr(mx, choice))
+    mx.eval(model.parameters())
+    return choice

@@ -1,0 +1,280 @@
+"""The engine process: the only place MLX is imported.
+
+One loop alternates between draining commands from the pipe and running one
+step of every loaded model's ``BatchGenerator`` (continuous batching: requests
+join and leave between decode steps). Replies go back as msgpack messages; the
+token deltas of one step travel together in a single ``Deltas`` message.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from service.engine import protocol as p
+from service.errors import LmspdError
+from service.tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger("lmspd.engine")
+
+
+@dataclass
+class Request:
+    cmd: p.Generate
+    uid: int
+    detok: IncrementalDetokenizer
+    completion_tokens: int
+    held: str = ""  # text withheld because it may be the start of a stop string
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    path: str
+    model: Any
+    tokenizer: Tokenizer
+    batch: Any  # mlx_lm BatchGenerator
+    context_length: int
+    requests: dict[int, Request] = field(default_factory=dict)
+
+
+class Engine:
+    def __init__(self, conn: Connection, max_concurrency: int, max_loaded_models: int,
+                 weight_dtype: str, prefill_step_size: int) -> None:
+        self.conn = conn
+        self.max_concurrency = max_concurrency
+        self.max_loaded_models = max_loaded_models
+        self.weight_dtype = weight_dtype
+        self.prefill_step_size = prefill_step_size
+        self.models: OrderedDict[str, LoadedModel] = OrderedDict()  # least recently used first
+        self.waiting: deque[p.Generate] = deque()  # requests for a model that cannot load yet
+        self.by_id: dict[str, tuple[LoadedModel, Request]] = {}
+        self.running = True
+
+    def send(self, reply: p.Reply) -> None:
+        self.conn.send_bytes(p.reply_encoder.encode(reply))
+
+    # --- loop -------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        import mlx.core as mx
+
+        self.send(p.Ready(pid=os.getpid(), backend="gpu" if mx.metal.is_available() else "cpu",
+                          mlx_version=mx.__version__))
+        while self.running:
+            busy = bool(self.by_id) or bool(self.waiting)
+            timeout: float | None = 0 if busy else None
+            while self.running and self.conn.poll(timeout):
+                self.handle(p.command_decoder.decode(self.conn.recv_bytes()))
+                timeout = 0
+            self._admit_waiting()
+            deltas: list[p.Delta] = []
+            for lm in list(self.models.values()):
+                if lm.requests:
+                    self._step(lm, deltas)
+            if deltas:
+                self.send(p.Deltas(deltas))
+
+    def handle(self, cmd: p.Command) -> None:
+        if isinstance(cmd, p.Generate):
+            self._submit(cmd)
+        elif isinstance(cmd, p.Cancel):
+            self._cancel(cmd.request_id)
+        elif isinstance(cmd, p.LoadModel):
+            self._load_or_fail(cmd.model, cmd.path)
+        elif isinstance(cmd, p.Shutdown):
+            self.running = False
+
+    # --- models -----------------------------------------------------------------------------
+
+    def _load_or_fail(self, name: str, path: str) -> LoadedModel | None:
+        try:
+            return self._load(name, path)
+        except Exception as exc:  # report any load failure; the engine itself stays up
+            log.exception("loading %s failed", name)
+            code = exc.code if isinstance(exc, LmspdError) else "model_load_failed"
+            self.send(p.Failed(request_id=None, code=code, message=f"cannot load model '{name}': {exc}",
+                               param="model", model=name))
+            return None
+
+    def _load(self, name: str, path: str) -> LoadedModel:
+        if name in self.models:
+            self.models.move_to_end(name)
+            return self.models[name]
+        import mlx.core as mx
+        from mlx_lm.generate import BatchGenerator
+        from mlx_lm.utils import load_model
+
+        from service.engine.weights import apply_weight_dtype
+
+        self._evict_for_one()
+        self.send(p.ModelLoading(name))
+        start = time.perf_counter()
+        model, config = load_model(Path(path))
+        dtype = apply_weight_dtype(model, self.weight_dtype)
+        mx.eval(model.parameters())
+        batch = BatchGenerator(model, completion_batch_size=self.max_concurrency,
+                               prefill_batch_size=self.max_concurrency, prefill_step_size=self.prefill_step_size)
+        ctx = int(config.get("max_position_embeddings") or config.get("max_seq_len") or 4096)
+        lm = LoadedModel(name, path, model, Tokenizer(Path(path)), batch, ctx)
+        self.models[name] = lm
+        self.send(p.ModelLoaded(model=name, weight_dtype=dtype, seconds=time.perf_counter() - start))
+        return lm
+
+    def _evict_for_one(self) -> None:
+        idle = [n for n, m in self.models.items() if not m.requests]
+        while len(self.models) >= self.max_loaded_models and idle:
+            lm = self.models.pop(idle.pop(0))
+            lm.batch.close()
+            log.info("evicted model %s", lm.name)
+        import mlx.core as mx
+
+        mx.clear_cache()
+
+    def _can_load(self, name: str) -> bool:
+        return name in self.models or len(self.models) < self.max_loaded_models or any(
+            not m.requests for m in self.models.values()
+        )
+
+    def _admit_waiting(self) -> None:
+        for _ in range(len(self.waiting)):
+            cmd = self.waiting.popleft()
+            if self._can_load(cmd.model):
+                self._submit(cmd)
+            else:
+                self.waiting.append(cmd)
+
+    # --- requests ---------------------------------------------------------------------------
+
+    def _fail(self, cmd: p.Generate, code: str, message: str, param: str | None = None) -> None:
+        self.send(p.Failed(request_id=cmd.request_id, code=code, message=message, param=param, model=cmd.model))
+
+    def _submit(self, cmd: p.Generate) -> None:
+        if cmd.request_id in self.by_id:
+            return self._fail(cmd, "invalid_request", f"request id {cmd.request_id} is already running")
+        if not self._can_load(cmd.model):
+            self.waiting.append(cmd)
+            return None
+        lm = self._load_or_fail(cmd.model, cmd.path)
+        if lm is None:
+            return self._fail(cmd, "model_not_found", f"model '{cmd.model}' could not be loaded", "model")
+        try:
+            cmd.sampling.validate()
+        except LmspdError as exc:
+            return self._fail(cmd, exc.code, exc.message, exc.param)
+        tokens = cmd.prompt + cmd.generated
+        if not cmd.prompt:
+            return self._fail(cmd, "invalid_request", "the prompt is empty", "input")
+        if len(tokens) >= lm.context_length:
+            return self._fail(cmd, "context_length_exceeded",
+                              f"{len(tokens)} tokens exceed the model's context of {lm.context_length}", "input")
+        remaining = min(cmd.max_tokens - len(cmd.generated), lm.context_length - len(tokens))
+        if remaining <= 0:
+            self.send(p.Finished(request_id=cmd.request_id, reason="length",
+                                 prompt_tokens=len(cmd.prompt), completion_tokens=len(cmd.generated)))
+            return None
+        self._insert(lm, cmd, tokens, remaining)
+        return None
+
+    def _insert(self, lm: LoadedModel, cmd: p.Generate, tokens: list[int], remaining: int) -> None:
+        from mlx_lm.generate import StopSequences
+        from mlx_lm.sample_utils import make_sampler
+
+        s = cmd.sampling
+        sampler = make_sampler(temp=s.temperature, top_p=s.top_p if s.top_p < 1.0 else 0.0,
+                               top_k=s.top_k, min_p=s.min_p)
+        stops = StopSequences([[t] for t in cmd.stop_token_ids] or None)
+        (uid,) = lm.batch.insert([tokens], max_tokens=[remaining], samplers=[sampler], stop_sequences=[stops])
+        req = Request(cmd, uid, IncrementalDetokenizer(lm.tokenizer, cmd.generated), len(cmd.generated))
+        lm.requests[uid] = req
+        self.by_id[cmd.request_id] = (lm, req)
+
+    def _cancel(self, request_id: str) -> None:
+        for i, cmd in enumerate(self.waiting):
+            if cmd.request_id == request_id:
+                del self.waiting[i]
+                self.send(p.Finished(request_id=request_id, reason="cancelled", prompt_tokens=len(cmd.prompt),
+                                     completion_tokens=len(cmd.generated)))
+                return
+        found = self.by_id.get(request_id)
+        if found is None:
+            return  # already finished: its Finished reply is on its way
+        lm, req = found
+        lm.batch.remove([req.uid])
+        self._finish(lm, req, "cancelled")
+
+    def _finish(self, lm: LoadedModel, req: Request, reason: p.FinishReason, text: str = "") -> None:
+        del lm.requests[req.uid]
+        del self.by_id[req.cmd.request_id]
+        self.send(p.Finished(request_id=req.cmd.request_id, reason=reason, prompt_tokens=len(req.cmd.prompt),
+                             completion_tokens=req.completion_tokens, text=text))
+
+    def _step(self, lm: LoadedModel, deltas: list[p.Delta]) -> None:
+        try:
+            _, responses = lm.batch.next()
+        except Exception as exc:  # an MLX failure poisons the whole batch
+            log.exception("decode step failed")
+            self._fail_all(lm, f"generation failed: {exc}")
+            return
+        for r in responses:
+            req = lm.requests.get(r.uid)
+            if req is None:
+                continue
+            self._on_token(lm, req, r.token, r.finish_reason, deltas)
+
+    def _on_token(self, lm: LoadedModel, req: Request, token: int, finish: str | None,
+                  deltas: list[p.Delta]) -> None:
+        stopped_by_token = finish == "stop"
+        if stopped_by_token:
+            text = req.detok.flush()
+            ids: list[int] = []
+        else:
+            req.completion_tokens += 1
+            text = req.detok.add(token)
+            ids = [token]
+        text, hit = self._apply_stop_strings(req, text)
+        if hit:
+            finish = "stop"
+        if ids or text:
+            deltas.append(p.Delta(req.cmd.request_id, ids, text))
+        if finish is not None:
+            tail = "" if hit else req.held + (req.detok.flush() if not stopped_by_token else "")
+            self._finish(lm, req, "stop" if finish == "stop" else "length", tail)
+            if hit:
+                lm.batch.remove([req.uid])
+
+    @staticmethod
+    def _apply_stop_strings(req: Request, text: str) -> tuple[str, bool]:
+        """Cut text at the first stop string; hold back a suffix that may start one."""
+        stops = req.cmd.stop
+        if not stops:
+            return text, False
+        pending = req.held + text
+        cut = min((i for i in (pending.find(s) for s in stops) if i >= 0), default=-1)
+        if cut >= 0:
+            req.held = ""
+            return pending[:cut], True
+        keep = max((k for s in stops for k in range(1, len(s)) if pending.endswith(s[:k])), default=0)
+        req.held = pending[len(pending) - keep:] if keep else ""
+        return pending[: len(pending) - keep], False
+
+    def _fail_all(self, lm: LoadedModel, message: str) -> None:
+        for req in list(lm.requests.values()):
+            del lm.requests[req.uid]
+            del self.by_id[req.cmd.request_id]
+            self._fail(req.cmd, "server_error", message)
+        self.models.pop(lm.name, None)
+        lm.batch.close()
+
+
+def main(conn: Connection, max_concurrency: int, max_loaded_models: int, weight_dtype: str,
+         prefill_step_size: int, log_level: int = logging.INFO) -> None:
+    """Entry point of the spawned engine process."""
+    logging.basicConfig(level=log_level, format="%(asctime)s engine %(levelname)s %(message)s")
+    Engine(conn, max_concurrency, max_loaded_models, weight_dtype, prefill_step_size).run()

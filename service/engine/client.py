@@ -16,6 +16,7 @@ import threading
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
+from multiprocessing.connection import wait as mp_wait
 from typing import Any
 
 from service.config import EngineConfig
@@ -61,6 +62,7 @@ class EngineClient:
         self._loads: dict[str, list[asyncio.Future[p.ModelLoaded]]] = {}
         self._ready: asyncio.Future[p.Ready] | None = None
         self.loaded: dict[str, p.ModelLoaded] = {}
+        self._closing = False
 
     @property
     def alive(self) -> bool:
@@ -79,6 +81,7 @@ class EngineClient:
             daemon=True,
         )
         self._ready = self._loop.create_future()
+        self._closing = False
         self.process.start()
         child.close()  # only the child holds its end now, so its death means EOF for us
         self._conn = parent
@@ -95,7 +98,8 @@ class EngineClient:
                 loop.call_soon_threadsafe(self._dispatch, reply)
         except (EOFError, OSError):
             pass
-        process.join(timeout=5)
+        # Wait for the process to be gone without reaping it here: close() may be joining it.
+        mp_wait([process.sentinel], timeout=5)
         loop.call_soon_threadsafe(self._on_exit, process)
 
     def _dispatch(self, reply: p.Reply) -> None:
@@ -128,9 +132,8 @@ class EngineClient:
         if process is not self.process:
             return
         code = process.exitcode
-        crashed = code != 0 or bool(self._streams)
-        if crashed:
-            log.error("engine process %s exited with code %s", process.pid, code)
+        if not self._closing:
+            log.error("engine process %s exited unexpectedly (exit code %s)", process.pid, code)
         err = EngineCrashedError(f"the engine process exited (code {code})")
         for q in self._streams.values():
             q.put_nowait(err)
@@ -201,6 +204,7 @@ class EngineClient:
         process = self.process
         if process is None:
             return
+        self._closing = True
         if self.alive:
             await self._send_quietly(p.Shutdown())
         await asyncio.get_running_loop().run_in_executor(None, process.join, timeout)

@@ -5,6 +5,12 @@ mlx-cpu wheel's 4-bit kernel is single-threaded) and dense weights can win.
 ``auto`` therefore assumes nothing: it times the model's own layer shapes in
 each candidate dtype and keeps the fastest, excluding dense dtypes whose
 weights would take more than a fixed share of memory.
+
+``auto`` only weighs choices that compute the same numbers as the quantized
+model: float32 holds every dequantized weight exactly. bfloat16 does not
+(8-bit mantissa), and on SmolLM2-135M it turned "The capital of France is
+Paris." into "L'Étoile, la Marseillaise," -- so half precision is only ever
+used when a user asks for it.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from mlx.utils import tree_flatten
 
 log = logging.getLogger(__name__)
 
-DENSE = ("bfloat16", "float16", "float32")
+AUTO_CANDIDATES = ("float32",)  # dense dtypes that reproduce the quantized model exactly
 _MEMORY_SHARE = 0.4  # dense weights may take at most this share of memory
 
 
@@ -101,7 +107,7 @@ def measure(model: nn.Module, prefill_rows: int = 8) -> dict[str, float]:
     modules = _sample_layers(model)
     act = _activation_dtype(model)
     budget = _memory_bytes() * _MEMORY_SHARE
-    candidates = ["quantized"] + [d for d in DENSE if _param_count(model) * getattr(mx, d).size <= budget]
+    candidates = ["quantized"] + [d for d in AUTO_CANDIDATES if _param_count(model) * getattr(mx, d).size <= budget]
     decode = {d: _seconds(modules, d, act, 1, 3) for d in candidates}
     best = min(decode.values())
     return {

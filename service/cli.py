@@ -1,0 +1,145 @@
+"""The ``lmspd`` command: ``models pull|list`` and ``generate``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from service.config import Config, load_config
+from service.errors import LmspdError
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", type=Path, help="TOML config file (env LMSPD_CONFIG)")
+    parser.add_argument("--cache-dir", help="model cache directory (env LMSPD_CACHE_DIR)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lmspd", description="Local MLX model server")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    models = sub.add_parser("models", help="manage models").add_subparsers(dest="models_command", required=True)
+    pull = models.add_parser("pull", help="fetch and convert a built-in model")
+    pull.add_argument("name", nargs="?", help="model name (default: the configured default model)")
+    _common(pull)
+    listing = models.add_parser("list", help="show configured and cached models")
+    _common(listing)
+
+    gen = sub.add_parser("generate", help="stream a reply to PROMPT through the engine")
+    gen.add_argument("prompt")
+    gen.add_argument("--model", help="model alias, built-in name, directory or Hugging Face repo")
+    gen.add_argument("--max-output-tokens", type=int, default=256)
+    gen.add_argument("--temperature", type=float, default=0.7)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--instructions", help="system prompt")
+    gen.add_argument("--weight-dtype", choices=["auto", "quantized", "float32", "float16", "bfloat16"])
+    _common(gen)
+    return parser
+
+
+def _config(args: argparse.Namespace) -> Config:
+    overrides: dict[str, Any] = {"cache_dir": args.cache_dir}
+    if getattr(args, "weight_dtype", None):
+        overrides["engine.weight_dtype"] = args.weight_dtype
+    return load_config(args.config, overrides=overrides)
+
+
+def cmd_models_pull(args: argparse.Namespace) -> int:
+    from service.models.registry import ModelRegistry
+    from service.progress import pull_progress
+
+    config = _config(args)
+    name = args.name or config.default_model
+    start = time.perf_counter()
+    with pull_progress() as progress:
+        model = ModelRegistry(config).resolve(name, progress=progress)
+    print(f"{name}: {model.path} ({time.perf_counter() - start:.1f}s)")
+    return 0
+
+
+def cmd_models_list(args: argparse.Namespace) -> int:
+    from service.models.registry import ModelRegistry
+
+    config = _config(args)
+    print(f"cache: {config.model_cache_dir}")
+    for info in ModelRegistry(config).list():
+        default = " (default)" if info.name == config.default_model else ""
+        state = "ready" if info.pulled else "not pulled"
+        print(f"{info.name}{default}\t{info.source}\t{state}\t{info.path or ''}\t{info.description}")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    return asyncio.run(_generate(args))
+
+
+async def _generate(args: argparse.Namespace) -> int:
+    from service.engine import protocol as p
+    from service.engine.client import EngineClient
+    from service.generation import build_generate
+    from service.models.registry import ModelRegistry
+    from service.progress import pull_progress
+
+    config = _config(args)
+    name = args.model or config.default_model
+    with pull_progress() as progress:
+        model = ModelRegistry(config).resolve(name, progress=progress)
+    messages = [{"role": "user", "content": args.prompt}]
+    if args.instructions:
+        messages.insert(0, {"role": "system", "content": args.instructions})
+    sampling = p.SamplingParams(temperature=args.temperature, top_p=args.top_p)
+    cmd = build_generate(model, messages, request_id=uuid.uuid4().hex, max_tokens=args.max_output_tokens,
+                         sampling=sampling)
+    engine = EngineClient(config.engine)
+    await engine.start()
+    try:
+        start = time.perf_counter()
+        first: float | None = None
+        async for event in engine.generate(cmd):
+            if isinstance(event, p.Delta):
+                first = first or time.perf_counter()
+                sys.stdout.write(event.text)
+            else:
+                sys.stdout.write(event.text + "\n")
+                elapsed = time.perf_counter() - (first or start)
+                rate = (event.completion_tokens - 1) / elapsed if elapsed > 0 and event.completion_tokens > 1 else 0
+                print(f"[{event.reason}: {event.prompt_tokens} prompt + {event.completion_tokens} output tokens, "
+                      f"first token {((first or start) - start):.2f}s, {rate:.1f} tok/s]", file=sys.stderr)
+            sys.stdout.flush()
+    finally:
+        await engine.close()
+    return 0
+
+
+COMMANDS = {
+    ("models", "pull"): cmd_models_pull,
+    ("models", "list"): cmd_models_list,
+    ("generate", None): cmd_generate,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    handler = COMMANDS[(args.command, getattr(args, "models_command", None))]
+    try:
+        return handler(args)
+    except LmspdError as exc:
+        param = f" [{exc.param}]" if exc.param else ""
+        print(f"lmspd: error: {exc.code}{param}: {exc.message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("lmspd: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

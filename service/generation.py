@@ -1,0 +1,45 @@
+"""Turn chat messages into an engine ``Generate`` command, checking limits first."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from service.engine import protocol as p
+from service.errors import ContextLengthExceededError, InvalidRequestError
+from service.models.registry import ResolvedModel
+from service.tokenizer import Tokenizer
+
+_TOKENIZERS: dict[str, Tokenizer] = {}
+
+
+def tokenizer_for(model: ResolvedModel) -> Tokenizer:
+    key = str(model.path)
+    if key not in _TOKENIZERS:
+        _TOKENIZERS[key] = Tokenizer(model.path)
+    return _TOKENIZERS[key]
+
+
+def build_generate(
+    model: ResolvedModel,
+    messages: list[dict[str, Any]],
+    *,
+    request_id: str,
+    max_tokens: int,
+    sampling: p.SamplingParams,
+    generated: list[int] | None = None,
+    stop: list[str] | None = None,
+) -> p.Generate:
+    """Validate, render and tokenize; raise before any generation on bad input."""
+    sampling.validate()
+    if max_tokens < 1:
+        raise InvalidRequestError(f"max_output_tokens must be >= 1, got {max_tokens}", param="max_output_tokens")
+    tok = tokenizer_for(model)
+    prompt = tok.encode_chat(messages)
+    ctx = model.context_length
+    if len(prompt) >= ctx:
+        raise ContextLengthExceededError(
+            f"the input is {len(prompt)} tokens, but the model's context is {ctx} tokens", param="input"
+        )
+    return p.Generate(request_id=request_id, model=model.name, path=str(model.path), prompt=prompt,
+                      generated=generated or [], max_tokens=max_tokens, sampling=sampling,
+                      stop_token_ids=tok.eos_token_ids, stop=stop or [])

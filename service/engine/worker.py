@@ -56,6 +56,7 @@ class Engine:
         self.waiting: deque[p.Generate] = deque()  # requests for a model that cannot load yet
         self.by_id: dict[str, tuple[LoadedModel, Request]] = {}
         self.running = True
+        self.finished: list[p.Finished] = []
 
     def send(self, reply: p.Reply) -> None:
         self.conn.send_bytes(p.reply_encoder.encode(reply))
@@ -80,6 +81,10 @@ class Engine:
                     self._step(lm, deltas)
             if deltas:
                 self.send(p.Deltas(deltas))
+            # Finished replies go after the step's deltas, which carry their last tokens.
+            for reply in self.finished:
+                self.send(reply)
+            self.finished.clear()
 
     def handle(self, cmd: p.Command) -> None:
         if isinstance(cmd, p.Generate):
@@ -212,7 +217,7 @@ class Engine:
     def _finish(self, lm: LoadedModel, req: Request, reason: p.FinishReason, text: str = "") -> None:
         del lm.requests[req.uid]
         del self.by_id[req.cmd.request_id]
-        self.send(p.Finished(request_id=req.cmd.request_id, reason=reason, prompt_tokens=len(req.cmd.prompt),
+        self.finished.append(p.Finished(request_id=req.cmd.request_id, reason=reason, prompt_tokens=len(req.cmd.prompt),
                              completion_tokens=req.completion_tokens, text=text))
 
     def _step(self, lm: LoadedModel, deltas: list[p.Delta]) -> None:

@@ -1,0 +1,206 @@
+"""The real engine process with a tiny random-weight model: batching, cancel, crash, resume."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+
+from service.config import EngineConfig
+from service.engine import protocol as p
+from service.engine.client import EngineClient
+from service.errors import ContextLengthExceededError, EngineCrashedError, InvalidRequestError, ModelError
+from service.generation import build_generate, tokenizer_for
+from service.models.registry import ResolvedModel
+
+GREEDY = p.SamplingParams(temperature=0.0)
+PROMPTS = ["Tell me a story.", "What is 2 + 2?", "List three colours, please, in order.", "Hi"]
+
+
+@pytest.fixture
+async def engine() -> AsyncIterator[EngineClient]:
+    client = EngineClient(EngineConfig(weight_dtype="quantized", max_concurrency=4))
+    await client.start()
+    yield client
+    await client.close()
+
+
+def request(model: ResolvedModel, prompt: str, max_tokens: int = 24, **kw: object) -> p.Generate:
+    return build_generate(model, [{"role": "user", "content": prompt}], request_id=uuid.uuid4().hex,
+                          max_tokens=max_tokens, sampling=kw.pop("sampling", GREEDY), **kw)  # type: ignore[arg-type]
+
+
+async def collect(engine: EngineClient, cmd: p.Generate) -> tuple[list[int], str, p.Finished]:
+    ids: list[int] = []
+    text = ""
+    async for ev in engine.generate(cmd):
+        if isinstance(ev, p.Delta):
+            ids += ev.token_ids
+            text += ev.text
+        else:
+            return ids, text + ev.text, ev
+    raise AssertionError("stream ended without Finished")
+
+
+async def test_generates_until_length(engine: EngineClient, tiny: ResolvedModel) -> None:
+    ids, text, fin = await collect(engine, request(tiny, PROMPTS[0], max_tokens=16))
+    assert fin.reason == "length"
+    assert fin.completion_tokens == len(ids) == 16
+    assert len(set(ids)) > 8  # the tiny model's output is varied, so comparisons below mean something
+    assert fin.prompt_tokens == len(request(tiny, PROMPTS[0]).prompt)
+    assert text == tokenizer_for(tiny).decode(ids)
+
+
+async def test_concurrent_requests_equal_each_alone(engine: EngineClient, tiny: ResolvedModel) -> None:
+    alone = [await collect(engine, request(tiny, q)) for q in PROMPTS]
+    together = await asyncio.gather(*(collect(engine, request(tiny, q)) for q in PROMPTS))
+    assert [a[0] for a in together] == [a[0] for a in alone]
+    assert [a[1] for a in together] == [a[1] for a in alone]
+
+
+async def test_requests_join_a_running_batch(engine: EngineClient, tiny: ResolvedModel) -> None:
+    solo = await collect(engine, request(tiny, PROMPTS[1], max_tokens=12))
+    long = asyncio.create_task(collect(engine, request(tiny, PROMPTS[0], max_tokens=120)))
+    await asyncio.sleep(0.2)  # the long request is decoding when the short one arrives
+    late = await collect(engine, request(tiny, PROMPTS[1], max_tokens=12))
+    assert not long.done()  # the short request finished while the long one was still running
+    assert late[0] == solo[0]
+    assert (await long)[2].completion_tokens == 120
+
+
+async def test_cancel_mid_generation(engine: EngineClient, tiny: ResolvedModel) -> None:
+    cmd = request(tiny, PROMPTS[0], max_tokens=200)
+    seen = 0
+    async for ev in engine.generate(cmd):
+        if isinstance(ev, p.Delta):
+            seen += len(ev.token_ids)
+            if seen == 5:
+                await engine.cancel(cmd.request_id)
+        else:
+            assert ev.reason == "cancelled"
+            # Cancellation lands within a decode step or two of the request.
+            assert 5 <= ev.completion_tokens <= 7
+            break
+    # The engine keeps serving afterwards.
+    assert (await collect(engine, request(tiny, PROMPTS[1], max_tokens=4)))[2].reason == "length"
+
+
+async def test_leaving_the_stream_cancels_the_request(engine: EngineClient, tiny: ResolvedModel) -> None:
+    cmd = request(tiny, PROMPTS[0], max_tokens=500)
+    async for ev in engine.generate(cmd):
+        assert isinstance(ev, p.Delta)
+        break
+    await asyncio.sleep(0.3)
+    assert engine.stats()["in_flight"] == 0
+    _, _, fin = await collect(engine, request(tiny, PROMPTS[1], max_tokens=3))
+    assert fin.completion_tokens == 3
+
+
+async def test_resume_from_snapshot_equals_uninterrupted(engine: EngineClient, tiny: ResolvedModel) -> None:
+    full_ids, full_text, full = await collect(engine, request(tiny, PROMPTS[2], max_tokens=40))
+    for cut in (1, 7, 23, 39):
+        cmd = request(tiny, PROMPTS[2], max_tokens=40, generated=full_ids[:cut])
+        ids, text, fin = await collect(engine, cmd)
+        assert full_ids[:cut] + ids == full_ids
+        assert tokenizer_for(tiny).decode(full_ids[:cut]) + text == full_text
+        assert fin.completion_tokens == full.completion_tokens == 40
+
+
+async def test_kill_9_ends_in_flight_requests_with_engine_crashed(tiny: ResolvedModel) -> None:
+    client = EngineClient(EngineConfig(weight_dtype="quantized"))
+    await client.start()
+    try:
+        streams = [asyncio.create_task(collect(client, request(tiny, q, max_tokens=5000 // 20))) for q in PROMPTS]
+        await asyncio.sleep(0.5)
+        assert client.process is not None and client.process.pid is not None
+        os.kill(client.process.pid, signal.SIGKILL)
+        for s in streams:
+            with pytest.raises(EngineCrashedError):
+                await s
+        assert not client.alive
+        with pytest.raises(EngineCrashedError):
+            await collect(client, request(tiny, PROMPTS[1]))
+        await client.start()  # a restart serves again
+        assert (await collect(client, request(tiny, PROMPTS[1], max_tokens=4)))[2].reason == "length"
+    finally:
+        await client.close()
+
+
+async def test_context_length_exceeded_before_generation(engine: EngineClient, tiny: ResolvedModel) -> None:
+    with pytest.raises(ContextLengthExceededError) as info:
+        request(tiny, "word " * 300)
+    assert info.value.param == "input"
+    # The engine checks too, for commands built elsewhere (e.g. a resumed snapshot).
+    cmd = request(tiny, PROMPTS[1], generated=[42] * 250)
+    with pytest.raises(ContextLengthExceededError):
+        await collect(engine, cmd)
+
+
+@pytest.mark.parametrize(
+    ("params", "name"),
+    [
+        (p.SamplingParams(temperature=-0.1), "temperature"),
+        (p.SamplingParams(temperature=2.5), "temperature"),
+        (p.SamplingParams(top_p=0.0), "top_p"),
+        (p.SamplingParams(top_p=1.5), "top_p"),
+        (p.SamplingParams(top_k=-1), "top_k"),
+        (p.SamplingParams(min_p=2.0), "min_p"),
+    ],
+)
+def test_invalid_sampling_parameters_name_the_parameter(tiny: ResolvedModel, params: p.SamplingParams,
+                                                        name: str) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        request(tiny, "hi", sampling=params)
+    assert info.value.param == name
+    assert name in str(info.value)
+
+
+async def test_engine_rejects_invalid_sampling_too(engine: EngineClient, tiny: ResolvedModel) -> None:
+    cmd = request(tiny, "hi")
+    bad = p.Generate(request_id="bad", model=cmd.model, path=cmd.path, prompt=cmd.prompt, max_tokens=4,
+                     sampling=p.SamplingParams(top_p=0.0))
+    with pytest.raises(InvalidRequestError) as info:
+        await collect(engine, bad)
+    assert info.value.param == "top_p"
+
+
+async def test_sampling_with_temperature_runs(engine: EngineClient, tiny: ResolvedModel) -> None:
+    sampling = p.SamplingParams(temperature=0.8, top_p=0.9, top_k=50)
+    ids, _, fin = await collect(engine, request(tiny, PROMPTS[0], max_tokens=10, sampling=sampling))
+    assert len(ids) == fin.completion_tokens == 10
+
+
+async def test_stop_strings_cut_the_text(engine: EngineClient, tiny: ResolvedModel) -> None:
+    _, text, _ = await collect(engine, request(tiny, PROMPTS[0], max_tokens=30))
+    stop = text[10:14]
+    assert stop.strip()
+    _, cut, fin = await collect(engine, request(tiny, PROMPTS[0], max_tokens=30, stop=[stop]))
+    assert fin.reason == "stop"
+    assert cut == text[: text.index(stop)]
+
+
+async def test_unloadable_model_is_an_error(engine: EngineClient, tmp_path: object) -> None:
+    cmd = p.Generate(request_id="x", model="ghost", path="/nonexistent/model", prompt=[1, 2, 3], max_tokens=4)
+    with pytest.raises(ModelError, match="ghost"):
+        await collect(engine, cmd)
+
+
+async def test_lru_eviction_switches_models(tiny: ResolvedModel, tiny2: ResolvedModel) -> None:
+    client = EngineClient(EngineConfig(weight_dtype="quantized", max_loaded_models=1))
+    await client.start()
+    try:
+        a1 = await collect(client, request(tiny, PROMPTS[0], max_tokens=8))
+        b = await collect(client, request(tiny2, PROMPTS[0], max_tokens=8))
+        assert set(client.loaded) >= {"tiny2"}
+        a2 = await collect(client, request(tiny, PROMPTS[0], max_tokens=8))
+        assert a1[0] == a2[0] != b[0]
+        # Two models wanted at once with room for one: the second waits, then runs.
+        both = await asyncio.gather(collect(client, request(tiny, PROMPTS[0], max_tokens=8)),
+                                    collect(client, request(tiny2, PROMPTS[0], max_tokens=8)))
+        assert [r[0] for r in both] == [a1[0], b[0]]
+    finally:
+        await client.close()

@@ -95,8 +95,9 @@ async def _generate(args: argparse.Namespace) -> int:
     if args.instructions:
         messages.insert(0, {"role": "system", "content": args.instructions})
     sampling = p.SamplingParams(temperature=args.temperature, top_p=args.top_p)
-    cmd = build_generate(model, messages, request_id=uuid.uuid4().hex, max_tokens=args.max_output_tokens,
-                         sampling=sampling)
+    cmd = build_generate(
+        model, messages, request_id=uuid.uuid4().hex, max_tokens=args.max_output_tokens, sampling=sampling
+    )
     engine = EngineClient(config.engine)
     await engine.start()
     try:
@@ -110,8 +111,11 @@ async def _generate(args: argparse.Namespace) -> int:
                 sys.stdout.write(event.text + "\n")
                 elapsed = time.perf_counter() - (first or start)
                 rate = (event.completion_tokens - 1) / elapsed if elapsed > 0 and event.completion_tokens > 1 else 0
-                print(f"[{event.reason}: {event.prompt_tokens} prompt + {event.completion_tokens} output tokens, "
-                      f"first token {((first or start) - start):.2f}s, {rate:.1f} tok/s]", file=sys.stderr)
+                print(
+                    f"[{event.reason}: {event.prompt_tokens} prompt + {event.completion_tokens} output tokens, "
+                    f"first token {((first or start) - start):.2f}s, {rate:.1f} tok/s]",
+                    file=sys.stderr,
+                )
             sys.stdout.flush()
     finally:
         await engine.close()
@@ -127,8 +131,10 @@ COMMANDS = {
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
     handler = COMMANDS[(args.command, getattr(args, "models_command", None))]
     try:
         return handler(args)

@@ -40,6 +40,14 @@ def build_generate(
         raise ContextLengthExceededError(
             f"the input is {len(prompt)} tokens, but the model's context is {ctx} tokens", param="input"
         )
-    return p.Generate(request_id=request_id, model=model.name, path=str(model.path), prompt=prompt,
-                      generated=generated or [], max_tokens=max_tokens, sampling=sampling,
-                      stop_token_ids=tok.eos_token_ids, stop=stop or [])
+    return p.Generate(
+        request_id=request_id,
+        model=model.name,
+        path=str(model.path),
+        prompt=prompt,
+        generated=generated or [],
+        max_tokens=max_tokens,
+        sampling=sampling,
+        stop_token_ids=tok.eos_token_ids,
+        stop=stop or [],
+    )

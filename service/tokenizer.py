@@ -80,7 +80,9 @@ class Tokenizer:
         """Render messages through the model's chat template (as transformers does)."""
         special = {k: self.config.get(k) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
         special = {k: (v.get("content") if isinstance(v, dict) else v) for k, v in special.items()}
-        return str(self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **special, **kwargs))
+        return str(
+            self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **special, **kwargs)
+        )
 
     def encode_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
         return self.encode(self.render_chat(messages, **kwargs))

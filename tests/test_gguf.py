@@ -42,14 +42,26 @@ def test_rename_rejects_unknown_tensors(name: str) -> None:
 def test_converted_config(smol_dir: Path) -> None:
     config = json.loads((smol_dir / "config.json").read_text())
     expected = {
-        "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
-        "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152,
-        "rope_theta": 100000.0, "rms_norm_eps": 1e-5, "rope_traditional": True, "tie_word_embeddings": True,
-        "max_position_embeddings": 8192, "eos_token_id": 2,
+        "model_type": "llama",
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "head_dim": 64,
+        "vocab_size": 49152,
+        "rope_theta": 100000.0,
+        "rms_norm_eps": 1e-5,
+        "rope_traditional": True,
+        "tie_word_embeddings": True,
+        "max_position_embeddings": 8192,
+        "eos_token_id": 2,
     }
     assert {k: config[k] for k in expected} == expected
     assert config["quantization"] == {
-        "group_size": 32, "bits": 4, "model.embed_tokens": {"group_size": 32, "bits": 8},
+        "group_size": 32,
+        "bits": 4,
+        "model.embed_tokens": {"group_size": 32, "bits": 8},
     }
 
 
@@ -59,8 +71,15 @@ def test_converted_weights_have_mlx_names(smol_dir: Path) -> None:
     weights = mx.load(str(smol_dir / "model.safetensors"))
     assert len(weights) == 694
     layer = {k.split("layers.0.", 1)[1] for k in weights if k.startswith("model.layers.0.")}
-    projections = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                   "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+    projections = [
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "self_attn.o_proj",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+        "mlp.down_proj",
+    ]
     expected = {f"{p}.{kind}" for p in projections for kind in ("weight", "scales", "biases")}
     expected |= {"input_layernorm.weight", "post_attention_layernorm.weight"}
     assert layer == expected
@@ -71,7 +90,7 @@ def test_converted_weights_have_mlx_names(smol_dir: Path) -> None:
 
 def test_truncated_gguf_is_a_clear_error(gguf_path: Path, tmp_path: Path) -> None:
     broken = tmp_path / "broken.gguf"
-    broken.write_bytes(gguf_path.read_bytes()[: 5_000_000])
+    broken.write_bytes(gguf_path.read_bytes()[:5_000_000])
     out = tmp_path / "out"
     with pytest.raises(ModelConversionError, match="cannot read GGUF"):
         convert_gguf(broken, out)

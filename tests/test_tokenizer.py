@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -49,7 +50,7 @@ class ReferenceBPE:
     def _bpe(self, word: str) -> list[str]:
         parts = list(word)
         while len(parts) > 1:
-            pairs = [(self.ranks.get((a, b), 1 << 30), i) for i, (a, b) in enumerate(zip(parts, parts[1:]))]
+            pairs = [(self.ranks.get((a, b), 1 << 30), i) for i, (a, b) in enumerate(itertools.pairwise(parts))]
             rank, i = min(pairs)
             if rank == 1 << 30:
                 break
@@ -97,8 +98,28 @@ def test_ids_match_reference_bpe(tok: Tokenizer, reference: ReferenceBPE, text: 
 def test_known_encoding(tok: Tokenizer) -> None:
     # Fixed ids of the chat prompt, as llama.cpp's and transformers' tokenizers give them.
     ids = tok.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
-    assert ids[:20] == [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018,
-                        411, 407, 19712, 8182, 2]
+    assert ids[:20] == [
+        1,
+        9690,
+        198,
+        2683,
+        359,
+        253,
+        5356,
+        5646,
+        11173,
+        3365,
+        3511,
+        308,
+        34519,
+        28,
+        7018,
+        411,
+        407,
+        19712,
+        8182,
+        2,
+    ]
     assert len(ids) == 37
 
 
@@ -109,8 +130,12 @@ def test_chat_template_renders_like_transformers(tok: Tokenizer, smol_dir: Path)
     hf.chat_template = tok.chat_template
     conversations = [
         [{"role": "user", "content": "Hi"}],
-        [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"},
-         {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}],
+        [
+            {"role": "system", "content": "Be terse."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello."},
+            {"role": "user", "content": "Bye"},
+        ],
     ]
     for messages in conversations:
         ours = tok.render_chat(messages)
@@ -149,6 +174,8 @@ def test_detokenizer_holds_back_split_characters(tok: Tokenizer) -> None:
 def test_detokenizer_resumes_after_a_prefix(tok: Tokenizer) -> None:
     ids = tok.encode("The capital of France is Paris.")
     detok = IncrementalDetokenizer(tok, prefix=ids[:3])
-    assert "".join(detok.add(i) for i in ids[3:]) + detok.flush() == tok.decode(ids[3:]) == tok.decode(ids)[
-        len(tok.decode(ids[:3])) :
-    ]
+    assert (
+        "".join(detok.add(i) for i in ids[3:]) + detok.flush()
+        == tok.decode(ids[3:])
+        == tok.decode(ids)[len(tok.decode(ids[:3])) :]
+    )

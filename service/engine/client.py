@@ -10,6 +10,7 @@ again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import multiprocessing as mp
 import threading
@@ -75,8 +76,14 @@ class EngineClient:
         c = self.config
         self.process = mp.get_context("spawn").Process(
             target=worker_main,
-            args=(child, c.max_concurrency, c.max_loaded_models, c.weight_dtype, c.prefill_step_size,
-                  logging.getLogger().getEffectiveLevel()),
+            args=(
+                child,
+                c.max_concurrency,
+                c.max_loaded_models,
+                c.weight_dtype,
+                c.prefill_step_size,
+                logging.getLogger().getEffectiveLevel(),
+            ),
             name="lmspd-engine",
             daemon=True,
         )
@@ -191,10 +198,8 @@ class EngineClient:
                 await asyncio.shield(self._send_quietly(p.Cancel(cmd.request_id)))
 
     async def _send_quietly(self, cmd: p.Command) -> None:
-        try:
+        with contextlib.suppress(EngineCrashedError):
             await self._send(cmd)
-        except EngineCrashedError:
-            pass
 
     async def cancel(self, request_id: str) -> None:
         """Ask the engine to stop a request; its stream ends with ``reason="cancelled"``."""
@@ -217,5 +222,9 @@ class EngineClient:
         self.info = None
 
     def stats(self) -> dict[str, Any]:
-        return {"pid": self.process.pid if self.process else None, "alive": self.alive,
-                "loaded": sorted(self.loaded), "in_flight": len(self._streams)}
+        return {
+            "pid": self.process.pid if self.process else None,
+            "alive": self.alive,
+            "loaded": sorted(self.loaded),
+            "in_flight": len(self._streams),
+        }

@@ -24,7 +24,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         from service.errors import InvalidRequestError
 
         if not 0.0 <= self.temperature <= 2.0:
-            raise InvalidRequestError(f"temperature must be between 0 and 2, got {self.temperature}", param="temperature")
+            raise InvalidRequestError(
+                f"temperature must be between 0 and 2, got {self.temperature}", param="temperature"
+            )
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", param="top_p")
         if self.top_k < 0:

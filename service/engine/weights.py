@@ -94,7 +94,7 @@ def _seconds(modules: list[tuple[nn.Module, int]], dtype: str, act: mx.Dtype, ro
     for m, weight in modules:
         run, xdt = _runner(m, dtype, act)
         x = mx.random.normal((rows, m.weight.shape[1] * 32 // m.bits)).astype(xdt)
-        total += weight * _time(lambda: run(x), reps)
+        total += weight * _time(lambda run=run, x=x: run(x), reps)
     return total
 
 
@@ -111,9 +111,7 @@ def measure(model: nn.Module, prefill_rows: int = 8) -> dict[str, float]:
     decode = {d: _seconds(modules, d, act, 1, 3) for d in candidates}
     best = min(decode.values())
     return {
-        d: t + _seconds(modules, d, act, prefill_rows, 1) / prefill_rows
-        for d, t in decode.items()
-        if t <= 1.5 * best
+        d: t + _seconds(modules, d, act, prefill_rows, 1) / prefill_rows for d, t in decode.items() if t <= 1.5 * best
     }
 
 

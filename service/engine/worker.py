@@ -45,8 +45,9 @@ class LoadedModel:
 
 
 class Engine:
-    def __init__(self, conn: Connection, max_concurrency: int, max_loaded_models: int,
-                 weight_dtype: str, prefill_step_size: int) -> None:
+    def __init__(
+        self, conn: Connection, max_concurrency: int, max_loaded_models: int, weight_dtype: str, prefill_step_size: int
+    ) -> None:
         self.conn = conn
         self.max_concurrency = max_concurrency
         self.max_loaded_models = max_loaded_models
@@ -66,8 +67,13 @@ class Engine:
     def run(self) -> None:
         import mlx.core as mx
 
-        self.send(p.Ready(pid=os.getpid(), backend="gpu" if mx.metal.is_available() else "cpu",
-                          mlx_version=mx.__version__))
+        self.send(
+            p.Ready(
+                pid=os.getpid(),
+                backend="gpu" if mx.metal.is_available() else "cpu",
+                mlx_version=getattr(mx, "__version__", "unknown"),
+            )
+        )
         while self.running:
             busy = bool(self.by_id) or bool(self.waiting)
             timeout: float | None = 0 if busy else None
@@ -104,8 +110,11 @@ class Engine:
         except Exception as exc:  # report any load failure; the engine itself stays up
             log.exception("loading %s failed", name)
             code = exc.code if isinstance(exc, LmspdError) else "model_load_failed"
-            self.send(p.Failed(request_id=None, code=code, message=f"cannot load model '{name}': {exc}",
-                               param="model", model=name))
+            self.send(
+                p.Failed(
+                    request_id=None, code=code, message=f"cannot load model '{name}': {exc}", param="model", model=name
+                )
+            )
             return None
 
     def _load(self, name: str, path: str) -> LoadedModel:
@@ -124,8 +133,12 @@ class Engine:
         model, config = load_model(Path(path))
         dtype = apply_weight_dtype(model, self.weight_dtype)
         mx.eval(model.parameters())
-        batch = BatchGenerator(model, completion_batch_size=self.max_concurrency,
-                               prefill_batch_size=self.max_concurrency, prefill_step_size=self.prefill_step_size)
+        batch = BatchGenerator(
+            model,
+            completion_batch_size=self.max_concurrency,
+            prefill_batch_size=self.max_concurrency,
+            prefill_step_size=self.prefill_step_size,
+        )
         ctx = int(config.get("max_position_embeddings") or config.get("max_seq_len") or 4096)
         lm = LoadedModel(name, path, model, Tokenizer(Path(path)), batch, ctx)
         self.models[name] = lm
@@ -143,8 +156,10 @@ class Engine:
         mx.clear_cache()
 
     def _can_load(self, name: str) -> bool:
-        return name in self.models or len(self.models) < self.max_loaded_models or any(
-            not m.requests for m in self.models.values()
+        return (
+            name in self.models
+            or len(self.models) < self.max_loaded_models
+            or any(not m.requests for m in self.models.values())
         )
 
     def _admit_waiting(self) -> None:
@@ -177,12 +192,22 @@ class Engine:
         if not cmd.prompt:
             return self._fail(cmd, "invalid_request", "the prompt is empty", "input")
         if len(tokens) >= lm.context_length:
-            return self._fail(cmd, "context_length_exceeded",
-                              f"{len(tokens)} tokens exceed the model's context of {lm.context_length}", "input")
+            return self._fail(
+                cmd,
+                "context_length_exceeded",
+                f"{len(tokens)} tokens exceed the model's context of {lm.context_length}",
+                "input",
+            )
         remaining = min(cmd.max_tokens - len(cmd.generated), lm.context_length - len(tokens))
         if remaining <= 0:
-            self.send(p.Finished(request_id=cmd.request_id, reason="length",
-                                 prompt_tokens=len(cmd.prompt), completion_tokens=len(cmd.generated)))
+            self.send(
+                p.Finished(
+                    request_id=cmd.request_id,
+                    reason="length",
+                    prompt_tokens=len(cmd.prompt),
+                    completion_tokens=len(cmd.generated),
+                )
+            )
             return None
         self._insert(lm, cmd, tokens, remaining)
         return None
@@ -192,8 +217,9 @@ class Engine:
         from mlx_lm.sample_utils import make_sampler
 
         s = cmd.sampling
-        sampler = make_sampler(temp=s.temperature, top_p=s.top_p if s.top_p < 1.0 else 0.0,
-                               top_k=s.top_k, min_p=s.min_p)
+        sampler = make_sampler(
+            temp=s.temperature, top_p=s.top_p if s.top_p < 1.0 else 0.0, top_k=s.top_k, min_p=s.min_p
+        )
         stops = StopSequences([[t] for t in cmd.stop_token_ids] or None)
         (uid,) = lm.batch.insert([tokens], max_tokens=[remaining], samplers=[sampler], stop_sequences=[stops])
         req = Request(cmd, uid, IncrementalDetokenizer(lm.tokenizer, cmd.generated), len(cmd.generated))
@@ -204,8 +230,14 @@ class Engine:
         for i, cmd in enumerate(self.waiting):
             if cmd.request_id == request_id:
                 del self.waiting[i]
-                self.send(p.Finished(request_id=request_id, reason="cancelled", prompt_tokens=len(cmd.prompt),
-                                     completion_tokens=len(cmd.generated)))
+                self.send(
+                    p.Finished(
+                        request_id=request_id,
+                        reason="cancelled",
+                        prompt_tokens=len(cmd.prompt),
+                        completion_tokens=len(cmd.generated),
+                    )
+                )
                 return
         found = self.by_id.get(request_id)
         if found is None:
@@ -217,8 +249,15 @@ class Engine:
     def _finish(self, lm: LoadedModel, req: Request, reason: p.FinishReason, text: str = "") -> None:
         del lm.requests[req.uid]
         del self.by_id[req.cmd.request_id]
-        self.finished.append(p.Finished(request_id=req.cmd.request_id, reason=reason, prompt_tokens=len(req.cmd.prompt),
-                             completion_tokens=req.completion_tokens, text=text))
+        self.finished.append(
+            p.Finished(
+                request_id=req.cmd.request_id,
+                reason=reason,
+                prompt_tokens=len(req.cmd.prompt),
+                completion_tokens=req.completion_tokens,
+                text=text,
+            )
+        )
 
     def _step(self, lm: LoadedModel, deltas: list[p.Delta]) -> None:
         try:
@@ -233,8 +272,7 @@ class Engine:
                 continue
             self._on_token(lm, req, r.token, r.finish_reason, deltas)
 
-    def _on_token(self, lm: LoadedModel, req: Request, token: int, finish: str | None,
-                  deltas: list[p.Delta]) -> None:
+    def _on_token(self, lm: LoadedModel, req: Request, token: int, finish: str | None, deltas: list[p.Delta]) -> None:
         stopped_by_token = finish == "stop"
         if stopped_by_token:
             text = req.detok.flush()
@@ -266,7 +304,7 @@ class Engine:
             req.held = ""
             return pending[:cut], True
         keep = max((k for s in stops for k in range(1, len(s)) if pending.endswith(s[:k])), default=0)
-        req.held = pending[len(pending) - keep:] if keep else ""
+        req.held = pending[len(pending) - keep :] if keep else ""
         return pending[: len(pending) - keep], False
 
     def _fail_all(self, lm: LoadedModel, message: str) -> None:
@@ -278,8 +316,14 @@ class Engine:
         lm.batch.close()
 
 
-def main(conn: Connection, max_concurrency: int, max_loaded_models: int, weight_dtype: str,
-         prefill_step_size: int, log_level: int = logging.INFO) -> None:
+def main(
+    conn: Connection,
+    max_concurrency: int,
+    max_loaded_models: int,
+    weight_dtype: str,
+    prefill_step_size: int,
+    log_level: int = logging.INFO,
+) -> None:
     """Entry point of the spawned engine process."""
     logging.basicConfig(level=log_level, format="%(asctime)s engine %(levelname)s %(message)s")
     Engine(conn, max_concurrency, max_loaded_models, weight_dtype, prefill_step_size).run()

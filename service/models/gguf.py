@@ -123,7 +123,9 @@ def build_tokenizer_json(metadata: dict[str, Any]) -> str:
     )
     tokenizer.decoder = decoders.ByteLevel()
     types = metadata["tokenizer.ggml.token_type"].tolist()
-    special = [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t in _SPECIAL_TOKEN_TYPES]
+    special = [
+        AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t in _SPECIAL_TOKEN_TYPES
+    ]
     tokenizer.add_special_tokens(special)
     return str(tokenizer.to_str())
 
@@ -152,7 +154,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> dict[str, Any]:
     import mlx.core as mx
 
     try:
-        raw, metadata = mx.load(str(gguf_path), return_metadata=True)
+        loaded: Any = mx.load(str(gguf_path), return_metadata=True)
+        raw: dict[str, Any] = loaded[0]
+        metadata: dict[str, Any] = loaded[1]
     except Exception as exc:  # MLX raises bare RuntimeError/ValueError on bad files
         raise ModelConversionError(f"cannot read GGUF {gguf_path.name}: {exc}") from exc
     if "tokenizer.ggml.tokens" not in metadata:

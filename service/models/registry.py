@@ -51,9 +51,10 @@ class ModelRegistry:
             path = self.cache_dir / target
             if not is_pulled(path):
                 if not pull:
-                    raise ModelNotFoundError(f"model '{name}' is not pulled yet: run `lmspd models pull {target}`", param="model")
-                kwargs = {"progress": progress} if progress else {}
-                path = pull_builtin(BUILTIN_MODELS[target], self.cache_dir, **kwargs)
+                    raise ModelNotFoundError(
+                        f"model '{name}' is not pulled yet: run `lmspd models pull {target}`", param="model"
+                    )
+                path = pull_builtin(BUILTIN_MODELS[target], self.cache_dir, progress=progress or _quiet)
             return ResolvedModel(name=name, path=path)
         local = Path(target).expanduser()
         if (local / "config.json").is_file():
@@ -71,8 +72,15 @@ class ModelRegistry:
         for name, builtin in BUILTIN_MODELS.items():
             path = self.cache_dir / name
             pulled = is_pulled(path)
-            infos.append(ModelInfo(name=name, source="builtin", path=str(path) if pulled else None,
-                                   pulled=pulled, description=builtin.description))
+            infos.append(
+                ModelInfo(
+                    name=name,
+                    source="builtin",
+                    path=str(path) if pulled else None,
+                    pulled=pulled,
+                    description=builtin.description,
+                )
+            )
         for alias, entry in self.config.models.items():
             target = entry.path
             if target in BUILTIN_MODELS:
@@ -81,6 +89,10 @@ class ModelRegistry:
                 pulled = (Path(target).expanduser() / "config.json").is_file()
             infos.append(ModelInfo(name=alias, source="alias", path=target, pulled=pulled))
         return infos
+
+
+def _quiet(stage: str, done: int, total: int) -> None:
+    pass
 
 
 def _hf_snapshot(repo: str) -> Path:
@@ -95,4 +107,6 @@ def _hf_snapshot(repo: str) -> Path:
             )
         )
     except Exception as exc:  # network errors, missing repos, gated repos
-        raise ModelNotFoundError(f"model '{repo}' could not be fetched from Hugging Face: {exc}", param="model") from exc
+        raise ModelNotFoundError(
+            f"model '{repo}' could not be fetched from Hugging Face: {exc}", param="model"
+        ) from exc

@@ -81,8 +81,15 @@ def raw_batch(raw: Any, tok: Any, prompts: list[list[int]], n: int) -> float:
 
 
 def command(model: ResolvedModel, ids: list[int], n: int) -> p.Generate:
-    return p.Generate(request_id=uuid.uuid4().hex, model=model.name, path=str(model.path), prompt=ids,
-                      max_tokens=n, sampling=p.SamplingParams(temperature=0.0), stop_token_ids=[])
+    return p.Generate(
+        request_id=uuid.uuid4().hex,
+        model=model.name,
+        path=str(model.path),
+        prompt=ids,
+        max_tokens=n,
+        sampling=p.SamplingParams(temperature=0.0),
+        stop_token_ids=[],
+    )
 
 
 async def engine_single(engine: EngineClient, model: ResolvedModel, ids: list[int], n: int) -> tuple[float, float]:
@@ -147,8 +154,9 @@ async def main() -> None:
         raw_b = max(raw_batch(raw, tok, prompts, args.batch_tokens) for _ in range(args.rounds))
         eng_b = max([await engine_batch(engine, model, prompts, args.batch_tokens) for _ in range(args.rounds)])
         print(f"\n{n} concurrent requests x {args.batch_tokens} tokens, aggregate tok/s incl. prefill")
-        print(f"  raw batch_generate {raw_b:8.2f} | lmspd engine {eng_b:8.2f} | "
-              f"ratio {eng_b / raw_b:.3f}x (goal >= 0.95)")
+        print(
+            f"  raw batch_generate {raw_b:8.2f} | lmspd engine {eng_b:8.2f} | ratio {eng_b / raw_b:.3f}x (goal >= 0.95)"
+        )
     await engine.close()
 
 

@@ -37,11 +37,8 @@ def main() -> None:
         raw, tok = load(str(model.path))
         apply_weight_dtype(raw, dtype)
         ids = tok.apply_chat_template(story, add_generation_prompt=True)
-        stream_generate(raw, tok, ids[:8], max_tokens=2)  # warm-up
-        last = None
-        for last in stream_generate(raw, tok, ids, max_tokens=args.tokens, sampler=make_sampler(0.0)):
-            pass
-        assert last is not None
+        list(stream_generate(raw, tok, ids[:8], max_tokens=2))  # warm-up
+        last = list(stream_generate(raw, tok, ids, max_tokens=args.tokens, sampler=make_sampler(0.0)))[-1]
         answer = generate(
             raw,
             tok,

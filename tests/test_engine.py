@@ -13,7 +13,12 @@ import pytest
 from service.config import EngineConfig
 from service.engine import protocol as p
 from service.engine.client import EngineClient
-from service.errors import ContextLengthExceededError, EngineCrashedError, InvalidRequestError, ModelError
+from service.errors import (
+    ContextLengthExceededError,
+    EngineCrashedError,
+    InvalidRequestError,
+    ModelError,
+)
 from service.generation import build_generate, tokenizer_for
 from service.models.registry import ResolvedModel
 
@@ -219,3 +224,15 @@ async def test_lru_eviction_switches_models(tiny: ResolvedModel, tiny2: Resolved
         assert [r[0] for r in both] == [a1[0], b[0]]
     finally:
         await client.close()
+
+
+async def test_engine_rejects_bad_commands_and_keeps_serving(engine: EngineClient, tiny: ResolvedModel) -> None:
+    good = request(tiny, PROMPTS[1], max_tokens=3)
+    for bad in (
+        p.Generate(request_id="neg", model=good.model, path=good.path, prompt=good.prompt, max_tokens=0),
+        p.Generate(request_id="empty", model=good.model, path=good.path, prompt=[], max_tokens=3),
+        p.Generate(request_id="oov", model=good.model, path=good.path, prompt=[10**9], max_tokens=3),
+    ):
+        with pytest.raises(InvalidRequestError):
+            await collect(engine, bad)
+    assert (await collect(engine, good))[2].completion_tokens == 3

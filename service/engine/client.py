@@ -71,6 +71,8 @@ class EngineClient:
 
     async def start(self, timeout: float = 120.0) -> p.Ready:
         """Spawn the engine process and wait until it has imported MLX."""
+        if self.alive and self.info is not None:
+            return self.info
         self._loop = asyncio.get_running_loop()
         parent, child = mp.get_context("spawn").Pipe(duplex=True)
         c = self.config
@@ -100,7 +102,9 @@ class EngineClient:
         assert self._loop is not None
         loop = self._loop
         try:
-            while True:
+            # Watch the pipe and the process sentinel together: the process can die while
+            # something else still holds its end of the pipe open.
+            while conn in mp_wait([conn, process.sentinel]) or conn.poll():
                 reply = p.reply_decoder.decode(conn.recv_bytes())
                 loop.call_soon_threadsafe(self._dispatch, reply)
         except (EOFError, OSError):

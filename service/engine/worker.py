@@ -17,6 +17,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from service.engine import protocol as p
 from service.errors import LmspdError
 from service.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -41,6 +43,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     batch: Any  # mlx_lm BatchGenerator
     context_length: int
+    vocab_size: int
     requests: dict[int, Request] = field(default_factory=dict)
 
 
@@ -78,7 +81,7 @@ class Engine:
             busy = bool(self.by_id) or bool(self.waiting)
             timeout: float | None = 0 if busy else None
             while self.running and self.conn.poll(timeout):
-                self.handle(p.command_decoder.decode(self.conn.recv_bytes()))
+                self._handle_safely(self.conn.recv_bytes())
                 timeout = 0
             self._admit_waiting()
             deltas: list[p.Delta] = []
@@ -91,6 +94,21 @@ class Engine:
             for reply in self.finished:
                 self.send(reply)
             self.finished.clear()
+
+    def _handle_safely(self, data: bytes) -> None:
+        """One bad command fails alone; it never takes the engine down."""
+        try:
+            cmd = p.command_decoder.decode(data)
+        except msgspec.DecodeError:
+            log.exception("undecodable command dropped")
+            return
+        try:
+            self.handle(cmd)
+        except Exception as exc:
+            log.exception("command %s failed", type(cmd).__name__)
+            if isinstance(cmd, p.Generate):
+                self.by_id.pop(cmd.request_id, None)
+                self._fail(cmd, "server_error", f"generation could not start: {exc}")
 
     def handle(self, cmd: p.Command) -> None:
         if isinstance(cmd, p.Generate):
@@ -140,7 +158,8 @@ class Engine:
             prefill_step_size=self.prefill_step_size,
         )
         ctx = int(config.get("max_position_embeddings") or config.get("max_seq_len") or 4096)
-        lm = LoadedModel(name, path, model, Tokenizer(Path(path)), batch, ctx)
+        vocab = int(config.get("vocab_size") or model.model.embed_tokens.weight.shape[0])
+        lm = LoadedModel(name, path, model, Tokenizer(Path(path)), batch, ctx, vocab)
         self.models[name] = lm
         self.send(p.ModelLoaded(model=name, weight_dtype=dtype, seconds=time.perf_counter() - start))
         return lm
@@ -191,6 +210,13 @@ class Engine:
         tokens = cmd.prompt + cmd.generated
         if not cmd.prompt:
             return self._fail(cmd, "invalid_request", "the prompt is empty", "input")
+        if any(not 0 <= t < lm.vocab_size for t in tokens):
+            # MLX does not bounds-check embedding lookups: an out-of-range id reads garbage.
+            return self._fail(cmd, "invalid_request", f"token ids must be in [0, {lm.vocab_size})", "input")
+        if cmd.max_tokens < 1:
+            return self._fail(
+                cmd, "invalid_request", f"max_tokens must be >= 1, got {cmd.max_tokens}", "max_output_tokens"
+            )
         if len(tokens) >= lm.context_length:
             return self._fail(
                 cmd,

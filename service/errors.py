@@ -51,3 +51,25 @@ class EngineError(LmspdError):
 
 class EngineCrashedError(EngineError):
     code = "engine_crashed"
+
+
+class TaskNotFoundError(LmspdError):
+    code = "task_not_found"
+
+
+class TaskNotCancelableError(LmspdError):
+    code = "task_not_cancelable"
+
+
+class IdempotencyKeyReusedError(LmspdError):
+    code = "idempotency_key_reused"
+
+
+class QueueFullError(LmspdError):
+    code = "rate_limit_exceeded"
+
+
+class SequenceConflictError(LmspdError):
+    """An event append raced another writer of the same task (a bug, never a client error)."""
+
+    code = "server_error"

@@ -1,0 +1,20 @@
+"""Load the named queries of ``queries.sql`` (procrastinate's style: SQL lives in .sql files)."""
+
+from __future__ import annotations
+
+import re
+from functools import cache
+from pathlib import Path
+
+_NAME = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
+
+
+@cache
+def queries() -> dict[str, str]:
+    text = (Path(__file__).with_name("queries.sql")).read_text()
+    parts = _NAME.split(text)[1:]
+    return {name: body.strip() for name, body in zip(parts[::2], parts[1::2], strict=True)}
+
+
+def q(name: str) -> str:
+    return queries()[name]

@@ -1,0 +1,52 @@
+-- Named queries: each starts with "-- name: <name>" and runs as one statement.
+
+-- name: insert_task
+INSERT INTO tasks (id, owner, status, on_restart, request, response_id, next_seq, created_at, updated_at)
+VALUES (:id, :owner, 'queued', :on_restart, :request, :response_id, 0, :now, :now);
+
+-- name: get_task
+SELECT * FROM tasks WHERE id = :id;
+
+-- name: get_task_by_response
+SELECT * FROM tasks WHERE response_id = :response_id;
+
+-- name: insert_idempotency_key
+INSERT INTO idempotency_keys (owner, key, fingerprint, task_id, created_at)
+VALUES (:owner, :key, :fingerprint, :task_id, :now);
+
+-- name: get_idempotency_key
+SELECT fingerprint, task_id FROM idempotency_keys WHERE owner = :owner AND key = :key;
+
+-- name: advance_seq
+-- Appending events is a compare-and-set on next_seq: a writer with a stale view fails.
+UPDATE tasks SET next_seq = :new_next, updated_at = :now WHERE id = :id AND next_seq = :expected;
+
+-- name: insert_event
+INSERT INTO events (task_id, seq, type, data) VALUES (:task_id, :seq, :type, :data);
+
+-- name: events_after
+SELECT seq, type, data FROM events WHERE task_id = :task_id AND seq > :after ORDER BY seq LIMIT :limit;
+
+-- name: list_tasks_by_owner
+SELECT * FROM tasks WHERE owner = :owner AND (:after IS NULL OR id < :after) ORDER BY id DESC LIMIT :limit;
+
+-- name: claim_next_queued
+SELECT * FROM tasks WHERE status = 'queued' ORDER BY id LIMIT :limit;
+
+-- name: count_queued
+SELECT count(*) FROM tasks WHERE status = 'queued';
+
+-- name: unfinished_tasks
+SELECT * FROM tasks WHERE status IN ('queued', 'loading', 'running', 'cancelling') ORDER BY id;
+
+-- name: purge_events
+UPDATE tasks SET events_expired = 1 WHERE finished_at IS NOT NULL AND finished_at < :cutoff AND events_expired = 0;
+
+-- name: purge_event_rows
+DELETE FROM events WHERE task_id IN (SELECT id FROM tasks WHERE events_expired = 1 LIMIT :limit);
+
+-- name: purge_tasks
+DELETE FROM tasks WHERE finished_at IS NOT NULL AND finished_at < :cutoff;
+
+-- name: purge_idempotency_keys
+DELETE FROM idempotency_keys WHERE created_at < :cutoff;

@@ -1,0 +1,226 @@
+"""The task store: tasks, their event logs and idempotency keys, in SQLite.
+
+Status changes are compare-and-set updates (``WHERE id = ? AND status IN (...)``)
+so the first committed transition wins and terminal states never change.
+Event payloads are built by the caller (they embed the response object); the
+store only guarantees that sequence numbers are gap-free and never reused.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from collections.abc import Callable, Sequence
+from typing import Literal
+
+import msgspec
+from ulid import monotonic as ulid
+
+from service.errors import (
+    IdempotencyKeyReusedError,
+    QueueFullError,
+    SequenceConflictError,
+    TaskNotCancelableError,
+    TaskNotFoundError,
+)
+from service.store.db import Database
+from service.store.queries import q
+
+TaskStatus = Literal["queued", "loading", "running", "cancelling", "succeeded", "failed", "cancelled"]
+OnRestart = Literal["fail", "retry", "resume"]
+TERMINAL: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
+# The state machine of LMSP section 7.2: status -> statuses it may move to.
+TRANSITIONS: dict[str, frozenset[str]] = {
+    "queued": frozenset({"loading", "cancelled", "failed"}),
+    "loading": frozenset({"running", "cancelling", "failed"}),
+    "running": frozenset({"succeeded", "failed", "cancelling"}),
+    "cancelling": frozenset({"cancelled"}),
+}
+
+
+class TaskRecord(msgspec.Struct, kw_only=True):
+    id: str
+    owner: str
+    type: str
+    status: TaskStatus
+    on_restart: OnRestart
+    request: bytes
+    response_id: str
+    response: bytes | None
+    error: bytes | None
+    attempt: int
+    generated: bytes | None
+    next_seq: int
+    events_expired: int
+    created_at: int
+    updated_at: int
+    finished_at: int | None
+
+    @classmethod
+    def from_row(cls, row: sqlite3.Row) -> TaskRecord:
+        return cls(**{k: row[k] for k in row.keys()})  # noqa: SIM118 - sqlite3.Row is not a Mapping
+
+
+class Event(msgspec.Struct, array_like=True, frozen=True):
+    seq: int
+    type: str
+    data: bytes
+
+
+# Builds an event's JSON for a task at a sequence number (run inside the write transaction).
+EventBuilder = Callable[[TaskRecord, int], tuple[str, bytes]]
+
+
+def new_ids() -> tuple[str, str]:
+    # Monotonic ULIDs: ids made in the same millisecond still sort in creation order,
+    # which the newest-first task list and its cursor rely on.
+    return f"task_{ulid.new()}", f"resp_{ulid.new()}"
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+def _get(conn: sqlite3.Connection, task_id: str) -> TaskRecord:
+    row = conn.execute(q("get_task"), {"id": task_id}).fetchone()
+    if row is None:
+        raise TaskNotFoundError(f"task {task_id} not found")
+    return TaskRecord.from_row(row)
+
+
+def _append(conn: sqlite3.Connection, task: TaskRecord, builders: Sequence[EventBuilder]) -> TaskRecord:
+    seq = task.next_seq
+    for build in builders:
+        etype, data = build(task, seq)
+        conn.execute(q("insert_event"), {"task_id": task.id, "seq": seq, "type": etype, "data": data})
+        seq += 1
+    cur = conn.execute(q("advance_seq"), {"id": task.id, "new_next": seq, "expected": task.next_seq, "now": _now()})
+    if cur.rowcount != 1:
+        raise SequenceConflictError(f"task {task.id}: events appended concurrently")
+    return _get(conn, task.id)
+
+
+class TaskStore:
+    def __init__(self, db: Database, *, max_queued: int = 1000) -> None:
+        self.db = db
+        self.max_queued = max_queued
+
+    async def create(
+        self,
+        *,
+        owner: str,
+        request: bytes,
+        on_restart: OnRestart,
+        first_event: EventBuilder,
+        idempotency: tuple[str, str] | None = None,  # (key, request fingerprint)
+    ) -> tuple[TaskRecord, bool]:
+        """Persist a queued task and its first event; returns (task, replayed)."""
+        task_id, response_id = new_ids()
+
+        def job(conn: sqlite3.Connection) -> tuple[TaskRecord, bool]:
+            now = _now()
+            if idempotency is not None:
+                key, fingerprint = idempotency
+                row = conn.execute(q("get_idempotency_key"), {"owner": owner, "key": key}).fetchone()
+                if row is not None:
+                    if row["fingerprint"] != fingerprint:
+                        raise IdempotencyKeyReusedError(
+                            "this Idempotency-Key was used with a different request body", param="Idempotency-Key"
+                        )
+                    return _get(conn, row["task_id"]), True
+            queued = conn.execute(q("count_queued")).fetchone()[0]
+            if queued >= self.max_queued:
+                raise QueueFullError(f"the task queue is full ({self.max_queued} queued)")
+            conn.execute(
+                q("insert_task"),
+                {
+                    "id": task_id,
+                    "owner": owner,
+                    "on_restart": on_restart,
+                    "request": request,
+                    "response_id": response_id,
+                    "now": now,
+                },
+            )
+            if idempotency is not None:
+                conn.execute(
+                    q("insert_idempotency_key"),
+                    {
+                        "owner": owner,
+                        "key": idempotency[0],
+                        "fingerprint": idempotency[1],
+                        "task_id": task_id,
+                        "now": now,
+                    },
+                )
+            return _append(conn, _get(conn, task_id), [first_event]), False
+
+        return await self.db.writer.submit(job)
+
+    async def get(self, task_id: str, owner: str | None = None) -> TaskRecord:
+        row = await self.db.fetchone(q("get_task"), {"id": task_id})
+        if row is None or (owner is not None and row["owner"] != owner):
+            raise TaskNotFoundError(f"task {task_id} not found", param="task_id")
+        return TaskRecord.from_row(row)
+
+    async def transition(
+        self,
+        task_id: str,
+        to: TaskStatus,
+        *,
+        events: Sequence[EventBuilder] = (),
+        response: bytes | None = None,
+        error: bytes | None = None,
+    ) -> TaskRecord | None:
+        """Move a task to ``to`` if its current status allows; None if another transition won."""
+
+        allowed = [s for s, nexts in TRANSITIONS.items() if to in nexts]
+
+        def job(conn: sqlite3.Connection) -> TaskRecord | None:
+            now = _now()
+            cur = conn.execute(
+                "UPDATE tasks SET status = ?, updated_at = ?, response = coalesce(?, response), "
+                "error = coalesce(?, error), finished_at = CASE WHEN ? THEN ? ELSE finished_at END "
+                f"WHERE id = ? AND status IN ({','.join('?' * len(allowed))})",
+                (to, now, response, error, to in TERMINAL, now, task_id, *allowed),
+            )
+            if cur.rowcount != 1:
+                return None  # another transition committed first, or the task is terminal
+            return _append(conn, _get(conn, task_id), events)
+
+        return await self.db.writer.submit(job)
+
+    async def append_events(self, task_id: str, events: Sequence[EventBuilder]) -> TaskRecord:
+        """Append events (group-committed with whatever else is being written)."""
+        return await self.db.writer.submit(lambda conn: _append(conn, _get(conn, task_id), events))
+
+    async def cancel(self, task_id: str, owner: str | None, *, final_event: EventBuilder) -> TaskRecord:
+        """LMSP 7.3: queued → cancelled now; loading/running → cancelling; idempotent; 409 if finished."""
+
+        def job(conn: sqlite3.Connection) -> TaskRecord:
+            task = _get(conn, task_id)
+            if owner is not None and task.owner != owner:
+                raise TaskNotFoundError(f"task {task_id} not found", param="task_id")
+            if task.status in ("cancelling", "cancelled"):
+                return task
+            if task.status in ("succeeded", "failed"):
+                raise TaskNotCancelableError(f"task {task_id} already {task.status}")
+            now = _now()
+            to = "cancelled" if task.status == "queued" else "cancelling"
+            cur = conn.execute(
+                "UPDATE tasks SET status = ?, updated_at = ?, finished_at = CASE WHEN ? THEN ? END "
+                "WHERE id = ? AND status = ?",
+                (to, now, to == "cancelled", now, task_id, task.status),
+            )
+            assert cur.rowcount == 1  # the writer serialises jobs, so the status read above holds
+            return _append(conn, _get(conn, task_id), [final_event] if to == "cancelled" else [])
+
+        return await self.db.writer.submit(job)
+
+    async def events_after(self, task_id: str, after: int, limit: int = 1000) -> list[Event]:
+        rows = await self.db.fetchall(q("events_after"), {"task_id": task_id, "after": after, "limit": limit})
+        return [Event(r["seq"], r["type"], r["data"]) for r in rows]
+
+    async def list(self, owner: str, *, limit: int = 20, after: str | None = None) -> list[TaskRecord]:
+        rows = await self.db.fetchall(q("list_tasks_by_owner"), {"owner": owner, "after": after, "limit": limit})
+        return [TaskRecord.from_row(r) for r in rows]

@@ -1,0 +1,208 @@
+"""The task store on a real SQLite file: schema, state machine, idempotency, event log."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from service.errors import (
+    IdempotencyKeyReusedError,
+    QueueFullError,
+    TaskNotCancelableError,
+    TaskNotFoundError,
+)
+from service.store.db import Database
+from service.store.migrate import MIGRATIONS_DIR, migrate
+from service.store.tasks import TERMINAL, TRANSITIONS, TaskRecord, TaskStore
+
+EXPECTED_SCHEMA = {
+    "tasks": [
+        "id",
+        "owner",
+        "type",
+        "status",
+        "on_restart",
+        "request",
+        "response_id",
+        "response",
+        "error",
+        "attempt",
+        "generated",
+        "next_seq",
+        "events_expired",
+        "created_at",
+        "updated_at",
+        "finished_at",
+    ],
+    "events": ["task_id", "seq", "type", "data"],
+    "idempotency_keys": ["owner", "key", "fingerprint", "task_id", "created_at"],
+}
+EXPECTED_INDEXES = {"tasks_by_status", "tasks_by_owner", "tasks_by_finished"}
+
+
+def event(etype: str):  # type: ignore[no-untyped-def]
+    def build(task: TaskRecord, seq: int) -> tuple[str, bytes]:
+        return etype, msgspec.json.encode({"type": etype, "sequence_number": seq, "task": task.id})
+
+    return build
+
+
+@pytest.fixture
+async def store(tmp_path: Path) -> AsyncIterator[TaskStore]:
+    db = await Database.open(tmp_path / "lmspd.db")
+    yield TaskStore(db, max_queued=50)
+    await db.close()
+
+
+async def create(store: TaskStore, key: str | None = None, body: bytes = b"{}") -> tuple[TaskRecord, bool]:
+    return await store.create(
+        owner="alice",
+        request=body,
+        on_restart="fail",
+        first_event=event("response.created"),
+        idempotency=(key, body.hex()) if key else None,
+    )
+
+
+def test_migrations_produce_exactly_the_schema(tmp_path: Path) -> None:
+    conn = sqlite3.connect(tmp_path / "schema.db", isolation_level=None)
+    assert migrate(conn) == len(list(MIGRATIONS_DIR.glob("*.sql")))
+    tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    assert tables == set(EXPECTED_SCHEMA)
+    for table, columns in EXPECTED_SCHEMA.items():
+        assert [r[1] for r in conn.execute(f"PRAGMA table_info({table})")] == columns
+    indexes = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'index' AND sql IS NOT NULL")}
+    assert indexes == EXPECTED_INDEXES
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == 1
+    assert migrate(conn) == 1  # idempotent
+
+
+async def test_wal_and_full_sync(store: TaskStore) -> None:
+    assert (await store.db.fetchone("PRAGMA journal_mode"))[0] == "wal"  # type: ignore[index]
+
+
+async def test_create_persists_task_and_first_event(store: TaskStore, tmp_path: Path) -> None:
+    task, replayed = await create(store)
+    assert not replayed and task.status == "queued" and task.next_seq == 1
+    assert task.id.startswith("task_") and task.response_id.startswith("resp_")
+    # Visible to a separate connection: committed, not just buffered.
+    other = sqlite3.connect(tmp_path / "lmspd.db")
+    assert other.execute("SELECT status FROM tasks WHERE id = ?", (task.id,)).fetchone() == ("queued",)
+    assert other.execute("SELECT seq, type FROM events WHERE task_id = ?", (task.id,)).fetchall() == [
+        (0, "response.created")
+    ]
+
+
+async def test_state_machine_first_committed_transition_wins(store: TaskStore) -> None:
+    task, _ = await create(store)
+    assert (await store.transition(task.id, "loading")) is not None
+    assert (await store.transition(task.id, "running")) is not None
+    # succeeded and cancelling exclude each other: whichever commits first wins.
+    results = await asyncio.gather(store.transition(task.id, "succeeded"), store.transition(task.id, "cancelling"))
+    assert [r is not None for r in results] == [True, False]
+    assert (await store.get(task.id)).status == "succeeded"
+
+
+@pytest.mark.parametrize("terminal", sorted(TERMINAL))
+async def test_terminal_states_never_change(store: TaskStore, terminal: str) -> None:
+    task, _ = await create(store)
+    path = {"succeeded": ["loading", "running", "succeeded"], "failed": ["failed"], "cancelled": ["cancelled"]}
+    for status in path[terminal]:
+        assert await store.transition(task.id, status) is not None  # type: ignore[arg-type]
+    for status in ["queued", "loading", "running", "cancelling", *TERMINAL]:
+        assert await store.transition(task.id, status) is None  # type: ignore[arg-type]
+    final = await store.get(task.id)
+    assert final.status == terminal and final.finished_at is not None
+
+
+def test_transition_table_matches_lmsp_7_2() -> None:
+    assert {
+        "queued": {"loading", "cancelled", "failed"},
+        "loading": {"running", "cancelling", "failed"},
+        "running": {"succeeded", "failed", "cancelling"},
+        "cancelling": {"cancelled"},
+    } == TRANSITIONS
+
+
+async def test_cancel_semantics(store: TaskStore) -> None:
+    queued, _ = await create(store)
+    done = await store.cancel(queued.id, "alice", final_event=event("response.cancelled"))
+    assert done.status == "cancelled"
+    assert [e.type for e in await store.events_after(queued.id, -1)] == ["response.created", "response.cancelled"]
+    assert (await store.cancel(queued.id, "alice", final_event=event("x"))).status == "cancelled"  # idempotent
+
+    running, _ = await create(store)
+    await store.transition(running.id, "loading")
+    await store.transition(running.id, "running")
+    assert (await store.cancel(running.id, "alice", final_event=event("x"))).status == "cancelling"
+    assert (await store.cancel(running.id, "alice", final_event=event("x"))).status == "cancelling"
+    assert await store.transition(running.id, "succeeded") is None  # cancelling only goes to cancelled
+    assert (await store.transition(running.id, "cancelled")) is not None
+
+    finished, _ = await create(store)
+    await store.transition(finished.id, "failed")
+    with pytest.raises(TaskNotCancelableError):
+        await store.cancel(finished.id, "alice", final_event=event("x"))
+    with pytest.raises(TaskNotFoundError):
+        await store.cancel("task_nope", "alice", final_event=event("x"))
+    with pytest.raises(TaskNotFoundError):  # another token's task is invisible
+        await store.cancel(running.id, "mallory", final_event=event("x"))
+
+
+async def test_cancel_racing_completion_100_times(store: TaskStore) -> None:
+    for _ in range(100):
+        task, _ = await create(store)
+        await store.transition(task.id, "loading")
+        await store.transition(task.id, "running")
+        await asyncio.gather(
+            store.cancel(task.id, "alice", final_event=event("response.cancelled")),
+            store.transition(task.id, "succeeded", events=[event("response.completed")]),
+            return_exceptions=True,
+        )
+        await store.transition(task.id, "cancelled", events=[event("response.cancelled")])
+        final = await store.get(task.id)
+        types = [e.type for e in await store.events_after(task.id, -1)]
+        assert final.status in ("succeeded", "cancelled")
+        assert types == [
+            "response.created",
+            "response.completed" if final.status == "succeeded" else "response.cancelled",
+        ]
+
+
+async def test_concurrent_duplicate_idempotency_keys_make_one_task(store: TaskStore) -> None:
+    results = await asyncio.gather(*(create(store, key="k1", body=b'{"a":1}') for _ in range(20)))
+    assert len({t.id for t, _ in results}) == 1
+    assert sorted(r for _, r in results) == [False] + [True] * 19
+    with pytest.raises(IdempotencyKeyReusedError):
+        await create(store, key="k1", body=b'{"a":2}')
+    assert len(await store.list("alice", limit=100)) == 1
+
+
+async def test_events_are_gap_free(store: TaskStore) -> None:
+    task, _ = await create(store)
+    await asyncio.gather(*(store.append_events(task.id, [event(f"e{i}")]) for i in range(30)))
+    events = await store.events_after(task.id, -1)
+    assert [e.seq for e in events] == list(range(31))
+    for after in range(-1, 31):
+        assert [e.seq for e in await store.events_after(task.id, after)] == list(range(after + 1, 31))
+    assert all(msgspec.json.decode(e.data)["sequence_number"] == e.seq for e in events)
+
+
+async def test_queue_is_bounded(store: TaskStore) -> None:
+    await asyncio.gather(*(create(store) for _ in range(50)))
+    with pytest.raises(QueueFullError):
+        await create(store)
+
+
+async def test_list_is_newest_first_with_cursor(store: TaskStore) -> None:
+    ids = [(await create(store))[0].id for _ in range(5)]
+    page = await store.list("alice", limit=3)
+    assert [t.id for t in page] == ids[::-1][:3]
+    rest = await store.list("alice", limit=3, after=page[-1].id)
+    assert [t.id for t in rest] == ids[::-1][3:]
+    assert await store.list("mallory") == []

@@ -206,3 +206,38 @@ async def test_list_is_newest_first_with_cursor(store: TaskStore) -> None:
     rest = await store.list("alice", limit=3, after=page[-1].id)
     assert [t.id for t in rest] == ids[::-1][3:]
     assert await store.list("mallory") == []
+
+
+async def test_retention_purges_events_then_tasks(store: TaskStore) -> None:
+    old, _ = await create(store, key="old-key")
+    await store.append_events(old.id, [event("e")] * 3)
+    await store.transition(old.id, "failed", events=[event("response.failed")])
+    live, _ = await create(store)
+    finished_at = (await store.get(old.id)).finished_at
+    assert finished_at is not None
+
+    # Inside both windows nothing goes.
+    kept = await store.purge(
+        event_retention_secs=100, task_retention_secs=1000, idempotency_retention_secs=1000, now=finished_at + 50
+    )
+    assert kept == type(kept)()
+    # Past the event window: events go (the task says so), the task stays.
+    counts = await store.purge(
+        event_retention_secs=100,
+        task_retention_secs=1000,
+        idempotency_retention_secs=1000,
+        now=finished_at + 101,
+        batch=2,
+    )
+    assert (counts.tasks_with_expired_events, counts.events, counts.tasks) == (1, 5, 0)
+    assert (await store.get(old.id)).events_expired == 1
+    assert await store.events_after(old.id, -1) == []
+    assert len(await store.events_after(live.id, -1)) == 1  # an unfinished task keeps its events
+    # Past the task window: the task goes, an unfinished one never does.
+    counts = await store.purge(
+        event_retention_secs=100, task_retention_secs=1000, idempotency_retention_secs=10, now=finished_at + 1001
+    )
+    assert (counts.tasks, counts.idempotency_keys) == (1, 1)
+    with pytest.raises(TaskNotFoundError):
+        await store.get(old.id)
+    assert (await store.get(live.id)).status == "queued"

@@ -7,9 +7,6 @@ VALUES (:id, :owner, 'queued', :on_restart, :request, :response_id, 0, :now, :no
 -- name: get_task
 SELECT * FROM tasks WHERE id = :id;
 
--- name: get_task_by_response
-SELECT * FROM tasks WHERE response_id = :response_id;
-
 -- name: insert_idempotency_key
 INSERT INTO idempotency_keys (owner, key, fingerprint, task_id, created_at)
 VALUES (:owner, :key, :fingerprint, :task_id, :now);
@@ -30,23 +27,22 @@ SELECT seq, type, data FROM events WHERE task_id = :task_id AND seq > :after ORD
 -- name: list_tasks_by_owner
 SELECT * FROM tasks WHERE owner = :owner AND (:after IS NULL OR id < :after) ORDER BY id DESC LIMIT :limit;
 
--- name: claim_next_queued
-SELECT * FROM tasks WHERE status = 'queued' ORDER BY id LIMIT :limit;
-
 -- name: count_queued
 SELECT count(*) FROM tasks WHERE status = 'queued';
 
--- name: unfinished_tasks
-SELECT * FROM tasks WHERE status IN ('queued', 'loading', 'running', 'cancelling') ORDER BY id;
+-- name: expire_events
+-- Marks at most :limit finished tasks whose events passed the retention window; the
+-- events endpoint answers 410 for them from then on.
+UPDATE tasks SET events_expired = 1
+WHERE id IN (SELECT id FROM tasks WHERE finished_at < :cutoff AND events_expired = 0 LIMIT :limit);
 
--- name: purge_events
-UPDATE tasks SET events_expired = 1 WHERE finished_at IS NOT NULL AND finished_at < :cutoff AND events_expired = 0;
-
--- name: purge_event_rows
-DELETE FROM events WHERE task_id IN (SELECT id FROM tasks WHERE events_expired = 1 LIMIT :limit);
+-- name: delete_expired_events
+DELETE FROM events WHERE (task_id, seq) IN (
+    SELECT e.task_id, e.seq FROM events e JOIN tasks t ON t.id = e.task_id WHERE t.events_expired = 1 LIMIT :limit);
 
 -- name: purge_tasks
-DELETE FROM tasks WHERE finished_at IS NOT NULL AND finished_at < :cutoff;
+DELETE FROM tasks WHERE id IN (SELECT id FROM tasks WHERE finished_at < :cutoff LIMIT :limit);
 
 -- name: purge_idempotency_keys
-DELETE FROM idempotency_keys WHERE created_at < :cutoff;
+DELETE FROM idempotency_keys WHERE (owner, key) IN (
+    SELECT owner, key FROM idempotency_keys WHERE created_at < :cutoff LIMIT :limit);

@@ -100,6 +100,20 @@ def _append(conn: sqlite3.Connection, task: TaskRecord, builders: Sequence[Event
     return _get(conn, task.id)
 
 
+def _rowcount(sql: str, params: dict[str, int]) -> Callable[[sqlite3.Connection], int]:
+    def job(conn: sqlite3.Connection) -> int:
+        return int(conn.execute(sql, params).rowcount)
+
+    return job
+
+
+class PurgeCounts(msgspec.Struct, kw_only=True):
+    tasks_with_expired_events: int = 0
+    events: int = 0
+    tasks: int = 0
+    idempotency_keys: int = 0
+
+
 class TaskStore:
     def __init__(self, db: Database, *, max_queued: int = 1000) -> None:
         self.db = db
@@ -224,3 +238,29 @@ class TaskStore:
     async def list(self, owner: str, *, limit: int = 20, after: str | None = None) -> list[TaskRecord]:
         rows = await self.db.fetchall(q("list_tasks_by_owner"), {"owner": owner, "after": after, "limit": limit})
         return [TaskRecord.from_row(r) for r in rows]
+
+    async def purge(
+        self,
+        *,
+        event_retention_secs: int,
+        task_retention_secs: int,
+        idempotency_retention_secs: int,
+        batch: int = 500,
+        now: int | None = None,
+    ) -> PurgeCounts:
+        """Retention (LMSP 11.2) in small transactions, so the writer is never held for long."""
+        now = _now() if now is None else now
+        counts = PurgeCounts()
+        steps: list[tuple[str, str, int]] = [
+            ("expire_events", "tasks_with_expired_events", now - event_retention_secs),
+            ("delete_expired_events", "events", 0),
+            ("purge_tasks", "tasks", now - task_retention_secs),
+            ("purge_idempotency_keys", "idempotency_keys", now - idempotency_retention_secs),
+        ]
+        for query, field, cutoff in steps:
+            while True:
+                done = await self.db.writer.submit(_rowcount(q(query), {"cutoff": cutoff, "limit": batch}))
+                setattr(counts, field, getattr(counts, field) + done)
+                if done < batch:
+                    break
+        return counts

@@ -20,7 +20,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     min_p: float = 0.0
 
     def validate(self) -> None:
-        """Raise ValueError naming the first out-of-range parameter."""
+        """Raise InvalidRequestError naming the first out-of-range parameter."""
         from service.errors import InvalidRequestError
 
         if not 0.0 <= self.temperature <= 2.0:

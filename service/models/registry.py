@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from pathlib import Path
@@ -30,8 +31,13 @@ class ResolvedModel(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def context_length(self) -> int:
-        cfg = json.loads((self.path / "config.json").read_text())
-        return int(cfg.get("max_position_embeddings") or cfg.get("max_seq_len") or 4096)
+        return _context_length(self.path)
+
+
+@functools.lru_cache(maxsize=64)
+def _context_length(path: Path) -> int:
+    cfg = json.loads((path / "config.json").read_text())
+    return int(cfg.get("max_position_embeddings") or cfg.get("max_seq_len") or 4096)
 
 
 class ModelRegistry:

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
+from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
 
 from service.models.pull import Progress as ProgressFn
 
@@ -19,7 +19,7 @@ def pull_progress() -> Iterator[ProgressFn]:
     with Progress(
         TextColumn("{task.description:<20}"),
         BarColumn(),
-        DownloadColumn(),
+        TextColumn("{task.fields[detail]:>18}"),
         TimeRemainingColumn(),
         console=console,
         transient=False,
@@ -27,8 +27,12 @@ def pull_progress() -> Iterator[ProgressFn]:
         tasks: dict[str, TaskID] = {}
 
         def update(stage: str, done: int, total: int) -> None:
+            # Only extraction counts bytes; the other stages count steps.
+            detail = (
+                f"{done / 1e6:.1f}/{total / 1e6:.1f} MB" if stage == "extract" else ("done" if done >= total else "")
+            )
             if stage not in tasks:
-                tasks[stage] = bar.add_task(_LABELS.get(stage, stage), total=total)
-            bar.update(tasks[stage], completed=done, total=total)
+                tasks[stage] = bar.add_task(_LABELS.get(stage, stage), total=total, detail=detail)
+            bar.update(tasks[stage], completed=done, total=total, detail=detail)
 
         yield update

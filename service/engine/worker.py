@@ -21,6 +21,7 @@ import msgspec
 
 from service.engine import protocol as p
 from service.errors import LmspdError
+from service.models.registry import context_length_of
 from service.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("lmspd.engine")
@@ -157,7 +158,7 @@ class Engine:
             prefill_batch_size=self.max_concurrency,
             prefill_step_size=self.prefill_step_size,
         )
-        ctx = int(config.get("max_position_embeddings") or config.get("max_seq_len") or 4096)
+        ctx = context_length_of(config)
         vocab = int(config.get("vocab_size") or model.model.embed_tokens.weight.shape[0])
         lm = LoadedModel(name, path, model, Tokenizer(Path(path)), batch, ctx, vocab)
         self.models[name] = lm
@@ -299,24 +300,23 @@ class Engine:
             self._on_token(lm, req, r.token, r.finish_reason, deltas)
 
     def _on_token(self, lm: LoadedModel, req: Request, token: int, finish: str | None, deltas: list[p.Delta]) -> None:
-        stopped_by_token = finish == "stop"
-        if stopped_by_token:
-            text = req.detok.flush()
-            ids: list[int] = []
-        else:
+        ids: list[int] = []
+        text = ""
+        if finish != "stop":  # a stop token ends the output without being part of it
             req.completion_tokens += 1
-            text = req.detok.add(token)
             ids = [token]
+            text = req.detok.add(token)
+        if finish is not None:
+            text += req.detok.flush()
         text, hit = self._apply_stop_strings(req, text)
-        if hit:
-            finish = "stop"
         if ids or text:
             deltas.append(p.Delta(req.cmd.request_id, ids, text))
-        if finish is not None:
-            tail = "" if hit else req.held + (req.detok.flush() if not stopped_by_token else "")
-            self._finish(lm, req, "stop" if finish == "stop" else "length", tail)
-            if hit:
-                lm.batch.remove([req.uid])
+        if hit:
+            lm.batch.remove([req.uid])  # a no-op when the batch already finished it
+            self._finish(lm, req, "stop")
+        elif finish is not None:
+            # No stop string matched after all: the held-back text is output.
+            self._finish(lm, req, "stop" if finish == "stop" else "length", req.held)
 
     @staticmethod
     def _apply_stop_strings(req: Request, text: str) -> tuple[str, bool]:

@@ -6,6 +6,7 @@ import functools
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -34,10 +35,14 @@ class ResolvedModel(msgspec.Struct, frozen=True, kw_only=True):
         return _context_length(self.path)
 
 
+def context_length_of(config: dict[str, Any]) -> int:
+    """A model's context window from its config.json (4096 when it says nothing)."""
+    return int(config.get("max_position_embeddings") or config.get("max_seq_len") or 4096)
+
+
 @functools.lru_cache(maxsize=64)
 def _context_length(path: Path) -> int:
-    cfg = json.loads((path / "config.json").read_text())
-    return int(cfg.get("max_position_embeddings") or cfg.get("max_seq_len") or 4096)
+    return context_length_of(json.loads((path / "config.json").read_text()))
 
 
 class ModelRegistry:

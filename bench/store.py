@@ -19,11 +19,11 @@ from pathlib import Path
 import msgspec
 
 from service.store.db import Database
-from service.store.tasks import TaskRecord, TaskStore
+from service.store.tasks import NewEvent, TaskRecord, TaskStore
 
 
-def created(task: TaskRecord, seq: int) -> tuple[str, bytes]:
-    return "response.created", msgspec.json.encode({"type": "response.created", "sequence_number": seq})
+def created(task: TaskRecord, seq: int) -> NewEvent:
+    return NewEvent("response.created", msgspec.json.encode({"type": "response.created", "sequence_number": seq}))
 
 
 async def run(clients: int, total: int) -> tuple[float, list[float], int]:

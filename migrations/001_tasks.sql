@@ -29,6 +29,7 @@ CREATE TABLE events (
     seq         INTEGER NOT NULL,
     type        TEXT NOT NULL,
     data        BLOB NOT NULL,                      -- the event JSON, sequence_number included
+    tokens      BLOB,                               -- generated token ids of a delta event (resume), JSON
     PRIMARY KEY (task_id, seq)
 ) WITHOUT ROWID;
 

@@ -18,7 +18,7 @@ from service.errors import (
 )
 from service.store.db import Database
 from service.store.migrate import MIGRATIONS_DIR, migrate
-from service.store.tasks import TERMINAL, TRANSITIONS, TaskRecord, TaskStore
+from service.store.tasks import TERMINAL, TRANSITIONS, NewEvent, TaskRecord, TaskStore
 
 EXPECTED_SCHEMA = {
     "tasks": [
@@ -39,15 +39,15 @@ EXPECTED_SCHEMA = {
         "updated_at",
         "finished_at",
     ],
-    "events": ["task_id", "seq", "type", "data"],
+    "events": ["task_id", "seq", "type", "data", "tokens"],
     "idempotency_keys": ["owner", "key", "fingerprint", "task_id", "created_at"],
 }
 EXPECTED_INDEXES = {"tasks_by_status", "tasks_by_owner", "tasks_by_finished"}
 
 
 def event(etype: str):  # type: ignore[no-untyped-def]
-    def build(task: TaskRecord, seq: int) -> tuple[str, bytes]:
-        return etype, msgspec.json.encode({"type": etype, "sequence_number": seq, "task": task.id})
+    def build(task: TaskRecord, seq: int) -> NewEvent:
+        return NewEvent(etype, msgspec.json.encode({"type": etype, "sequence_number": seq, "task": task.id}))
 
     return build
 

@@ -19,10 +19,10 @@ SELECT fingerprint, task_id FROM idempotency_keys WHERE owner = :owner AND key =
 UPDATE tasks SET next_seq = :new_next, updated_at = :now WHERE id = :id AND next_seq = :expected;
 
 -- name: insert_event
-INSERT INTO events (task_id, seq, type, data) VALUES (:task_id, :seq, :type, :data);
+INSERT INTO events (task_id, seq, type, data, tokens) VALUES (:task_id, :seq, :type, :data, :tokens);
 
 -- name: events_after
-SELECT seq, type, data FROM events WHERE task_id = :task_id AND seq > :after ORDER BY seq LIMIT :limit;
+SELECT seq, type, data, tokens FROM events WHERE task_id = :task_id AND seq > :after ORDER BY seq LIMIT :limit;
 
 -- name: list_tasks_by_owner
 SELECT * FROM tasks WHERE owner = :owner AND (:after IS NULL OR id < :after) ORDER BY id DESC LIMIT :limit;

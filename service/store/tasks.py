@@ -65,10 +65,18 @@ class Event(msgspec.Struct, array_like=True, frozen=True):
     seq: int
     type: str
     data: bytes
+    tokens: list[int] | None = None
 
 
-# Builds an event's JSON for a task at a sequence number (run inside the write transaction).
-EventBuilder = Callable[[TaskRecord, int], tuple[str, bytes]]
+class NewEvent(msgspec.Struct, frozen=True):
+    type: str
+    data: bytes  # the event JSON, its sequence_number included
+    tokens: list[int] | None = None  # generated token ids this event carries (for resume)
+
+
+# Builds an event for a task at a sequence number (run inside the write transaction, so the
+# sequence number is the one the event gets).
+EventBuilder = Callable[[TaskRecord, int], NewEvent]
 
 
 def new_ids() -> tuple[str, str]:
@@ -91,8 +99,11 @@ def _get(conn: sqlite3.Connection, task_id: str) -> TaskRecord:
 def _append(conn: sqlite3.Connection, task: TaskRecord, builders: Sequence[EventBuilder]) -> TaskRecord:
     seq = task.next_seq
     for build in builders:
-        etype, data = build(task, seq)
-        conn.execute(q("insert_event"), {"task_id": task.id, "seq": seq, "type": etype, "data": data})
+        ev = build(task, seq)
+        tokens = msgspec.json.encode(ev.tokens) if ev.tokens is not None else None
+        conn.execute(
+            q("insert_event"), {"task_id": task.id, "seq": seq, "type": ev.type, "data": ev.data, "tokens": tokens}
+        )
         seq += 1
     cur = conn.execute(q("advance_seq"), {"id": task.id, "new_next": seq, "expected": task.next_seq, "now": _now()})
     if cur.rowcount != 1:
@@ -233,7 +244,10 @@ class TaskStore:
 
     async def events_after(self, task_id: str, after: int, limit: int = 1000) -> list[Event]:
         rows = await self.db.fetchall(q("events_after"), {"task_id": task_id, "after": after, "limit": limit})
-        return [Event(r["seq"], r["type"], r["data"]) for r in rows]
+        return [
+            Event(r["seq"], r["type"], r["data"], msgspec.json.decode(r["tokens"]) if r["tokens"] else None)
+            for r in rows
+        ]
 
     async def list(self, owner: str, *, limit: int = 20, after: str | None = None) -> list[TaskRecord]:
         rows = await self.db.fetchall(q("list_tasks_by_owner"), {"owner": owner, "after": after, "limit": limit})

@@ -32,6 +32,13 @@ def build_parser() -> argparse.ArgumentParser:
     listing = models.add_parser("list", help="show configured and cached models")
     _common(listing)
 
+    srv = sub.add_parser("serve", help="run the HTTP server")
+    srv.add_argument("--host", help="bind address (default 127.0.0.1)")
+    srv.add_argument("--port", type=int, help="port (default 8080)")
+    srv.add_argument("--data-dir", help="where the SQLite database lives (env LMSPD_DATA_DIR)")
+    srv.add_argument("--model", help="default model alias or name")
+    _common(srv)
+
     gen = sub.add_parser("generate", help="stream a reply to PROMPT through the engine")
     gen.add_argument("prompt")
     gen.add_argument("--model", help="model alias, built-in name, directory or Hugging Face repo")
@@ -45,10 +52,35 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _config(args: argparse.Namespace) -> Config:
-    overrides: dict[str, Any] = {"cache_dir": args.cache_dir}
-    if getattr(args, "weight_dtype", None):
-        overrides["engine.weight_dtype"] = args.weight_dtype
+    overrides: dict[str, Any] = {
+        "cache_dir": args.cache_dir,
+        "engine.weight_dtype": getattr(args, "weight_dtype", None),
+        "server.host": getattr(args, "host", None),
+        "server.port": getattr(args, "port", None),
+        "server.data_dir": getattr(args, "data_dir", None),
+    }
+    if args.command == "serve" and args.model:
+        overrides["default_model"] = args.model
     return load_config(args.config, overrides=overrides)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from service.models.registry import ModelRegistry
+    from service.progress import pull_progress
+    from service.serve import check_bind, run
+
+    config = _config(args)
+    check_bind(config)
+    with pull_progress() as progress:  # the default model is ready before the first request
+        ModelRegistry(config).resolve(config.default_model, progress=progress)
+    logging.getLogger("lmspd").setLevel(logging.INFO)
+    print(
+        f"lmspd serving on http://{config.server.host}:{config.server.port} (database {config.server.database_path})",
+        file=sys.stderr,
+        flush=True,
+    )
+    asyncio.run(run(config))
+    return 0
 
 
 def cmd_models_pull(args: argparse.Namespace) -> int:
@@ -126,6 +158,7 @@ COMMANDS = {
     ("models", "pull"): cmd_models_pull,
     ("models", "list"): cmd_models_list,
     ("generate", None): cmd_generate,
+    ("serve", None): cmd_serve,
 }
 
 

@@ -31,6 +31,45 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         _positive("engine.prefill_step_size", self.prefill_step_size)
 
 
+class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    host: str = "127.0.0.1"
+    port: int = 8080
+    data_dir: str | None = None
+    # name -> bearer token. Empty: no auth, and the server only binds to loopback.
+    tokens: dict[str, str] = msgspec.field(default_factory=dict)
+    allow_unauthenticated_remote: bool = False
+    max_body_bytes: int = 8 * 1024 * 1024
+    max_queued_tasks: int = 1000
+    event_retention_secs: int = 86400
+    task_retention_secs: int = 7 * 86400
+    idempotency_retention_secs: int = 86400
+    janitor_interval_secs: int = 300
+    keepalive_secs: float = 15.0
+    shutdown_grace_secs: float = 10.0
+    default_max_output_tokens: int = 4096
+
+    def __post_init__(self) -> None:
+        for key in (
+            "max_body_bytes",
+            "max_queued_tasks",
+            "event_retention_secs",
+            "task_retention_secs",
+            "idempotency_retention_secs",
+            "janitor_interval_secs",
+            "default_max_output_tokens",
+        ):
+            _positive(f"server.{key}", getattr(self, key))
+        if not 0 < self.port < 65536:
+            raise ConfigError(f"server.port must be 1-65535, got {self.port}", param="server.port")
+
+    @property
+    def database_path(self) -> Path:
+        if self.data_dir:
+            return Path(self.data_dir).expanduser() / "lmspd.db"
+        base = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
+        return Path(base) / "lmspd" / "lmspd.db"
+
+
 class ModelEntry(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # A local mlx-lm directory, a Hugging Face repo id, or a built-in model name.
     path: str
@@ -40,6 +79,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     default_model: str = DEFAULT_MODEL
     cache_dir: str | None = None
     engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
+    server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     models: dict[str, ModelEntry] = msgspec.field(default_factory=dict)
 
     @property
@@ -62,6 +102,9 @@ ENV_VARS = {
     "LMSPD_MAX_CONCURRENCY": "engine.max_concurrency",
     "LMSPD_MAX_LOADED_MODELS": "engine.max_loaded_models",
     "LMSPD_WEIGHT_DTYPE": "engine.weight_dtype",
+    "LMSPD_HOST": "server.host",
+    "LMSPD_PORT": "server.port",
+    "LMSPD_DATA_DIR": "server.data_dir",
 }
 
 
@@ -92,6 +135,8 @@ def load_config(
     for var, key in ENV_VARS.items():
         if var in environ:
             _set(tree, key, environ[var])
+    if environ.get("LMSP_API_KEYS"):
+        _set(tree, "server.tokens", parse_api_keys(environ["LMSP_API_KEYS"]))
     for key, value in (overrides or {}).items():
         if value is not None:
             _set(tree, key, value)
@@ -100,3 +145,16 @@ def load_config(
         return msgspec.convert(tree, Config, strict=False)
     except msgspec.ValidationError as exc:
         raise ConfigError(f"invalid configuration: {exc}") from exc
+
+
+def parse_api_keys(value: str) -> dict[str, str]:
+    """``LMSP_API_KEYS``: comma-separated ``name:token`` (or bare tokens, named key1, key2, ...)."""
+    tokens: dict[str, str] = {}
+    for i, entry in enumerate(e.strip() for e in value.split(",") if e.strip()):
+        name, sep, token = entry.partition(":")
+        if not sep:
+            name, token = f"key{i + 1}", entry
+        if not token:
+            raise ConfigError(f"LMSP_API_KEYS entry {i + 1} has an empty token", param="LMSP_API_KEYS")
+        tokens[name] = token
+    return tokens

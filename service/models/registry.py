@@ -78,6 +78,18 @@ class ModelRegistry:
             param="model",
         )
 
+    def resolve_local(self, name: str) -> ResolvedModel | None:
+        """Resolve without network or pulls: None for a Hugging Face id or an unpulled built-in
+        (those are fetched when the task runs); ModelNotFoundError for anything unknown."""
+        target = self.config.models[name].path if name in self.config.models else name
+        if target in BUILTIN_MODELS:
+            return self.resolve(name) if is_pulled(self.cache_dir / target) else None
+        if (Path(target).expanduser() / "config.json").is_file():
+            return self.resolve(name)
+        if _HF_REPO.match(target) and not Path(target).expanduser().exists():
+            return None
+        return self.resolve(name)  # raises ModelNotFoundError naming the known models
+
     def list(self) -> list[ModelInfo]:
         infos: list[ModelInfo] = []
         for name, builtin in BUILTIN_MODELS.items():

@@ -25,7 +25,21 @@ INSERT INTO events (task_id, seq, type, data, tokens) VALUES (:task_id, :seq, :t
 SELECT seq, type, data, tokens FROM events WHERE task_id = :task_id AND seq > :after ORDER BY seq LIMIT :limit;
 
 -- name: list_tasks_by_owner
-SELECT * FROM tasks WHERE owner = :owner AND (:after IS NULL OR id < :after) ORDER BY id DESC LIMIT :limit;
+SELECT * FROM tasks
+WHERE owner = :owner AND (:after IS NULL OR id < :after)
+  AND (:statuses IS NULL OR status IN (SELECT value FROM json_each(:statuses)))
+ORDER BY id DESC LIMIT :limit;
+
+-- name: queued_ids
+SELECT id FROM tasks WHERE status = 'queued' ORDER BY id LIMIT :limit;
+
+-- name: unfinished_ids
+SELECT id FROM tasks WHERE status IN ('queued', 'loading', 'running', 'cancelling') ORDER BY id;
+
+-- name: requeue
+-- Not a client-visible transition: a restart or engine crash puts started work back in line.
+UPDATE tasks SET status = 'queued', attempt = attempt + :bump, updated_at = :now
+WHERE id = :id AND status IN ('loading', 'running');
 
 -- name: count_queued
 SELECT count(*) FROM tasks WHERE status = 'queued';

@@ -242,6 +242,23 @@ class TaskStore:
 
         return await self.db.writer.submit(job)
 
+    async def requeue(
+        self, task_id: str, *, new_attempt: bool, events: Sequence[EventBuilder] = ()
+    ) -> TaskRecord | None:
+        """Put a started task back in the queue (restart or engine crash); None if it had moved on."""
+
+        def job(conn: sqlite3.Connection) -> TaskRecord | None:
+            cur = conn.execute(q("requeue"), {"id": task_id, "bump": int(new_attempt), "now": _now()})
+            return _append(conn, _get(conn, task_id), events) if cur.rowcount == 1 else None
+
+        return await self.db.writer.submit(job)
+
+    async def queued_ids(self, limit: int) -> list[str]:
+        return [r["id"] for r in await self.db.fetchall(q("queued_ids"), {"limit": limit})]
+
+    async def unfinished_ids(self) -> list[str]:
+        return [r["id"] for r in await self.db.fetchall(q("unfinished_ids"))]
+
     async def events_after(self, task_id: str, after: int, limit: int = 1000) -> list[Event]:
         rows = await self.db.fetchall(q("events_after"), {"task_id": task_id, "after": after, "limit": limit})
         return [
@@ -249,8 +266,12 @@ class TaskStore:
             for r in rows
         ]
 
-    async def list(self, owner: str, *, limit: int = 20, after: str | None = None) -> list[TaskRecord]:
-        rows = await self.db.fetchall(q("list_tasks_by_owner"), {"owner": owner, "after": after, "limit": limit})
+    async def list(
+        self, owner: str, *, limit: int = 20, after: str | None = None, statuses: list[str] | None = None
+    ) -> list[TaskRecord]:
+        filt = msgspec.json.encode(statuses).decode() if statuses else None
+        params = {"owner": owner, "after": after, "limit": limit, "statuses": filt}
+        rows = await self.db.fetchall(q("list_tasks_by_owner"), params)
         return [TaskRecord.from_row(r) for r in rows]
 
     async def purge(

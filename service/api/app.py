@@ -1,0 +1,160 @@
+"""The app factory: every route of the service, in one place.
+
+/healthz, /readyz                         liveness, readiness (no token)
+/lmsp/v1/capabilities, /lmsp/v1/models    discovery (LMSP 10)
+/lmsp/v1/tasks[...]                       durable tasks (LMSP 7)  -> service.api.tasks
+/lmsp/v1/tasks/{id}/events                event stream (LMSP 6.4) -> service.api.events
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from service.api import events, tasks
+from service.api.auth import Authenticator
+from service.api.problems import from_error, problem, problem_response
+from service.api.state import AppState
+from service.config import Config
+from service.engine.client import EngineClient
+from service.errors import LmspdError
+from service.hub import Hub
+from service.models.registry import ModelRegistry
+from service.store.db import Database
+from service.store.tasks import TaskStore
+from service.supervisor import Supervisor
+
+log = logging.getLogger("lmspd.server")
+
+
+def _json(obj: object, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(obj), status_code=status, media_type="application/json")
+
+
+async def healthz(request: Request) -> Response:
+    return _json({"status": "ok"})
+
+
+async def readyz(request: Request) -> Response:
+    app: AppState = request.app.state.lmsp
+    ready = app.accepting and app.supervisor.engine.alive
+    return _json({"status": "ready" if ready else "not_ready"}, 200 if ready else 503)
+
+
+async def capabilities(request: Request) -> Response:
+    app: AppState = request.app.state.lmsp
+    app.auth.owner(request)
+    s = app.config.server
+    return _json(
+        {
+            "object": "capabilities",
+            "lmsp_version": "1.0",
+            "capabilities": {"event_resume": True, "resume_snapshots": True, "idempotency": True, "tasks": True},
+            "task_types": ["response"],
+            "on_restart": ["fail", "retry", "resume"],
+            "limits": {
+                "max_body_bytes": s.max_body_bytes,
+                "max_queued_tasks": s.max_queued_tasks,
+                "max_concurrency": app.config.engine.max_concurrency,
+                "event_retention_secs": s.event_retention_secs,
+                "task_retention_secs": s.task_retention_secs,
+                "idempotency_key_retention_secs": s.idempotency_retention_secs,
+            },
+        }
+    )
+
+
+async def models(request: Request) -> Response:
+    app: AppState = request.app.state.lmsp
+    app.auth.owner(request)
+    data = [
+        {"id": m.name, "object": "model", "created": 0, "owned_by": "lmspd", "ready": m.pulled}
+        for m in app.registry.list()
+    ]
+    return _json({"object": "list", "data": data})
+
+
+async def on_lmspd_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, LmspdError)
+    p = from_error(exc)
+    headers = {}
+    if p.status in (429, 503):
+        headers["Retry-After"] = "1"
+    if p.code == "unauthorized":
+        headers["WWW-Authenticate"] = "Bearer"
+    return problem_response(p, headers)
+
+
+async def on_http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    code = "not_found" if exc.status_code == 404 else "invalid_request"
+    return problem_response(problem(code, str(exc.detail), status=exc.status_code))
+
+
+async def on_unexpected(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error on %s %s", request.method, request.url.path)
+    return problem_response(problem("server_error", "internal server error", status=500))
+
+
+ROUTES = [
+    Route("/healthz", healthz),
+    Route("/readyz", readyz),
+    Route("/lmsp/v1/capabilities", capabilities),
+    Route("/lmsp/v1/models", models),
+    Route("/lmsp/v1/tasks", tasks.create_task, methods=["POST"]),
+    Route("/lmsp/v1/tasks", tasks.list_tasks, methods=["GET"]),
+    Route("/lmsp/v1/tasks/{task_id}", tasks.get_task, methods=["GET"]),
+    Route("/lmsp/v1/tasks/{task_id}/cancel", tasks.cancel_task, methods=["POST"]),
+    Route("/lmsp/v1/tasks/{task_id}/events", events.task_events, methods=["GET"]),
+]
+
+
+async def _janitor(state: AppState) -> None:
+    s = state.config.server
+    while True:
+        await asyncio.sleep(s.janitor_interval_secs)
+        try:
+            counts = await state.store.purge(
+                event_retention_secs=s.event_retention_secs,
+                task_retention_secs=s.task_retention_secs,
+                idempotency_retention_secs=s.idempotency_retention_secs,
+            )
+            log.info("retention purge: %s", counts)
+        except Exception:
+            log.exception("retention purge failed")
+
+
+def create_app(config: Config, engine: EngineClient | None = None) -> Starlette:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        db = await Database.open(config.server.database_path)
+        store = TaskStore(db, max_queued=config.server.max_queued_tasks)
+        hub = Hub()
+        supervisor = Supervisor(config, store, engine or EngineClient(config.engine), hub)
+        await supervisor.start()  # recovers unfinished tasks before any request is served
+        state = AppState(config, db, store, hub, supervisor, Authenticator(config.server.tokens), ModelRegistry(config))
+        app.state.lmsp = state
+        janitor = asyncio.create_task(_janitor(state))
+        try:
+            yield
+        finally:
+            state.accepting = False
+            hub.close()
+            janitor.cancel()
+            await supervisor.stop()
+            await db.close()
+
+    return Starlette(
+        routes=ROUTES,
+        lifespan=lifespan,
+        exception_handlers={LmspdError: on_lmspd_error, HTTPException: on_http_error, Exception: on_unexpected},
+    )

@@ -1,0 +1,110 @@
+"""Request decoding (bounded, validated, naming the bad field) and the task wire object."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from typing import Any, TypeVar
+
+import msgspec
+from starlette.requests import Request
+
+from service.errors import InvalidRequestError, LmspdError
+from service.store.tasks import TaskRecord
+
+T = TypeVar("T")
+_UNKNOWN = re.compile(r"unknown field `([^`]+)`")
+_PATH = re.compile(r"at `\$\.?([^`]*)`")
+
+
+class PayloadTooLargeError(LmspdError):
+    code = "payload_too_large"
+
+
+class TaskObject(msgspec.Struct, kw_only=True):
+    id: str
+    object: str = "task"
+    type: str
+    status: str
+    created_at: int
+    updated_at: int
+    response_id: str
+    events_url: str
+    on_restart: str
+    attempt: int
+    response: msgspec.Raw | None
+    error: msgspec.Raw | None
+
+
+class TaskList(msgspec.Struct, kw_only=True):
+    object: str = "list"
+    data: list[TaskObject]
+    has_more: bool
+    first_id: str | None
+    last_id: str | None
+
+
+def task_object(task: TaskRecord) -> TaskObject:
+    return TaskObject(
+        id=task.id,
+        type=task.type,
+        status=task.status,
+        created_at=task.created_at,
+        updated_at=task.updated_at,
+        response_id=task.response_id,
+        events_url=f"/lmsp/v1/tasks/{task.id}/events",
+        on_restart=task.on_restart,
+        attempt=task.attempt,
+        response=msgspec.Raw(task.response) if task.response and task.status == "succeeded" else None,
+        error=msgspec.Raw(task.error) if task.error and task.status == "failed" else None,
+    )
+
+
+def etag(task: TaskRecord) -> str:
+    digest = hashlib.sha256(f"{task.id}/{task.status}/{task.updated_at}/{task.next_seq}".encode()).hexdigest()
+    return f'"{digest[:32]}"'
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLargeError(f"the body is larger than {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLargeError(f"the body is larger than {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def decode(body: bytes, kind: type[T]) -> T:
+    """Decode and validate; the error names the offending field."""
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as exc:
+        raise InvalidRequestError(str(exc), param=_param(str(exc))) from exc
+    except msgspec.DecodeError as exc:
+        raise InvalidRequestError(f"malformed JSON: {exc}") from exc
+
+
+def _param(message: str) -> str | None:
+    path = m.group(1) if (m := _PATH.search(message)) else ""
+    if u := _UNKNOWN.search(message):
+        return f"{path}.{u.group(1)}" if path else u.group(1)
+    return path or None
+
+
+def fingerprint(body: bytes) -> str:
+    """SHA-256 of the canonical JSON (sorted keys, no whitespace) of a request body."""
+    canonical: Any = msgspec.json.decode(body)
+    return hashlib.sha256(msgspec.json.encode(canonical, order="sorted")).hexdigest()
+
+
+def idempotency_key(request: Request) -> str | None:
+    key = request.headers.get("idempotency-key")
+    if key is None:
+        return None
+    if not 1 <= len(key) <= 255 or not all(0x20 <= ord(c) <= 0x7E for c in key):
+        raise InvalidRequestError("Idempotency-Key must be 1-255 printable ASCII characters", param="Idempotency-Key")
+    return key

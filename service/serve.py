@@ -1,0 +1,63 @@
+"""``lmspd serve``: the app on Hypercorn, with SIGTERM/SIGINT as a clean shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import signal
+
+from hypercorn.asyncio import serve as hypercorn_serve
+from hypercorn.config import Config as HypercornConfig
+
+from service.api.app import create_app
+from service.config import Config
+from service.errors import ConfigError
+
+log = logging.getLogger("lmspd.server")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_bind(config: Config) -> None:
+    s = config.server
+    if not s.tokens and not is_loopback(s.host) and not s.allow_unauthenticated_remote:
+        raise ConfigError(
+            f"refusing to listen on {s.host} without API tokens: configure server.tokens or LMSP_API_KEYS, "
+            "or set server.allow_unauthenticated_remote = true",
+            param="server.host",
+        )
+
+
+async def run(config: Config) -> None:
+    check_bind(config)
+    app = create_app(config)
+    hc = HypercornConfig()
+    hc.bind = [
+        f"[{config.server.host}]:{config.server.port}"
+        if ":" in config.server.host
+        else f"{config.server.host}:{config.server.port}"
+    ]
+    hc.graceful_timeout = config.server.shutdown_grace_secs
+    hc.accesslog = None
+    stop = asyncio.Event()
+
+    def on_signal() -> None:
+        log.info("shutting down: no new work; in-flight tasks stay recoverable by their policy")
+        lmsp = getattr(app.state, "lmsp", None)
+        if lmsp is not None:
+            lmsp.accepting = False
+            lmsp.hub.close()  # ends SSE streams cleanly; clients resume with Last-Event-ID
+        stop.set()
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal)
+    await hypercorn_serve(app, hc, shutdown_trigger=stop.wait)  # type: ignore[arg-type]

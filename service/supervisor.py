@@ -1,0 +1,236 @@
+"""The supervisor: runs queued tasks on the engine and keeps their event logs.
+
+It claims queued tasks in order (a compare-and-set to ``loading``), drives the
+engine, turns token deltas into response events, persists them *before*
+waking any reader, applies cancellation, and restarts a dead engine with
+backoff. Work interrupted by an engine crash or a server restart follows the
+task's ``on_restart`` policy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import msgspec
+
+from service.api.problems import problem
+from service.config import Config
+from service.engine import protocol as p
+from service.engine.client import EngineClient
+from service.errors import EngineCrashedError, LmspdError
+from service.generation import build_generate
+from service.hub import Hub
+from service.models.registry import ModelRegistry
+from service.responses.builder import ResponseState
+from service.responses.schema import ResponseRequest
+from service.store.tasks import EventBuilder, TaskRecord, TaskStore
+
+log = logging.getLogger("lmspd.supervisor")
+_CLIENT_ERRORS = ("invalid_request", "context_length_exceeded", "model_not_found")
+
+
+class Supervisor:
+    def __init__(self, config: Config, store: TaskStore, engine: EngineClient, hub: Hub) -> None:
+        self.config = config
+        self.store = store
+        self.engine = engine
+        self.hub = hub
+        self.registry = ModelRegistry(config)
+        self.running: dict[str, asyncio.Task[None]] = {}
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task[None] | None = None
+        self._stopping = False
+        self._backoff = 0.5
+
+    # --- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.recover()
+        await self.engine.start()
+        self._loop_task = asyncio.create_task(self._loop(), name="supervisor")
+
+    async def stop(self) -> None:
+        """Leave in-flight tasks as their policies can recover them, then stop the engine."""
+        self._stopping = True
+        if self._loop_task:
+            self._loop_task.cancel()
+        for task in list(self.running.values()):
+            task.cancel()
+        await asyncio.gather(*self.running.values(), return_exceptions=True)
+        await self.engine.close()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def _loop(self) -> None:
+        while not self._stopping:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), 1.0)
+            self._wake.clear()
+            if not self.engine.alive:
+                await self._restart_engine()
+                continue
+            room = 2 * self.config.engine.max_concurrency - len(self.running)
+            if room <= 0:
+                continue
+            for task_id in await self.store.queued_ids(room + len(self.running)):
+                if task_id not in self.running and room > 0:
+                    self.running[task_id] = asyncio.create_task(self._run(task_id), name=f"run {task_id}")
+                    room -= 1
+
+    async def _restart_engine(self) -> None:
+        log.warning("restarting the engine in %.1fs", self._backoff)
+        await asyncio.sleep(self._backoff)
+        try:
+            await self.engine.start()
+            self._backoff = 0.5
+        except Exception:
+            log.exception("engine restart failed")
+            self._backoff = min(self._backoff * 2, 30.0)
+        self.wake()
+
+    # --- recovery (LMSP 7.5) --------------------------------------------------------------------
+
+    async def recover(self) -> None:
+        """Settle every unfinished task by its policy before new work is accepted."""
+        for task_id in await self.store.unfinished_ids():
+            task = await self.store.get(task_id)
+            if task.status == "queued":
+                continue  # never started: nothing was lost, it runs in turn
+            state = ResponseState.from_events(await self._all_events(task_id))
+            if task.status == "cancelling":
+                await self.store.transition(task_id, "cancelled", events=state.cancelled())
+            else:
+                await self._interrupted(task, state, "server_restarted", "the server restarted during generation")
+            self.hub.notify(task_id)
+
+    async def _interrupted(self, task: TaskRecord, state: ResponseState, code: str, detail: str) -> None:
+        if task.on_restart == "retry":
+            await self.store.requeue(task.id, new_attempt=True, events=state.restarted(task.attempt + 1, code))
+        elif task.on_restart == "resume":
+            await self.store.requeue(task.id, new_attempt=False)
+        else:
+            await self._fail(task.id, state, code, detail)
+
+    async def _all_events(self, task_id: str) -> list:  # type: ignore[type-arg]
+        events, after = [], -1
+        while batch := await self.store.events_after(task_id, after, 5000):
+            events += batch
+            after = batch[-1].seq
+        return events
+
+    # --- running one task -----------------------------------------------------------------------
+
+    async def cancel(self, task_id: str) -> None:
+        """The task went to ``cancelling``: stop its generation (it then becomes ``cancelled``)."""
+        await self.engine.cancel(task_id)
+        if task_id not in self.running:
+            self.wake()
+
+    async def _run(self, task_id: str) -> None:
+        try:
+            await self._run_inner(task_id)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("task %s failed unexpectedly", task_id)
+            with contextlib.suppress(Exception):
+                state = ResponseState.from_events(await self._all_events(task_id))
+                await self._fail(task_id, state, "server_error", "internal error while running the task")
+        finally:
+            self.running.pop(task_id, None)
+            self.hub.notify(task_id)
+            self.wake()
+
+    async def _commit(self, task_id: str, events: list[EventBuilder]) -> None:
+        await self.store.append_events(task_id, events)
+        self.hub.notify(task_id)
+
+    async def _to(self, task_id: str, status: str, events: list[EventBuilder], **kw: bytes) -> bool:
+        done = await self.store.transition(task_id, status, events=events, **kw)  # type: ignore[arg-type]
+        self.hub.notify(task_id)
+        return done is not None
+
+    async def _settle_cancel(self, task_id: str, state: ResponseState) -> None:
+        await self._to(task_id, "cancelled", state.cancelled())
+
+    async def _fail(self, task_id: str, state: ResponseState, code: str, detail: str) -> None:
+        error = msgspec.json.encode(problem(code, detail))
+        if not await self._to(task_id, "failed", state.failed(code, detail), error=error):
+            await self._settle_cancel(task_id, state)  # it was cancelling: cancel wins
+
+    async def _run_inner(self, task_id: str) -> None:
+        task = await self.store.get(task_id)
+        state = ResponseState.from_events(await self._all_events(task_id))
+        if not await self._to(task_id, "loading", []):
+            return  # cancelled (or claimed) first
+        request = msgspec.json.decode(task.request, type=ResponseRequest)
+        try:
+            model = await asyncio.to_thread(self.registry.resolve, request.model or self.config.default_model)
+            await self.engine.load(model.name, str(model.path))
+            if not await self._to(task_id, "running", state.in_progress()):
+                return await self._settle_cancel(task_id, state)
+            cmd = build_generate(
+                model,
+                request.messages(),
+                request_id=task_id,
+                max_tokens=request.max_output_tokens or self.config.server.default_max_output_tokens,
+                sampling=p.SamplingParams(
+                    temperature=1.0 if request.temperature is None else request.temperature,
+                    top_p=1.0 if request.top_p is None else request.top_p,
+                ),
+                generated=state.tokens,
+            )
+            finished = await self._generate(task_id, state, cmd)
+        except EngineCrashedError as exc:
+            task = await self.store.get(task_id)
+            if task.status == "cancelling":
+                return await self._settle_cancel(task_id, state)
+            return await self._interrupted(task, state, "engine_crashed", exc.message)
+        except LmspdError as exc:
+            code = exc.code if exc.code in _CLIENT_ERRORS else "server_error"
+            return await self._fail(task_id, state, code, exc.message)
+        if finished.reason == "cancelled":
+            return await self._settle_cancel(task_id, state)
+        events = state.finish(finished.reason, finished.prompt_tokens)
+        if not await self._to(task_id, "succeeded", events, response=msgspec.json.encode(state.response)):
+            await self._settle_cancel(task_id, state)
+
+    async def _generate(self, task_id: str, state: ResponseState, cmd: p.Generate) -> p.Finished:
+        """Stream the generation, committing each batch of deltas before it is published."""
+        queue: asyncio.Queue[p.Delta | p.Finished | Exception] = asyncio.Queue()
+
+        async def pump() -> None:
+            try:
+                async for ev in self.engine.generate(cmd):
+                    queue.put_nowait(ev)
+            except Exception as exc:  # handed to the consumer, which re-raises it
+                queue.put_nowait(exc)
+
+        producer = asyncio.create_task(pump())
+        try:
+            while True:
+                items = [await queue.get()]
+                while not queue.empty():  # group what arrived while the last commit ran
+                    items.append(queue.get_nowait())
+                text, tokens = "", []
+                end: p.Finished | None = None
+                for item in items:
+                    if isinstance(item, Exception):
+                        raise item
+                    if isinstance(item, p.Finished):
+                        end = item
+                        text += item.text
+                    else:
+                        text += item.text
+                        tokens += item.token_ids
+                if text or tokens:
+                    await self._commit(task_id, state.delta(text, tokens))
+                if end is not None:
+                    return end
+        finally:
+            producer.cancel()
+            with contextlib.suppress(BaseException):
+                await producer

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 
-from service.config import Config, EngineConfig
 from service.models.catalog import BUILTIN_MODELS
 from service.models.pull import pull_builtin
 from service.models.registry import ResolvedModel
@@ -80,7 +79,7 @@ def smol(smol_dir: Path) -> ResolvedModel:
     return ResolvedModel(name=SMOL.name, path=smol_dir)
 
 
-def make_tiny_model(out: Path, tokenizer_from: Path, seed: int = 0) -> Path:
+def make_tiny_model(out: Path, tokenizer_from: Path, seed: int = 0, context: int = 256) -> Path:
     """A 2-layer llama with random 4-bit weights and the real tokenizer."""
     import mlx.core as mx
     import mlx.nn as nn
@@ -96,7 +95,7 @@ def make_tiny_model(out: Path, tokenizer_from: Path, seed: int = 0) -> Path:
         "num_key_value_heads": 2,
         "head_dim": 16,
         "vocab_size": 49152,
-        "max_position_embeddings": 256,
+        "max_position_embeddings": context,
         "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0,
         "rope_traditional": True,
@@ -139,6 +138,8 @@ def tiny2(tmp_path_factory: pytest.TempPathFactory, smol_dir: Path) -> ResolvedM
     return ResolvedModel(name="tiny2", path=path)
 
 
-@pytest.fixture
-def config(tmp_path: Path, model_cache: Path) -> Config:
-    return Config(cache_dir=str(model_cache), engine=EngineConfig(weight_dtype="quantized"))
+@pytest.fixture(scope="session")
+def tiny_long(tmp_path_factory: pytest.TempPathFactory, smol_dir: Path) -> ResolvedModel:
+    """The tiny model with a 4096-token context, for generations long enough to interrupt."""
+    path = make_tiny_model(tmp_path_factory.mktemp("tiny_long") / "tiny_long", smol_dir, seed=0, context=4096)
+    return ResolvedModel(name="tiny_long", path=path)

@@ -26,7 +26,7 @@ def test_example_config_loads_and_documents_every_key() -> None:
     text = example.read_text()
     for key in Config.__struct_fields__:
         assert key in text
-    for key in config.engine.__struct_fields__:
+    for key in (*config.engine.__struct_fields__, *config.server.__struct_fields__):
         assert key in text
 
 

@@ -236,3 +236,9 @@ async def test_engine_rejects_bad_commands_and_keeps_serving(engine: EngineClien
         with pytest.raises(InvalidRequestError):
             await collect(engine, bad)
     assert (await collect(engine, good))[2].completion_tokens == 3
+
+
+async def test_loading_a_loaded_model_answers(engine: EngineClient, tiny: ResolvedModel) -> None:
+    first = await engine.load(tiny.name, str(tiny.path))
+    again = await asyncio.wait_for(engine.load(tiny.name, str(tiny.path)), 10)
+    assert again.weight_dtype == first.weight_dtype

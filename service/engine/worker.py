@@ -45,6 +45,7 @@ class LoadedModel:
     batch: Any  # mlx_lm BatchGenerator
     context_length: int
     vocab_size: int
+    weight_dtype: str
     requests: dict[int, Request] = field(default_factory=dict)
 
 
@@ -117,7 +118,10 @@ class Engine:
         elif isinstance(cmd, p.Cancel):
             self._cancel(cmd.request_id)
         elif isinstance(cmd, p.LoadModel):
-            self._load_or_fail(cmd.model, cmd.path)
+            was_loaded = cmd.model in self.models
+            lm = self._load_or_fail(cmd.model, cmd.path)
+            if lm is not None and was_loaded:  # a caller is waiting for this answer
+                self.send(p.ModelLoaded(model=cmd.model, weight_dtype=lm.weight_dtype, seconds=0.0))
         elif isinstance(cmd, p.Shutdown):
             self.running = False
 
@@ -160,7 +164,7 @@ class Engine:
         )
         ctx = context_length_of(config)
         vocab = int(config.get("vocab_size") or model.model.embed_tokens.weight.shape[0])
-        lm = LoadedModel(name, path, model, Tokenizer(Path(path)), batch, ctx, vocab)
+        lm = LoadedModel(name, path, model, Tokenizer(Path(path)), batch, ctx, vocab, dtype)
         self.models[name] = lm
         self.send(p.ModelLoaded(model=name, weight_dtype=dtype, seconds=time.perf_counter() - start))
         return lm

@@ -1,0 +1,50 @@
+"""Validate objects against the Open Responses OpenAPI schema (../shared/reference)."""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+
+SCHEMA = Path(__file__).resolve().parent.parent.parent / "shared" / "reference" / "openresponses-openapi.json"
+EVENT_SCHEMAS = {
+    "response.created": "ResponseCreatedStreamingEvent",
+    "response.queued": "ResponseQueuedStreamingEvent",
+    "response.in_progress": "ResponseInProgressStreamingEvent",
+    "response.completed": "ResponseCompletedStreamingEvent",
+    "response.failed": "ResponseFailedStreamingEvent",
+    "response.incomplete": "ResponseIncompleteStreamingEvent",
+    "response.output_item.added": "ResponseOutputItemAddedStreamingEvent",
+    "response.output_item.done": "ResponseOutputItemDoneStreamingEvent",
+    "response.content_part.added": "ResponseContentPartAddedStreamingEvent",
+    "response.content_part.done": "ResponseContentPartDoneStreamingEvent",
+    "response.output_text.delta": "ResponseOutputTextDeltaStreamingEvent",
+    "response.output_text.done": "ResponseOutputTextDoneStreamingEvent",
+}
+
+
+@cache
+def _validator(name: str) -> jsonschema.Draft202012Validator:
+    doc = json.loads(SCHEMA.read_text())
+    return jsonschema.Draft202012Validator({**doc, "$ref": f"#/components/schemas/{name}"})
+
+
+def validate(name: str, obj: Any) -> None:
+    _validator(name).validate(obj)
+
+
+def validate_event(event: dict[str, Any]) -> None:
+    """Open Responses events by their schema; LMSP's own events by their documented shape."""
+    etype = event["type"]
+    if etype in EVENT_SCHEMAS:
+        validate(EVENT_SCHEMAS[etype], event)
+    elif etype == "response.cancelled":  # LMSP 6.3: {type, sequence_number, response}
+        assert set(event) == {"type", "sequence_number", "response"}
+        validate("ResponseResource", event["response"])
+    elif etype == "lmsp.attempt.restarted":
+        assert set(event) == {"type", "sequence_number", "attempt", "reason"}
+    else:
+        raise AssertionError(f"unexpected event type {etype}")

@@ -1,0 +1,289 @@
+"""LMSP task endpoints on the real app (TestClient), real SQLite file, real engine, tiny model."""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from openresponses import validate, validate_event
+from starlette.testclient import TestClient
+
+from service.api.app import create_app
+from service.config import Config, EngineConfig, ModelEntry, ServerConfig
+from service.models.registry import ResolvedModel
+
+TOKENS = {"alice": "alice-secret-token", "bob": "bob-secret-token"}
+ALICE = {"Authorization": f"Bearer {TOKENS['alice']}"}
+BOB = {"Authorization": f"Bearer {TOKENS['bob']}"}
+
+
+def task_body(text: str = "Tell me a story.", **extra: Any) -> dict[str, Any]:
+    return {"type": "response", "input": {"input": text, "temperature": 0, "max_output_tokens": 16, **extra}}
+
+
+@pytest.fixture
+def server_config(tmp_path: Path, model_cache: Path, tiny_long: ResolvedModel) -> Config:
+    return Config(
+        default_model="tiny",
+        cache_dir=str(model_cache),
+        models={"tiny": ModelEntry(path=str(tiny_long.path))},
+        engine=EngineConfig(weight_dtype="quantized"),
+        server=ServerConfig(
+            data_dir=str(tmp_path / "data"), tokens=TOKENS, max_body_bytes=64 * 1024, keepalive_secs=0.5
+        ),
+    )
+
+
+@pytest.fixture
+def client(server_config: Config) -> Iterator[TestClient]:
+    with TestClient(create_app(server_config)) as c:
+        yield c
+
+
+def db_rows(config: Config, sql: str) -> list[tuple[Any, ...]]:
+    with sqlite3.connect(config.server.database_path) as conn:
+        return conn.execute(sql).fetchall()
+
+
+def wait_done(client: TestClient, task_id: str, timeout: float = 60) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        task = client.get(f"/lmsp/v1/tasks/{task_id}", headers=ALICE).json()
+        if task["status"] in ("succeeded", "failed", "cancelled"):
+            return task
+        time.sleep(0.05)
+    raise AssertionError(f"task {task_id} did not finish")
+
+
+def sse(
+    client: TestClient, task_id: str, headers: dict[str, str] | None = None, query: str = ""
+) -> list[dict[str, Any]]:
+    """Read a whole event stream; returns events with their SSE id attached."""
+    events: list[dict[str, Any]] = []
+    with client.stream("GET", f"/lmsp/v1/tasks/{task_id}/events{query}", headers={**ALICE, **(headers or {})}) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        block: dict[str, str] = {}
+        for line in r.iter_lines():
+            if line.startswith(("id: ", "event: ", "data: ")):
+                key, _, value = line.partition(": ")
+                block[key] = value
+            elif line == "" and "data" in block:
+                event = msgspec.json.decode(block["data"])
+                assert int(block["id"]) == event["sequence_number"] and block["event"] == event["type"]
+                events.append(event)
+                block = {}
+    return events
+
+
+def test_create_persists_before_answering_and_runs_to_completion(client: TestClient, server_config: Config) -> None:
+    r = client.post("/lmsp/v1/tasks", json=task_body(), headers=ALICE)
+    assert r.status_code == 202
+    task = r.json()
+    assert task["status"] in ("queued", "loading", "running") and task["object"] == "task"
+    assert task["events_url"] == f"/lmsp/v1/tasks/{task['id']}/events"
+    # Committed before the 202: another connection sees the task and its response.created.
+    assert db_rows(server_config, f"SELECT seq, type FROM events WHERE task_id = '{task['id']}' AND seq = 0") == [
+        (0, "response.created")
+    ]
+    done = wait_done(client, task["id"])
+    assert done["status"] == "succeeded" and done["error"] is None
+    validate("ResponseResource", done["response"])
+    assert done["response"]["id"] == task["response_id"]
+    assert done["response"]["status"] == "incomplete"  # 16 tokens: the limit, which is still a success
+    assert done["response"]["usage"]["output_tokens"] == 16
+    events = sse(client, task["id"])
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    for e in events:
+        validate_event(e)
+    text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert text == done["response"]["output"][0]["content"][0]["text"]
+    assert events[-1]["type"] == "response.incomplete"
+
+
+def test_sse_replay_from_every_last_event_id(client: TestClient) -> None:
+    task_id = client.post("/lmsp/v1/tasks", json=task_body(), headers=ALICE).json()["id"]
+    wait_done(client, task_id)
+    full = sse(client, task_id)
+    for n in range(-1, len(full) - 1):
+        assert sse(client, task_id, {"Last-Event-ID": str(n)}) == full[n + 1 :]
+    assert sse(client, task_id, query="?after=3") == full[4:]
+    assert sse(client, task_id, {"Last-Event-ID": "5"}, query="?after=1") == full[6:]  # the header wins
+
+
+@pytest.mark.parametrize("value", ["abc", "1.5", "999999", "-2"])
+def test_invalid_last_event_id(client: TestClient, value: str) -> None:
+    task_id = client.post("/lmsp/v1/tasks", json=task_body(), headers=ALICE).json()["id"]
+    r = client.get(f"/lmsp/v1/tasks/{task_id}/events", headers={**ALICE, "Last-Event-ID": value})
+    assert r.status_code == 400
+    assert r.headers["content-type"] == "application/problem+json"
+    assert r.json()["code"] == "invalid_request" and r.json()["param"] == "Last-Event-ID"
+
+
+def test_events_past_retention_are_gone(client: TestClient) -> None:
+    task_id = client.post("/lmsp/v1/tasks", json=task_body(), headers=ALICE).json()["id"]
+    wait_done(client, task_id)
+    store = client.app.state.lmsp.store  # type: ignore[attr-defined]
+    client.portal.call(
+        lambda: store.purge(
+            event_retention_secs=1,
+            task_retention_secs=10**6,  # type: ignore[union-attr]
+            idempotency_retention_secs=10**6,
+            now=int(time.time()) + 10,
+        )
+    )
+    r = client.get(f"/lmsp/v1/tasks/{task_id}/events", headers=ALICE)
+    assert r.status_code == 410 and r.json()["code"] == "event_history_expired"
+    assert client.get(f"/lmsp/v1/tasks/{task_id}", headers=ALICE).status_code == 200
+
+
+def test_etag_and_if_none_match(client: TestClient) -> None:
+    task_id = client.post("/lmsp/v1/tasks", json=task_body(), headers=ALICE).json()["id"]
+    wait_done(client, task_id)
+    r = client.get(f"/lmsp/v1/tasks/{task_id}", headers=ALICE)
+    tag = r.headers["etag"]
+    again = client.get(f"/lmsp/v1/tasks/{task_id}", headers={**ALICE, "If-None-Match": tag})
+    assert again.status_code == 304 and again.content == b""
+
+
+def test_cancel_running_then_idempotent_then_409_for_finished(client: TestClient) -> None:
+    task_id = client.post("/lmsp/v1/tasks", json=task_body(max_output_tokens=3000), headers=ALICE).json()["id"]
+    while client.get(f"/lmsp/v1/tasks/{task_id}", headers=ALICE).json()["status"] != "running":
+        time.sleep(0.02)
+    r = client.post(f"/lmsp/v1/tasks/{task_id}/cancel", headers=ALICE)
+    assert r.status_code == 200 and r.json()["status"] in ("cancelling", "cancelled")
+    assert wait_done(client, task_id)["status"] == "cancelled"
+    again = client.post(f"/lmsp/v1/tasks/{task_id}/cancel", headers=ALICE)
+    assert again.status_code == 200 and again.json()["status"] == "cancelled"
+    events = sse(client, task_id)
+    assert events[-1]["type"] == "response.cancelled"
+    validate_event(events[-1])
+
+    done_id = client.post("/lmsp/v1/tasks", json=task_body(), headers=ALICE).json()["id"]
+    wait_done(client, done_id)
+    r = client.post(f"/lmsp/v1/tasks/{done_id}/cancel", headers=ALICE)
+    assert r.status_code == 409 and r.json()["code"] == "task_not_cancelable"
+    r = client.post("/lmsp/v1/tasks/task_nope/cancel", headers=ALICE)
+    assert r.status_code == 404 and r.json()["code"] == "task_not_found"
+
+
+def test_other_tokens_cannot_see_a_task(client: TestClient) -> None:
+    task_id = client.post("/lmsp/v1/tasks", json=task_body(), headers=ALICE).json()["id"]
+    for method, path in [("GET", ""), ("POST", "/cancel"), ("GET", "/events")]:
+        r = client.request(method, f"/lmsp/v1/tasks/{task_id}{path}", headers=BOB)
+        assert r.status_code == 404 and r.json()["code"] == "task_not_found"
+    assert client.get("/lmsp/v1/tasks", headers=BOB).json()["data"] == []
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic abc"}])
+def test_missing_or_wrong_token(client: TestClient, server_config: Config, headers: dict[str, str]) -> None:
+    r = client.post("/lmsp/v1/tasks", json=task_body(), headers=headers)
+    assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+    assert r.json()["type"] == "urn:lmsp:problem:unauthorized"
+    assert client.get("/lmsp/v1/tasks", headers=headers).status_code == 401
+    assert client.get("/healthz").status_code == 200 and client.get("/readyz").status_code == 200
+    assert db_rows(server_config, "SELECT count(*) FROM tasks") == [(0,)]
+
+
+def test_list_filters_and_pages(client: TestClient) -> None:
+    ids = [client.post("/lmsp/v1/tasks", json=task_body(), headers=ALICE).json()["id"] for _ in range(5)]
+    for i in ids:
+        wait_done(client, i)
+    page = client.get("/lmsp/v1/tasks?limit=2", headers=ALICE).json()
+    assert page["object"] == "list" and page["has_more"] is True
+    assert [t["id"] for t in page["data"]] == ids[::-1][:2]
+    assert (page["first_id"], page["last_id"]) == (ids[-1], ids[-2])
+    rest = client.get(f"/lmsp/v1/tasks?limit=10&after={page['last_id']}", headers=ALICE).json()
+    assert [t["id"] for t in rest["data"]] == ids[::-1][2:] and rest["has_more"] is False
+    assert len(client.get("/lmsp/v1/tasks?status=succeeded&status=failed", headers=ALICE).json()["data"]) == 5
+    assert client.get("/lmsp/v1/tasks?status=queued", headers=ALICE).json()["data"] == []
+    for bad in ["limit=0", "limit=101", "limit=x", "status=done"]:
+        r = client.get(f"/lmsp/v1/tasks?{bad}", headers=ALICE)
+        assert r.status_code == 400 and r.json()["param"] == bad.split("=")[0]
+
+
+def test_idempotency_key_concurrent_duplicates_make_one_task(client: TestClient, server_config: Config) -> None:
+    headers = {**ALICE, "Idempotency-Key": "job-42"}
+    with ThreadPoolExecutor(20) as pool:
+        results = list(pool.map(lambda _: client.post("/lmsp/v1/tasks", json=task_body(), headers=headers), range(20)))
+    assert {r.status_code for r in results} == {202}
+    assert len({r.json()["id"] for r in results}) == 1
+    assert sum(r.headers.get("idempotent-replayed") == "true" for r in results) == 19
+    assert db_rows(server_config, "SELECT count(*) FROM tasks") == [(1,)]
+    r = client.post("/lmsp/v1/tasks", json=task_body("Another text"), headers=headers)
+    assert r.status_code == 422 and r.json()["code"] == "idempotency_key_reused"
+    # Scoped per token: Bob's same key is his own task.
+    assert (
+        client.post("/lmsp/v1/tasks", json=task_body(), headers={**BOB, "Idempotency-Key": "job-42"}).json()["id"]
+        != results[0].json()["id"]
+    )
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "code", "param"),
+    [
+        (b"{not json", 400, "invalid_request", None),
+        (b'{"type": "response", "input": {"input": 5}}', 400, "invalid_request", "input.input"),
+        (
+            b'{"type": "response", "input": {"input": "hi", "max_output_tokens": "many"}}',
+            400,
+            "invalid_request",
+            "input.max_output_tokens",
+        ),
+        (b'{"type": "response", "input": {"input": "hi", "tools": []}}', 400, "invalid_request", "input.tools"),
+        (b'{"type": "response", "input": {"input": "hi"}, "priority": 1}', 400, "invalid_request", "priority"),
+        (b'{"type": "batch", "input": {"input": "hi"}}', 400, "invalid_request", "type"),
+        (
+            b'{"type": "response", "input": {"input": "hi"}, "on_restart": "never"}',
+            400,
+            "invalid_request",
+            "on_restart",
+        ),
+        (b'{"type": "response", "input": {"input": "hi", "temperature": 5}}', 400, "invalid_request", "temperature"),
+        (b'{"type": "response", "input": {"input": "hi", "model": "ghost"}}', 404, "model_not_found", "model"),
+        (
+            b'{"type": "response", "input": {"input": "' + b"word " * 5000 + b'"}}',
+            400,
+            "context_length_exceeded",
+            "input",
+        ),
+        (b'{"type": "response", "input": {"input": "' + b"x" * 70000 + b'"}}', 413, "payload_too_large", None),
+    ],
+)
+def test_bad_input_is_a_problem_and_persists_nothing(
+    client: TestClient, server_config: Config, body: bytes, status: int, code: str, param: str | None
+) -> None:
+    r = client.post("/lmsp/v1/tasks", content=body, headers={**ALICE, "Content-Type": "application/json"})
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"] == "application/problem+json"
+    problem = r.json()
+    assert (problem["code"], problem.get("param"), problem["status"]) == (code, param, status)
+    assert problem["type"] == f"urn:lmsp:problem:{code}" and problem["title"] and problem["detail"]
+    assert db_rows(server_config, "SELECT count(*) FROM tasks") == [(0,)]
+
+
+@pytest.mark.parametrize("key", [b"", b"x" * 256, "caf\u00e9".encode("latin-1"), b"tab\there", b"del\x7f"])
+def test_invalid_idempotency_key(client: TestClient, server_config: Config, key: bytes) -> None:
+    r = client.post("/lmsp/v1/tasks", json=task_body(), headers={**ALICE, "Idempotency-Key": key})
+    assert r.status_code == 400 and r.json()["param"] == "Idempotency-Key"
+    assert db_rows(server_config, "SELECT count(*) FROM tasks") == [(0,)]
+
+
+def test_unknown_task_and_route(client: TestClient) -> None:
+    r = client.get("/lmsp/v1/tasks/task_nope", headers=ALICE)
+    assert r.status_code == 404 and r.json()["code"] == "task_not_found"
+    assert client.get("/lmsp/v1/nothing", headers=ALICE).json()["code"] == "not_found"
+
+
+def test_discovery(client: TestClient) -> None:
+    caps = client.get("/lmsp/v1/capabilities", headers=ALICE).json()
+    assert caps["lmsp_version"] == "1.0" and caps["capabilities"]["resume_snapshots"] is True
+    assert caps["on_restart"] == ["fail", "retry", "resume"] and caps["task_types"] == ["response"]
+    names = [m["id"] for m in client.get("/lmsp/v1/models", headers=ALICE).json()["data"]]
+    assert "tiny" in names and "smollm2-135m-instruct" in names

@@ -82,9 +82,13 @@ class Engine:
         while self.running:
             busy = bool(self.by_id) or bool(self.waiting)
             timeout: float | None = 0 if busy else None
-            while self.running and self.conn.poll(timeout):
-                self._handle_safely(self.conn.recv_bytes())
-                timeout = 0
+            try:
+                while self.running and self.conn.poll(timeout):
+                    self._handle_safely(self.conn.recv_bytes())
+                    timeout = 0
+            except EOFError:
+                log.warning("the server went away; engine exiting")
+                return
             self._admit_waiting()
             deltas: list[p.Delta] = []
             for lm in list(self.models.values()):

@@ -1,0 +1,182 @@
+"""Acceptance: a real ``lmspd serve`` process is killed with SIGKILL mid-generation and started
+again; every accepted task survives and ends as its ``on_restart`` policy says."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+
+from service.models.registry import ResolvedModel
+
+PROMPT = "Tell me a long story about a dragon."
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Server:
+    def __init__(self, config: Path, port: int, log: Path) -> None:
+        self.config, self.port, self.log = config, port, log
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.url = f"http://127.0.0.1:{port}"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "service.cli", "serve", "--config", str(self.config), "--port", str(self.port)],
+            stdout=self.log.open("ab"),
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.log.read_text()
+            try:
+                if httpx.get(f"{self.url}/readyz", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError("server did not become ready")
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> int:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(30)
+
+
+@pytest.fixture
+def server(tmp_path: Path, model_cache: Path, tiny_long: ResolvedModel) -> Iterator[Server]:
+    config = tmp_path / "lmspd.toml"
+    config.write_text(
+        f'default_model = "tiny"\ncache_dir = "{model_cache}"\n'
+        f'[engine]\nweight_dtype = "quantized"\nmax_concurrency = 4\n'
+        f'[server]\ndata_dir = "{tmp_path / "data"}"\nkeepalive_secs = 1.0\n'
+        f'[models.tiny]\npath = "{tiny_long.path}"\n'
+    )
+    srv = Server(config, free_port(), tmp_path / "server.log")
+    yield srv
+    if srv.proc and srv.proc.poll() is None:
+        srv.proc.kill()
+        srv.proc.wait(10)
+
+
+def submit(url: str, on_restart: str, max_tokens: int = 3000) -> dict[str, Any]:
+    body = {
+        "type": "response",
+        "on_restart": on_restart,
+        "input": {"input": PROMPT, "temperature": 0, "max_output_tokens": max_tokens},
+    }
+    r = httpx.post(f"{url}/lmsp/v1/tasks", json=body, timeout=30)
+    assert r.status_code == 202, r.text
+    return dict(r.json())
+
+
+def read_sse(
+    url: str, task_id: str, out: list[dict[str, Any]], last_event_id: int | None = None, stop_after: int | None = None
+) -> None:
+    headers = {"Last-Event-ID": str(last_event_id)} if last_event_id is not None else {}
+    try:
+        with httpx.stream("GET", f"{url}/lmsp/v1/tasks/{task_id}/events", headers=headers, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    out.append(msgspec.json.decode(line[6:]))
+                    if stop_after is not None and len(out) >= stop_after:
+                        return
+    except httpx.HTTPError:
+        pass  # the server was killed under us
+
+
+def task(url: str, task_id: str) -> dict[str, Any]:
+    return dict(httpx.get(f"{url}/lmsp/v1/tasks/{task_id}", timeout=10).json())
+
+
+def wait_final(url: str, task_id: str, timeout: float = 120) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        t = task(url, task_id)
+        if t["status"] in ("succeeded", "failed", "cancelled"):
+            return t
+        time.sleep(0.1)
+    raise AssertionError(f"{task_id} did not finish: {task(url, task_id)}")
+
+
+def all_events(url: str, task_id: str) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    read_sse(url, task_id, out)
+    return out
+
+
+def text_of(events: list[dict[str, Any]]) -> str:
+    return "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+
+
+def test_kill_9_mid_generation_then_restart(server: Server) -> None:
+    server.start()
+    tasks = {policy: submit(server.url, policy) for policy in ("fail", "retry", "resume")}
+    to_cancel = submit(server.url, "retry")
+    seen: list[dict[str, Any]] = []
+    reader = threading.Thread(target=read_sse, args=(server.url, tasks["resume"]["id"], seen), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 60
+    while len(seen) < 40 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(seen) >= 40, "generation did not get going"
+    cancel = httpx.post(f"{server.url}/lmsp/v1/tasks/{to_cancel['id']}/cancel", timeout=10)
+    assert cancel.status_code == 200
+    server.kill9()
+    reader.join(10)
+    before_kill = list(seen)
+
+    server.start()
+    url = server.url
+    # Every task that got a 202 still exists.
+    final = {policy: wait_final(url, t["id"]) for policy, t in tasks.items()}
+    assert wait_final(url, to_cancel["id"])["status"] == "cancelled"
+
+    assert final["fail"]["status"] == "failed"
+    assert final["fail"]["error"]["code"] == "server_restarted"
+    assert final["fail"]["error"]["type"] == "urn:lmsp:problem:server_restarted"
+
+    assert final["retry"]["status"] == "succeeded" and final["retry"]["attempt"] == 2
+    retry_events = all_events(url, tasks["retry"]["id"])
+    assert [e["sequence_number"] for e in retry_events] == list(range(len(retry_events)))
+    restarts = [e for e in retry_events if e["type"] == "lmsp.attempt.restarted"]
+    assert len(restarts) == 1 and restarts[0]["attempt"] == 2 and restarts[0]["reason"] == "server_restarted"
+    after_restart = retry_events[retry_events.index(restarts[0]) + 1 :]
+
+    assert final["resume"]["status"] == "succeeded" and final["resume"]["attempt"] == 1
+    resume_events = all_events(url, tasks["resume"]["id"])
+    assert [e["sequence_number"] for e in resume_events] == list(range(len(resume_events)))
+    # Nothing a client saw before the kill differs afterwards.
+    assert resume_events[: len(before_kill)] == before_kill
+    # A client resumes its stream across the restart with no gap and no duplicate.
+    tail: list[dict[str, Any]] = []
+    read_sse(url, tasks["resume"]["id"], tail, last_event_id=before_kill[-1]["sequence_number"])
+    assert before_kill + tail == resume_events
+    # Resumed text = what was generated before + the continuation = an uninterrupted run.
+    reference = wait_final(url, submit(url, "fail")["id"])
+    ref_text = reference["response"]["output"][0]["content"][0]["text"]
+    assert final["resume"]["response"]["output"][0]["content"][0]["text"] == text_of(resume_events) == ref_text
+    assert text_of(after_restart) == ref_text  # the retry started over and ran to the same end
+    assert final["resume"]["response"]["usage"] == reference["response"]["usage"]
+
+    assert server.stop() == 0  # SIGTERM: a clean exit

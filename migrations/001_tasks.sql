@@ -41,3 +41,25 @@ CREATE TABLE idempotency_keys (
     created_at  INTEGER NOT NULL,
     PRIMARY KEY (owner, key)
 ) WITHOUT ROWID;
+
+-- Tasks per status, kept by triggers in the same transactions, so the queue bound is
+-- checked in O(1) however many tasks are queued.
+CREATE TABLE task_counts (
+    status  TEXT PRIMARY KEY,
+    n       INTEGER NOT NULL
+) WITHOUT ROWID;
+
+CREATE TRIGGER task_counts_insert AFTER INSERT ON tasks BEGIN
+    INSERT INTO task_counts (status, n) VALUES (NEW.status, 1)
+    ON CONFLICT (status) DO UPDATE SET n = n + 1;
+END;
+
+CREATE TRIGGER task_counts_update AFTER UPDATE OF status ON tasks WHEN OLD.status != NEW.status BEGIN
+    UPDATE task_counts SET n = n - 1 WHERE status = OLD.status;
+    INSERT INTO task_counts (status, n) VALUES (NEW.status, 1)
+    ON CONFLICT (status) DO UPDATE SET n = n + 1;
+END;
+
+CREATE TRIGGER task_counts_delete AFTER DELETE ON tasks BEGIN
+    UPDATE task_counts SET n = n - 1 WHERE status = OLD.status;
+END;

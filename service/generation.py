@@ -19,6 +19,27 @@ def tokenizer_for(model: ResolvedModel) -> Tokenizer:
     return _TOKENIZERS[key]
 
 
+def _too_long(tokens: int, model: ResolvedModel) -> ContextLengthExceededError:
+    return ContextLengthExceededError(
+        f"the input is {tokens} tokens, but the model's context is {model.context_length} tokens", param="input"
+    )
+
+
+def check_request(model: ResolvedModel, messages: list[dict[str, Any]], sampling: p.SamplingParams) -> None:
+    """Intake's check: what ``build_generate`` would reject, tokenizing only when needed.
+
+    A byte-level BPE never makes more tokens than the text has bytes, so a short
+    rendered prompt cannot exceed the context and needs no tokenization.
+    """
+    sampling.validate()
+    tok = tokenizer_for(model)
+    rendered = tok.render_chat(messages)
+    if len(rendered.encode()) + 8 < model.context_length:
+        return
+    if (tokens := len(tok.encode(rendered))) >= model.context_length:
+        raise _too_long(tokens, model)
+
+
 def build_generate(
     model: ResolvedModel,
     messages: list[dict[str, Any]],
@@ -35,11 +56,8 @@ def build_generate(
         raise InvalidRequestError(f"max_output_tokens must be >= 1, got {max_tokens}", param="max_output_tokens")
     tok = tokenizer_for(model)
     prompt = tok.encode_chat(messages)
-    ctx = model.context_length
-    if len(prompt) >= ctx:
-        raise ContextLengthExceededError(
-            f"the input is {len(prompt)} tokens, but the model's context is {ctx} tokens", param="input"
-        )
+    if len(prompt) >= model.context_length:
+        raise _too_long(len(prompt), model)
     return p.Generate(
         request_id=request_id,
         model=model.name,

@@ -41,7 +41,9 @@ EXPECTED_SCHEMA = {
     ],
     "events": ["task_id", "seq", "type", "data", "tokens"],
     "idempotency_keys": ["owner", "key", "fingerprint", "task_id", "created_at"],
+    "task_counts": ["status", "n"],
 }
+EXPECTED_TRIGGERS = {"task_counts_insert", "task_counts_update", "task_counts_delete"}
 EXPECTED_INDEXES = {"tasks_by_status", "tasks_by_owner", "tasks_by_finished"}
 
 
@@ -78,6 +80,8 @@ def test_migrations_produce_exactly_the_schema(tmp_path: Path) -> None:
         assert [r[1] for r in conn.execute(f"PRAGMA table_info({table})")] == columns
     indexes = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'index' AND sql IS NOT NULL")}
     assert indexes == EXPECTED_INDEXES
+    triggers = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'trigger'")}
+    assert triggers == EXPECTED_TRIGGERS
     assert conn.execute("PRAGMA user_version").fetchone()[0] == 1
     assert migrate(conn) == 1  # idempotent
 
@@ -241,3 +245,14 @@ async def test_retention_purges_events_then_tasks(store: TaskStore) -> None:
     with pytest.raises(TaskNotFoundError):
         await store.get(old.id)
     assert (await store.get(live.id)).status == "queued"
+
+
+async def test_status_counts_follow_every_change(store: TaskStore) -> None:
+    ids = [(await create(store))[0].id for _ in range(4)]
+    await store.transition(ids[0], "loading")
+    await store.transition(ids[1], "cancelled")
+    await store.cancel(ids[2], "alice", final_event=event("response.cancelled"))
+    await store.purge(event_retention_secs=0, task_retention_secs=-10, idempotency_retention_secs=0)
+    counts = dict(await store.db.fetchall("SELECT status, n FROM task_counts WHERE n > 0"))  # type: ignore[arg-type]
+    actual = dict(await store.db.fetchall("SELECT status, count(*) FROM tasks GROUP BY status"))  # type: ignore[arg-type]
+    assert counts == actual == {"queued": 1, "loading": 1}

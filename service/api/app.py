@@ -26,7 +26,9 @@ from service.api.problems import from_error, problem, problem_response
 from service.api.state import AppState
 from service.config import Config
 from service.engine.client import EngineClient
+from service.engine.protocol import SamplingParams
 from service.errors import LmspdError
+from service.generation import check_request
 from service.hub import Hub
 from service.models.registry import ModelRegistry
 from service.store.db import Database
@@ -133,6 +135,13 @@ async def _janitor(state: AppState) -> None:
             log.exception("retention purge failed")
 
 
+def _warm_up(state: AppState) -> None:
+    """Load the default model's tokenizer and compile its chat template before the first request."""
+    with contextlib.suppress(LmspdError):
+        if (model := state.registry.resolve_local(state.config.default_model)) is not None:
+            check_request(model, [{"role": "user", "content": "warm-up"}], SamplingParams())
+
+
 def create_app(config: Config, engine: EngineClient | None = None) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -143,6 +152,7 @@ def create_app(config: Config, engine: EngineClient | None = None) -> Starlette:
         await supervisor.start()  # recovers unfinished tasks before any request is served
         state = AppState(config, db, store, hub, supervisor, Authenticator(config.server.tokens), ModelRegistry(config))
         app.state.lmsp = state
+        await asyncio.to_thread(_warm_up, state)
         janitor = asyncio.create_task(_janitor(state))
         try:
             yield

@@ -57,13 +57,15 @@ async def _stream(app: AppState, task_id: str, after: int) -> AsyncIterator[byte
     keepalive = app.config.server.keepalive_secs
     while True:
         signal = app.hub.signal(task_id)  # taken before reading, so no commit slips between
-        events = await app.store.events_after(task_id, after, 500)
-        for ev in events:
-            yield b"id: %d\nevent: %s\ndata: %s\n\n" % (ev.seq, ev.type.encode(), ev.data)
-            after = ev.seq
-            if ev.type in FINAL_EVENTS:
-                return
+        events = await app.store.events_after(task_id, after, 1000)
         if events:
+            # One write per batch: a replay is bounded by the database read, not by per-event sends.
+            final = next((i for i, ev in enumerate(events) if ev.type in FINAL_EVENTS), None)
+            batch = events if final is None else events[: final + 1]
+            yield b"".join(b"id: %d\nevent: %s\ndata: %s\n\n" % (ev.seq, ev.type.encode(), ev.data) for ev in batch)
+            if final is not None:
+                return
+            after = batch[-1].seq
             continue
         if app.hub.closing.is_set():
             return

@@ -11,8 +11,7 @@ from starlette.responses import Response
 from service.api.state import AppState
 from service.api.wire import TaskList, decode, etag, fingerprint, idempotency_key, read_body, task_object
 from service.errors import InvalidRequestError
-from service.generation import build_generate
-from service.models.registry import ResolvedModel
+from service.generation import check_request
 from service.responses.builder import ResponseState, initial_response
 from service.responses.schema import TaskCreate
 from service.store.tasks import TaskRecord
@@ -24,18 +23,15 @@ def _json(obj: object, status: int = 200, headers: dict[str, str] | None = None)
     return Response(msgspec.json.encode(obj), status_code=status, media_type="application/json", headers=headers)
 
 
-async def _check_model(app: AppState, envelope: TaskCreate) -> None:
-    """Reject what would fail anyway (unknown model, too long a prompt) before accepting."""
-    name = envelope.input.model or app.config.default_model
-    model: ResolvedModel | None = await asyncio.to_thread(app.registry.resolve_local, name)
-    if model is not None:
-        build_generate(
-            model,
-            envelope.input.messages(),
-            request_id="check",
-            max_tokens=envelope.input.max_output_tokens or 1,
-            sampling=app.sampling(envelope.input),
-        )
+def _check_model(app: AppState, envelope: TaskCreate) -> None:
+    """Reject what would fail anyway (unknown model, too long a prompt) before accepting.
+    Runs in a worker thread: a large prompt must not stall the event loop."""
+    sampling = app.sampling(envelope.input)
+    model = app.registry.resolve_local(envelope.input.model or app.config.default_model)
+    if model is None:  # fetched when the task runs
+        sampling.validate()
+    else:
+        check_request(model, envelope.input.messages(), sampling)
 
 
 async def create_task(request: Request) -> Response:
@@ -46,7 +42,7 @@ async def create_task(request: Request) -> Response:
     body = await read_body(request, app.config.server.max_body_bytes)
     envelope = decode(body, TaskCreate)
     envelope.input.validate()
-    await _check_model(app, envelope)
+    await asyncio.to_thread(_check_model, app, envelope)
     model_name = envelope.input.model or app.config.default_model
 
     def first_event(task: TaskRecord, seq: int):  # type: ignore[no-untyped-def]

@@ -42,7 +42,7 @@ UPDATE tasks SET status = 'queued', attempt = attempt + :bump, updated_at = :now
 WHERE id = :id AND status IN ('loading', 'running');
 
 -- name: count_queued
-SELECT count(*) FROM tasks WHERE status = 'queued';
+SELECT coalesce((SELECT n FROM task_counts WHERE status = 'queued'), 0);
 
 -- name: expire_events
 -- Marks at most :limit finished tasks whose events passed the retention window; the

@@ -16,6 +16,7 @@ from service.responses.builder import ResponseState, initial_response
 from service.responses.schema import TaskCreate
 from service.store.tasks import TaskRecord
 
+_INLINE_CHECK_BYTES = 16 * 1024
 STATUSES = {"queued", "loading", "running", "cancelling", "succeeded", "failed", "cancelled"}
 
 
@@ -42,7 +43,10 @@ async def create_task(request: Request) -> Response:
     body = await read_body(request, app.config.server.max_body_bytes)
     envelope = decode(body, TaskCreate)
     envelope.input.validate()
-    await asyncio.to_thread(_check_model, app, envelope)
+    if len(body) < _INLINE_CHECK_BYTES:
+        _check_model(app, envelope)  # small: cheaper than a thread hop
+    else:
+        await asyncio.to_thread(_check_model, app, envelope)
     model_name = envelope.input.model or app.config.default_model
 
     def first_event(task: TaskRecord, seq: int):  # type: ignore[no-untyped-def]

@@ -49,7 +49,17 @@ class Supervisor:
     async def start(self) -> None:
         await self.recover()
         await self.engine.start()
+        await self._preload()
         self._loop_task = asyncio.create_task(self._loop(), name="supervisor")
+
+    async def _preload(self) -> None:
+        """Load the default model now, so the first task does not wait for it."""
+        try:
+            model = await asyncio.to_thread(self.registry.resolve_local, self.config.default_model)
+            if model is not None:
+                await self.engine.load(model.name, str(model.path))
+        except LmspdError as exc:  # tasks naming it will fail with the reason; others still run
+            log.error("default model %s did not load: %s", self.config.default_model, exc.message)
 
     async def stop(self) -> None:
         """Leave in-flight tasks as their policies can recover them, then stop the engine."""

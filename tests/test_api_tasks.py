@@ -287,3 +287,30 @@ def test_discovery(client: TestClient) -> None:
     assert caps["on_restart"] == ["fail", "retry", "resume"] and caps["task_types"] == ["response"]
     names = [m["id"] for m in client.get("/lmsp/v1/models", headers=ALICE).json()["data"]]
     assert "tiny" in names and "smollm2-135m-instruct" in names
+
+
+def test_cancel_racing_completion_100_times(client: TestClient) -> None:
+    body = {"type": "response", "input": {"input": "Hi", "temperature": 0, "max_output_tokens": 2}}
+    ids = []
+    for i in range(100):
+        task_id = client.post("/lmsp/v1/tasks", json=body, headers=ALICE).json()["id"]
+        time.sleep((i % 10) * 0.002)  # cancel at different points: queued, loading, running, done
+        r = client.post(f"/lmsp/v1/tasks/{task_id}/cancel", headers=ALICE)
+        assert r.status_code in (200, 409)
+        ids.append(task_id)
+    outcomes = set()
+    for task_id in ids:
+        task = wait_done(client, task_id)
+        events = sse(client, task_id)
+        finals = [
+            e["type"]
+            for e in events
+            if e["type"] in ("response.completed", "response.incomplete", "response.failed", "response.cancelled")
+        ]
+        assert [e["sequence_number"] for e in events] == list(range(len(events)))
+        expected = {"succeeded": ["response.completed", "response.incomplete"], "cancelled": ["response.cancelled"]}[
+            task["status"]
+        ]
+        assert len(finals) == 1 and finals[0] in expected and events[-1]["type"] == finals[0]
+        outcomes.add(task["status"])
+    assert outcomes == {"succeeded", "cancelled"}  # the race really went both ways

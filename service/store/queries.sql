@@ -1,8 +1,19 @@
 -- Named queries: each starts with "-- name: <name>" and runs as one statement.
 
 -- name: insert_task
-INSERT INTO tasks (id, owner, status, on_restart, request, response_id, next_seq, created_at, updated_at)
-VALUES (:id, :owner, 'queued', :on_restart, :request, :response_id, 0, :now, :now);
+INSERT INTO tasks (id, owner, status, on_restart, request, response_id, next_seq, created_at, updated_at,
+                   kind, background, stored, previous_response_id)
+VALUES (:id, :owner, 'queued', :on_restart, :request, :response_id, 0, :now, :now,
+        :kind, :background, :stored, :previous_response_id);
+
+-- name: get_task_by_response
+SELECT * FROM tasks WHERE response_id = :response_id;
+
+-- name: delete_task
+DELETE FROM tasks WHERE id = :id;
+
+-- name: set_expiry
+UPDATE tasks SET expires_at = :expires_at WHERE id = :id;
 
 -- name: get_task
 SELECT * FROM tasks WHERE id = :id;
@@ -56,6 +67,11 @@ DELETE FROM events WHERE (task_id, seq) IN (
 
 -- name: purge_tasks
 DELETE FROM tasks WHERE id IN (SELECT id FROM tasks WHERE finished_at < :cutoff LIMIT :limit);
+
+-- name: purge_expired
+-- Finished store:false background responses, readable only for their ephemeral TTL.
+DELETE FROM tasks WHERE id IN (
+    SELECT id FROM tasks WHERE expires_at < :cutoff AND finished_at IS NOT NULL LIMIT :limit);
 
 -- name: purge_idempotency_keys
 DELETE FROM idempotency_keys WHERE (owner, key) IN (

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sqlite3
 import time
 from collections.abc import Callable, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 from ulid import monotonic as ulid
@@ -38,6 +38,15 @@ TRANSITIONS: dict[str, frozenset[str]] = {
 }
 
 
+class ResponseFields(msgspec.Struct, frozen=True, kw_only=True):
+    """What a Responses API request adds to its task row."""
+
+    kind: str = "response"
+    background: bool = True
+    stored: bool = True
+    previous_response_id: str | None = None
+
+
 class TaskRecord(msgspec.Struct, kw_only=True):
     id: str
     owner: str
@@ -55,6 +64,11 @@ class TaskRecord(msgspec.Struct, kw_only=True):
     created_at: int
     updated_at: int
     finished_at: int | None
+    kind: str = "task"
+    background: int = 1
+    stored: int = 1
+    previous_response_id: str | None = None
+    expires_at: int | None = None
 
     @classmethod
     def from_row(cls, row: sqlite3.Row) -> TaskRecord:
@@ -111,7 +125,7 @@ def _append(conn: sqlite3.Connection, task: TaskRecord, builders: Sequence[Event
     return _get(conn, task.id)
 
 
-def _rowcount(sql: str, params: dict[str, int]) -> Callable[[sqlite3.Connection], int]:
+def _rowcount(sql: str, params: dict[str, Any]) -> Callable[[sqlite3.Connection], int]:
     def job(conn: sqlite3.Connection) -> int:
         return int(conn.execute(sql, params).rowcount)
 
@@ -138,6 +152,7 @@ class TaskStore:
         on_restart: OnRestart,
         first_event: EventBuilder,
         idempotency: tuple[str, str] | None = None,  # (key, request fingerprint)
+        response: ResponseFields | None = None,
     ) -> tuple[TaskRecord, bool]:
         """Persist a queued task and its first event; returns (task, replayed)."""
         task_id, response_id = new_ids()
@@ -165,6 +180,7 @@ class TaskStore:
                     "request": request,
                     "response_id": response_id,
                     "now": now,
+                    **msgspec.structs.asdict(response or ResponseFields(kind="task")),
                 },
             )
             if idempotency is not None:
@@ -253,6 +269,18 @@ class TaskStore:
 
         return await self.db.writer.submit(job)
 
+    async def get_by_response(self, response_id: str, owner: str | None = None) -> TaskRecord | None:
+        row = await self.db.fetchone(q("get_task_by_response"), {"response_id": response_id})
+        if row is None or (owner is not None and row["owner"] != owner):
+            return None
+        return TaskRecord.from_row(row)
+
+    async def delete(self, task_id: str) -> bool:
+        return await self.db.writer.submit(_rowcount(q("delete_task"), {"id": task_id})) == 1
+
+    async def set_expiry(self, task_id: str, expires_at: int) -> None:
+        await self.db.writer.submit(_rowcount(q("set_expiry"), {"id": task_id, "expires_at": expires_at}))
+
     async def queued_ids(self, limit: int) -> list[str]:
         return [r["id"] for r in await self.db.fetchall(q("queued_ids"), {"limit": limit})]
 
@@ -291,6 +319,7 @@ class TaskStore:
             ("delete_expired_events", "events", 0),
             ("purge_tasks", "tasks", now - task_retention_secs),
             ("purge_idempotency_keys", "idempotency_keys", now - idempotency_retention_secs),
+            ("purge_expired", "tasks", now),
         ]
         for query, field, cutoff in steps:
             while True:

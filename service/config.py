@@ -47,6 +47,7 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     keepalive_secs: float = 15.0
     shutdown_grace_secs: float = 10.0
     default_max_output_tokens: int = 4096
+    responses_ephemeral_ttl_secs: int = 600
 
     def __post_init__(self) -> None:
         for key in (
@@ -57,6 +58,7 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             "idempotency_retention_secs",
             "janitor_interval_secs",
             "default_max_output_tokens",
+            "responses_ephemeral_ttl_secs",
         ):
             _positive(f"server.{key}", getattr(self, key))
         if not 0 < self.port < 65536:

@@ -25,19 +25,26 @@ def _too_long(tokens: int, model: ResolvedModel) -> ContextLengthExceededError:
     )
 
 
-def check_request(model: ResolvedModel, messages: list[dict[str, Any]], sampling: p.SamplingParams) -> None:
+def check_request(
+    model: ResolvedModel,
+    messages: list[dict[str, Any]],
+    sampling: p.SamplingParams,
+    template_kwargs: dict[str, Any] | None = None,
+) -> int | None:
     """Intake's check: what ``build_generate`` would reject, tokenizing only when needed.
 
     A byte-level BPE never makes more tokens than the text has bytes, so a short
-    rendered prompt cannot exceed the context and needs no tokenization.
+    rendered prompt cannot exceed the context and needs no tokenization. Returns
+    the token count when it was computed.
     """
     sampling.validate()
     tok = tokenizer_for(model)
-    rendered = tok.render_chat(messages)
+    rendered = tok.render_chat(messages, **(template_kwargs or {}))
     if len(rendered.encode()) + 8 < model.context_length:
-        return
+        return None
     if (tokens := len(tok.encode(rendered))) >= model.context_length:
         raise _too_long(tokens, model)
+    return tokens
 
 
 def build_generate(
@@ -49,13 +56,14 @@ def build_generate(
     sampling: p.SamplingParams,
     generated: list[int] | None = None,
     stop: list[str] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> p.Generate:
     """Validate, render and tokenize; raise before any generation on bad input."""
     sampling.validate()
     if max_tokens < 1:
         raise InvalidRequestError(f"max_output_tokens must be >= 1, got {max_tokens}", param="max_output_tokens")
     tok = tokenizer_for(model)
-    prompt = tok.encode_chat(messages)
+    prompt = tok.encode_chat(messages, **(template_kwargs or {}))
     if len(prompt) >= model.context_length:
         raise _too_long(len(prompt), model)
     return p.Generate(

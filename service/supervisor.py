@@ -24,6 +24,7 @@ from service.generation import build_generate
 from service.hub import Hub
 from service.models.registry import ModelRegistry
 from service.responses.builder import ResponseState
+from service.responses.history import chain_messages
 from service.responses.schema import ResponseRequest
 from service.store.tasks import EventBuilder, TaskRecord, TaskStore
 
@@ -182,9 +183,10 @@ class Supervisor:
             await self.engine.load(model.name, str(model.path))
             if not await self._to(task_id, "running", state.in_progress()):
                 return await self._settle_cancel(task_id, state)
+            history = await chain_messages(self.store, task.owner, task.previous_response_id)
             cmd = build_generate(
                 model,
-                request.messages(),
+                request.messages(history),
                 request_id=task_id,
                 max_tokens=request.max_output_tokens or self.config.server.default_max_output_tokens,
                 sampling=p.SamplingParams(
@@ -192,6 +194,7 @@ class Supervisor:
                     top_p=1.0 if request.top_p is None else request.top_p,
                 ),
                 generated=state.tokens,
+                template_kwargs=request.chat_template_kwargs,
             )
             finished = await self._generate(task_id, state, cmd)
         except EngineCrashedError as exc:

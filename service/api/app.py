@@ -20,9 +20,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from service.api import events, tasks
+from service.api import events, responses, tasks
 from service.api.auth import Authenticator
-from service.api.problems import from_error, problem, problem_response
+from service.api.problems import from_error, openai_error, problem, problem_response
 from service.api.state import AppState
 from service.config import Config
 from service.engine.client import EngineClient
@@ -85,6 +85,10 @@ async def models(request: Request) -> Response:
     return _json({"object": "list", "data": data})
 
 
+def _is_openai(request: Request) -> bool:
+    return request.url.path.startswith(("/v1/", "/responses"))
+
+
 async def on_lmspd_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, LmspdError)
     p = from_error(exc)
@@ -93,18 +97,32 @@ async def on_lmspd_error(request: Request, exc: Exception) -> Response:
         headers["Retry-After"] = "1"
     if p.code == "unauthorized":
         headers["WWW-Authenticate"] = "Bearer"
+    if _is_openai(request):
+        return openai_error(p, headers)
     return problem_response(p, headers)
 
 
 async def on_http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     code = "not_found" if exc.status_code == 404 else "invalid_request"
-    return problem_response(problem(code, str(exc.detail), status=exc.status_code))
+    p = problem(code, str(exc.detail), status=exc.status_code)
+    return openai_error(p) if _is_openai(request) else problem_response(p)
 
 
 async def on_unexpected(request: Request, exc: Exception) -> Response:
     log.exception("unhandled error on %s %s", request.method, request.url.path)
-    return problem_response(problem("server_error", "internal server error", status=500))
+    p = problem("server_error", "internal server error", status=500)
+    return openai_error(p) if _is_openai(request) else problem_response(p)
+
+
+def _openai_routes(prefix: str) -> list[Route]:
+    return [
+        Route(f"{prefix}/responses", responses.create_response, methods=["POST"]),
+        Route(f"{prefix}/responses/input_tokens", responses.input_tokens, methods=["POST"]),
+        Route(f"{prefix}/responses/{{response_id}}", responses.get_response, methods=["GET"]),
+        Route(f"{prefix}/responses/{{response_id}}", responses.delete_response, methods=["DELETE"]),
+        Route(f"{prefix}/responses/{{response_id}}/cancel", responses.cancel_response, methods=["POST"]),
+    ]
 
 
 ROUTES = [
@@ -117,6 +135,11 @@ ROUTES = [
     Route("/lmsp/v1/tasks/{task_id}", tasks.get_task, methods=["GET"]),
     Route("/lmsp/v1/tasks/{task_id}/cancel", tasks.cancel_task, methods=["POST"]),
     Route("/lmsp/v1/tasks/{task_id}/events", events.task_events, methods=["GET"]),
+    Route("/lmsp/v1/responses", responses.create_response, methods=["POST"]),
+    # OpenAI Responses API, with and without /v1 (errors in OpenAI's envelope)
+    *_openai_routes("/v1"),
+    *_openai_routes(""),
+    Route("/v1/models", responses.list_models),
 ]
 
 

@@ -66,3 +66,32 @@ def problem_response(p: Problem, headers: dict[str, str] | None = None) -> Respo
     return Response(
         msgspec.json.encode(p), status_code=p.status, media_type="application/problem+json", headers=headers
     )
+
+
+# OpenAI's error "type" by HTTP status, for the /v1 surface.
+_OPENAI_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    429: "rate_limit_exceeded",
+    500: "server_error",
+    503: "overloaded",
+}
+
+
+class OpenAIErrorBody(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class OpenAIError(msgspec.Struct):
+    error: OpenAIErrorBody
+
+
+def openai_error(p: Problem, headers: dict[str, str] | None = None) -> Response:
+    """OpenAI's envelope: ``{"error": {"message", "type", "param", "code"}}``."""
+    kind = _OPENAI_TYPES.get(p.status, "invalid_request_error" if p.status < 500 else "server_error")
+    code = {"invalid_request": None, "task_not_found": "not_found"}.get(p.code, p.code)
+    body = OpenAIError(OpenAIErrorBody(message=p.detail, type=kind, param=p.param, code=code))
+    return Response(msgspec.json.encode(body), status_code=p.status, media_type="application/json", headers=headers)

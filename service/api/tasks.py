@@ -42,7 +42,10 @@ async def create_task(request: Request) -> Response:
     key = idempotency_key(request)
     body = await read_body(request, app.config.server.max_body_bytes)
     envelope = decode(body, TaskCreate)
-    envelope.input.validate()
+    try:
+        envelope.input.validate()
+    except InvalidRequestError as exc:  # name the field as the envelope holds it
+        raise InvalidRequestError(exc.message, param=f"input.{exc.param}" if exc.param else "input") from exc
     if len(body) < _INLINE_CHECK_BYTES:
         _check_model(app, envelope)  # small: cheaper than a thread hop
     else:

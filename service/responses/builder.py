@@ -27,8 +27,17 @@ def to_builder(factory: EventFactory, tokens: list[int] | None = None) -> EventB
     return build
 
 
-def initial_response(request: s.ResponseRequest, *, response_id: str, model: str, created_at: int) -> s.Response:
+def initial_response(
+    request: s.ResponseRequest, *, response_id: str, model: str, created_at: int, background: bool = True
+) -> s.Response:
     return s.Response(
+        background=background,
+        store=request.store,
+        previous_response_id=request.previous_response_id,
+        parallel_tool_calls=True if request.parallel_tool_calls is None else request.parallel_tool_calls,
+        tool_choice=request.tool_choice if isinstance(request.tool_choice, str) else "auto",
+        safety_identifier=request.safety_identifier,
+        prompt_cache_key=request.prompt_cache_key,
         id=response_id,
         created_at=created_at,
         status="queued",
@@ -56,7 +65,14 @@ class ResponseState:
         state = cls(first.response)
         for row in events[1:]:
             ev = s.event_decoder.decode(row.data)
-            if isinstance(ev, s.ResponseInProgress):
+            if isinstance(
+                ev,
+                s.ResponseInProgress
+                | s.ResponseCompleted
+                | s.ResponseIncomplete
+                | s.ResponseFailed
+                | s.ResponseCancelled,
+            ):
                 state.response = ev.response
             elif isinstance(ev, s.OutputItemAdded):
                 state.item_id = ev.item.id

@@ -16,44 +16,57 @@ from service.errors import InvalidRequestError
 # --- requests -------------------------------------------------------------------------------
 
 
-class InputText(msgspec.Struct, tag="input_text", tag_field="type", forbid_unknown_fields=True):
-    text: str
-
-
-class OutputTextPart(msgspec.Struct, tag="output_text", tag_field="type", forbid_unknown_fields=True):
-    text: str
-    annotations: list[dict[str, Any]] = []
-    logprobs: list[dict[str, Any]] = []
-
-
-class MessageInput(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    role: Literal["user", "system", "developer", "assistant"]
-    content: str | list[InputText | OutputTextPart]
-    type: Literal["message"] = "message"
-    id: str | None = None
-    status: str | None = None
-
-    def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
+_BUILTIN_TOOLS = {
+    "web_search",
+    "web_search_preview",
+    "file_search",
+    "computer_use_preview",
+    "computer_use",
+    "code_interpreter",
+    "image_generation",
+    "mcp",
+    "custom",
+    "apply_patch",
+    "function_shell",
+    "local_shell",
+}
 
 
 class ResponseRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """The text subset of a Responses request (tools, reasoning, formats come later)."""
+    """A Responses request. Decoding validates types and rejects unknown fields;
+    :meth:`validate` checks values and the features that are not served yet."""
 
     model: str | None = None
-    input: str | list[MessageInput]
+    input: str | list[Any]
     instructions: str | None = None
     max_output_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     metadata: dict[str, str] | None = None
     stream: bool | None = None  # LMSP 7.1: ignored inside a task envelope
+    background: bool = False
+    store: bool = True
+    previous_response_id: str | None = None
+    truncation: str | None = None
+    parallel_tool_calls: bool | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    top_logprobs: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    conversation: str | dict[str, Any] | None = None
+    context_management: list[dict[str, Any]] | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
 
     def validate(self) -> None:
-        if isinstance(self.input, list) and not self.input:
-            raise InvalidRequestError("input must not be empty", param="input")
+        from service.responses.inputs import parse_items
+
+        if isinstance(self.input, list):
+            if not self.input:
+                raise InvalidRequestError("input must not be empty", param="input")
+            parse_items(self.input)
         if self.max_output_tokens is not None and self.max_output_tokens < 1:
             raise InvalidRequestError("max_output_tokens must be >= 1", param="max_output_tokens")
         if self.metadata is not None:
@@ -64,19 +77,55 @@ class ResponseRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                     raise InvalidRequestError(
                         "metadata keys are at most 64 and values 512 characters", param="metadata"
                     )
+        if self.truncation not in (None, "disabled"):
+            raise InvalidRequestError("truncation must be 'disabled'", param="truncation")
+        for i, tool in enumerate(self.tools or []):
+            kind = tool.get("type")
+            if kind in _BUILTIN_TOOLS:
+                raise InvalidRequestError(
+                    f"built-in tool type '{kind}' is not supported: lmspd runs no hosted tools",
+                    param=f"tools[{i}].type",
+                )
+            raise InvalidRequestError(f"tools of type {kind!r} are not supported yet", param=f"tools[{i}]")
+        if self.tool_choice not in (None, "auto", "none"):
+            raise InvalidRequestError("tool_choice needs tools, which are not supported yet", param="tool_choice")
+        fmt = (self.text or {}).get("format", {"type": "text"})
+        if self.text is not None and (set(self.text) - {"format"} or fmt != {"type": "text"}):
+            raise InvalidRequestError("only text.format {'type': 'text'} is supported yet", param="text.format")
+        if self.reasoning is not None:
+            raise InvalidRequestError("reasoning is not supported yet", param="reasoning")
+        if self.top_logprobs not in (None, 0):
+            raise InvalidRequestError("top_logprobs is not supported yet", param="top_logprobs")
+        if self.conversation is not None:
+            raise InvalidRequestError("conversation is not supported yet", param="conversation")
+        if self.context_management is not None:
+            raise InvalidRequestError("context_management is not supported yet", param="context_management")
+        reserved = {"messages", "add_generation_prompt", "bos_token", "eos_token"} & set(
+            self.chat_template_kwargs or {}
+        )
+        if reserved:
+            raise InvalidRequestError(
+                f"chat_template_kwargs may not set {sorted(reserved)}", param="chat_template_kwargs"
+            )
+        if self.background and self.stream:
+            raise InvalidRequestError("background and stream cannot be combined", param="stream")
 
-    def messages(self) -> list[dict[str, str]]:
-        """Chat messages for the template: instructions first, as a system message."""
-        out: list[dict[str, str]] = []
+    def items(self) -> list[Any]:
+        from service.responses.inputs import parse_items
+
+        if isinstance(self.input, str):
+            return parse_items([{"role": "user", "content": self.input}])
+        return parse_items(self.input)
+
+    def messages(self, history: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+        """Chat messages for the template: instructions first (never inherited), then the
+        history of a previous_response_id chain, then this input."""
+        from service.responses.inputs import to_messages
+
+        out: list[dict[str, Any]] = []
         if self.instructions:
             out.append({"role": "system", "content": self.instructions})
-        if isinstance(self.input, str):
-            out.append({"role": "user", "content": self.input})
-        else:
-            for item in self.input:
-                role = "system" if item.role == "developer" else item.role
-                out.append({"role": role, "content": item.text()})
-        return out
+        return out + (history or []) + to_messages(self.items())
 
 
 class TaskCreate(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

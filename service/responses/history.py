@@ -1,0 +1,50 @@
+"""The conversation a ``previous_response_id`` chain stands for, rebuilt from the task store."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from service.errors import InvalidRequestError
+from service.responses import schema as s
+from service.responses.inputs import to_messages
+from service.store.tasks import TaskStore
+
+MAX_CHAIN = 256
+FINISHED = {"succeeded", "failed", "cancelled"}
+
+
+async def chain_messages(store: TaskStore, owner: str, previous_response_id: str | None) -> list[dict[str, Any]]:
+    """Messages of every earlier turn, oldest first: each turn's input, then its output.
+    Instructions are not inherited. Unknown, unstored or unfinished responses are 400s."""
+    turns: list[list[dict[str, Any]]] = []
+    current = previous_response_id
+    while current is not None:
+        if len(turns) >= MAX_CHAIN:
+            raise InvalidRequestError(
+                f"previous_response_id chain is longer than {MAX_CHAIN}", param="previous_response_id"
+            )
+        task = await store.get_by_response(current, owner)
+        if task is None or task.kind != "response" or not task.stored:
+            raise InvalidRequestError(f"previous response '{current}' not found", param="previous_response_id")
+        if task.status not in FINISHED:
+            raise InvalidRequestError(
+                f"previous response '{current}' has not finished (status: {_status(task.status)})",
+                param="previous_response_id",
+            )
+        request = msgspec.json.decode(task.request, type=s.ResponseRequest)
+        turn = to_messages(request.items())
+        if task.response:
+            response = msgspec.json.decode(task.response, type=s.Response)
+            text = "".join(part.text for item in response.output for part in item.content)
+            turn.append({"role": "assistant", "content": text})
+        turns.append(turn)
+        current = task.previous_response_id
+    return [m for turn in reversed(turns) for m in turn]
+
+
+def _status(task_status: str) -> str:
+    return {"queued": "queued", "loading": "in_progress", "running": "in_progress", "cancelling": "in_progress"}.get(
+        task_status, task_status
+    )

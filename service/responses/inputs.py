@@ -33,6 +33,7 @@ class MessageItem(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     type: Literal["message"] = "message"
     id: str | None = None
     status: str | None = None
+    phase: str | None = None  # OpenAI's assistant message phase; carried by SDK output items
 
 
 class FunctionCallItem(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -1,0 +1,237 @@
+"""The official ``openai`` SDK against a real ``lmspd serve`` process (tiny model by default)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import openai
+import pytest
+from openresponses import validate, validate_event
+from test_acceptance_restart import Server, free_port
+
+from service.models.registry import ResolvedModel
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, tiny_long: ResolvedModel) -> Iterator[Server]:
+    tmp = tmp_path_factory.mktemp("sdk")
+    config = tmp / "lmspd.toml"
+    config.write_text(
+        f'default_model = "tiny"\ncache_dir = "{model_cache}"\n[engine]\nweight_dtype = "quantized"\n'
+        f'[server]\ndata_dir = "{tmp / "data"}"\n'
+        f'[models.tiny]\npath = "{tiny_long.path}"\n[models.smol]\npath = "smollm2-135m-instruct"\n'
+    )
+    srv = Server(config, free_port(), tmp / "server.log")
+    srv.start()
+    yield srv
+    if srv.proc and srv.proc.poll() is None:
+        srv.proc.kill()
+        srv.proc.wait(10)
+
+
+@pytest.fixture
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="sk-no-auth", max_retries=0)
+
+
+def raw(server: Server, method: str, path: str, **kw: Any) -> httpx.Response:
+    return httpx.request(method, f"{server.url}{path}", timeout=60, **kw)
+
+
+def wait(client: openai.OpenAI, response_id: str) -> Any:
+    deadline = time.monotonic() + 60
+    while (r := client.responses.retrieve(response_id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    return r
+
+
+def test_reply_with_hello_on_the_real_model(client: openai.OpenAI) -> None:
+    r = client.responses.create(model="smol", input="Reply with: hello", temperature=0, max_output_tokens=8)
+    assert r.output_text.lower().startswith("hello")  # greedy: "Hello! I'm here to help ..."
+
+
+def test_sync_create_matches_the_schema(server: Server, client: openai.OpenAI) -> None:
+    r = client.responses.create(input="Tell me a story.", temperature=0, max_output_tokens=12)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"  # type: ignore[union-attr]
+    assert r.output_text and r.usage.output_tokens == 12  # type: ignore[union-attr]
+    body = raw(server, "GET", f"/v1/responses/{r.id}").json()
+    validate("ResponseResource", body)
+    assert body["background"] is False and body["output"][0]["content"][0]["annotations"] == []
+
+
+def test_stream_event_order_and_done(server: Server) -> None:
+    body = {"input": "Tell me a story.", "temperature": 0, "max_output_tokens": 8, "stream": True}
+    events, done = [], False
+    with httpx.stream("POST", f"{server.url}/v1/responses", json=body, timeout=60) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        etype = None
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                etype = line[7:]
+            elif line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: "):
+                event = msgspec.json.decode(line[6:])
+                assert event["type"] == etype
+                validate_event(event)
+                events.append(event)
+    types = [e["type"] for e in events]
+    assert done
+    assert types[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert types[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.incomplete",
+    ]
+    assert set(types[4:-4]) == {"response.output_text.delta"}
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+
+
+def test_sdk_stream(client: openai.OpenAI) -> None:
+    stream = client.responses.create(input="Hi", temperature=0, max_output_tokens=6, stream=True)
+    text = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
+    assert text
+
+
+def test_background_poll_and_replay(server: Server, client: openai.OpenAI) -> None:
+    b = client.responses.create(input="Tell me a story.", background=True, temperature=0, max_output_tokens=10)
+    assert b.status == "queued" and b.background is True and b.output == []
+    done = wait(client, b.id)
+    assert done.status == "incomplete" and done.output_text
+    events = []
+    with httpx.stream("GET", f"{server.url}/v1/responses/{b.id}?stream=true&starting_after=2", timeout=30) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                events.append(msgspec.json.decode(line[6:]))
+    assert events[0]["sequence_number"] == 3 and events[-1]["type"] == "response.incomplete"
+    # The same paths work without /v1.
+    assert raw(server, "GET", f"/responses/{b.id}").json()["id"] == b.id
+
+
+def test_cancel_and_delete(client: openai.OpenAI) -> None:
+    b = client.responses.create(input="Tell me a story.", background=True, max_output_tokens=3000)
+    with pytest.raises(openai.BadRequestError, match="cancel it first"):
+        client.responses.delete(b.id)
+    cancelled = client.responses.cancel(b.id)
+    assert cancelled.status == "cancelled"
+    assert client.responses.cancel(b.id).status == "cancelled"  # idempotent
+    done = client.responses.create(input="Hi", max_output_tokens=2)
+    assert client.responses.cancel(done.id).model_dump() == done.model_dump()  # finished: unchanged
+    client.responses.delete(b.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(b.id)
+
+
+def test_previous_response_chain_renders_the_history(client: openai.OpenAI) -> None:
+    kw: dict[str, Any] = {"temperature": 0, "max_output_tokens": 6}
+    r1 = client.responses.create(input="First question.", instructions="Be brief.", **kw)
+    r2 = client.responses.create(input="Second question.", previous_response_id=r1.id, **kw)
+    r3 = client.responses.create(input="Third question.", previous_response_id=r2.id, **kw)
+    assert r3.previous_response_id == r2.id and r3.output_text
+    chained = client.responses.input_tokens.count(input="Fourth.", previous_response_id=r3.id).input_tokens
+    explicit = client.responses.input_tokens.count(
+        input=[
+            {"role": "user", "content": "First question."},
+            {"role": "assistant", "content": r1.output_text},
+            {"role": "user", "content": "Second question."},
+            {"role": "assistant", "content": r2.output_text},
+            {"role": "user", "content": "Third question."},
+            {"role": "assistant", "content": r3.output_text},
+            {"role": "user", "content": "Fourth."},
+        ]
+    ).input_tokens
+    assert chained == explicit  # instructions are not inherited, every turn is there
+    alone = client.responses.input_tokens.count(input="Fourth.").input_tokens
+    assert chained > alone
+
+
+def test_output_fed_back_as_input_and_function_items(client: openai.OpenAI) -> None:
+    r = client.responses.create(input="Hi", temperature=0, max_output_tokens=4)
+    items: list[Any] = [
+        {"role": "user", "content": "Hi"},
+        *[o.model_dump() for o in r.output],
+        {"role": "user", "content": "Again"},
+    ]
+    assert client.responses.create(input=items, max_output_tokens=3).status in ("completed", "incomplete")
+    calls: list[Any] = [
+        {"role": "user", "content": "Weather?"},
+        {"type": "function_call", "call_id": "c1", "name": "weather", "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+    ]
+    assert client.responses.create(input=calls, max_output_tokens=3).output_text is not None
+
+
+def test_store_false(client: openai.OpenAI) -> None:
+    r = client.responses.create(input="Hi", max_output_tokens=2, store=False)
+    assert r.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r.id)
+    b = client.responses.create(input="Hi", max_output_tokens=2, store=False, background=True)
+    assert wait(client, b.id).status in ("completed", "incomplete")  # readable for the ephemeral TTL
+    with pytest.raises(openai.BadRequestError, match="not found"):
+        client.responses.create(input="Next", previous_response_id=b.id)
+
+
+def test_unfinished_previous_response(client: openai.OpenAI) -> None:
+    b = client.responses.create(input="Tell me a story.", background=True, max_output_tokens=3000)
+    with pytest.raises(openai.BadRequestError, match=f"previous response '{b.id}' has not finished"):
+        client.responses.create(input="Next", previous_response_id=b.id)
+    client.responses.cancel(b.id)
+    with pytest.raises(openai.BadRequestError, match="not found"):
+        client.responses.create(input="Next", previous_response_id="resp_unknown")
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"truncation": "auto"}, "truncation"),
+        ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"tools": [{"type": "code_interpreter", "container": {"type": "auto"}}]}, "tools[0].type"),
+        ({"background": True, "stream": True}, "stream"),
+        ({"temperature": 3}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"max_output_tokens": 0}, "max_output_tokens"),
+        ({"reasoning": {"effort": "low"}}, "reasoning"),
+        ({"conversation": "conv_1"}, "conversation"),
+        ({"frobnicate": 1}, "frobnicate"),
+        ({"model": "ghost"}, "model"),
+    ],
+)
+def test_bad_requests_use_the_openai_envelope(server: Server, extra: dict[str, Any], param: str) -> None:
+    r = raw(server, "POST", "/v1/responses", json={"input": "Hi", **extra})
+    assert r.status_code in (400, 404), r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+    # The LMSP path answers the same request with a problem object.
+    p = raw(server, "POST", "/lmsp/v1/responses", json={"input": "Hi", **extra})
+    assert p.headers["content-type"] == "application/problem+json" and p.json()["param"] == param
+
+
+def test_models(client: openai.OpenAI) -> None:
+    assert {"tiny", "smol", "smollm2-135m-instruct"} <= {m.id for m in client.models.list()}
+
+
+def test_stored_responses_survive_kill_and_restart(server: Server, client: openai.OpenAI) -> None:
+    stored = client.responses.create(input="Remember me.", temperature=0, max_output_tokens=5)
+    running = client.responses.create(input="Tell me a story.", background=True, max_output_tokens=3000)
+    while client.responses.retrieve(running.id).status == "queued":
+        time.sleep(0.05)
+    server.kill9()
+    server.start()
+    again = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+    assert again.responses.retrieve(stored.id).model_dump() == stored.model_dump()
+    interrupted = again.responses.retrieve(running.id)
+    assert interrupted.status == "failed" and interrupted.error.code == "server_restarted"  # type: ignore[union-attr]

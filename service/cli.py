@@ -11,7 +11,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from service.config import Config, load_config
+from service.config import RESPONSES_FLAGS, Config, load_config
 from service.errors import LmspdError
 
 
@@ -37,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=int, help="port (default 8080)")
     srv.add_argument("--data-dir", help="where the SQLite database lives (env LMSPD_DATA_DIR)")
     srv.add_argument("--model", help="default model alias or name")
+    for flag, (key, env) in RESPONSES_FLAGS.items():
+        srv.add_argument(flag, type=int, dest=f"responses_{key}", help=f"responses.{key} (env {env})")
     _common(srv)
 
     gen = sub.add_parser("generate", help="stream a reply to PROMPT through the engine")
@@ -59,8 +61,11 @@ def _config(args: argparse.Namespace) -> Config:
         "server.port": getattr(args, "port", None),
         "server.data_dir": getattr(args, "data_dir", None),
     }
-    if args.command == "serve" and args.model:
-        overrides["default_model"] = args.model
+    if args.command == "serve":
+        if args.model:
+            overrides["default_model"] = args.model
+        for key, _ in RESPONSES_FLAGS.values():
+            overrides[f"responses.{key}"] = getattr(args, f"responses_{key}")
     return load_config(args.config, overrides=overrides)
 
 

@@ -47,7 +47,6 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     keepalive_secs: float = 15.0
     shutdown_grace_secs: float = 10.0
     default_max_output_tokens: int = 4096
-    responses_ephemeral_ttl_secs: int = 600
 
     def __post_init__(self) -> None:
         for key in (
@@ -58,7 +57,6 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             "idempotency_retention_secs",
             "janitor_interval_secs",
             "default_max_output_tokens",
-            "responses_ephemeral_ttl_secs",
         ):
             _positive(f"server.{key}", getattr(self, key))
         if not 0 < self.port < 65536:
@@ -72,6 +70,41 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         return Path(base) / "lmspd" / "lmspd.db"
 
 
+class ResponsesConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The seed's store flags (``--responses-store-max-entries`` is ``store_max_entries`` here)."""
+
+    store_max_entries: int = 1024  # 0 disables storing responses
+    store_max_bytes: int = 268435456  # rough JSON budget; 0 evicts stored responses at once
+    store_ttl_secs: int = 3600  # 0 disables the TTL
+    background_max_jobs: int = 64  # active background responses; 0 disables background mode
+    background_ephemeral_ttl_secs: int = 600  # store:false background results stay readable this long
+    conversation_store_max_entries: int = 256  # 0 disables conversations
+    conversation_store_max_bytes: int = 67108864  # 0 evicts transcripts at once
+    conversation_store_ttl_secs: int = 3600  # 0 disables the TTL
+
+    def __post_init__(self) -> None:
+        for key in self.__struct_fields__:
+            if getattr(self, key) < 0:
+                raise ConfigError(f"responses.{key} must be >= 0", param=f"responses.{key}")
+        _positive("responses.background_ephemeral_ttl_secs", self.background_ephemeral_ttl_secs)
+
+
+# The seed's flags, their config keys and their environment variables.
+RESPONSES_FLAGS = {
+    "--responses-store-max-entries": ("store_max_entries", "LLAMA_ARG_RESPONSES_STORE_MAX_ENTRIES"),
+    "--responses-store-max-bytes": ("store_max_bytes", "MLXCEL_RESPONSES_STORE_MAX_BYTES"),
+    "--responses-store-ttl-secs": ("store_ttl_secs", "LLAMA_ARG_RESPONSES_STORE_TTL_SECS"),
+    "--responses-background-max-jobs": ("background_max_jobs", "MLXCEL_RESPONSES_BACKGROUND_MAX_JOBS"),
+    "--responses-background-ephemeral-ttl-secs": (
+        "background_ephemeral_ttl_secs",
+        "MLXCEL_RESPONSES_BACKGROUND_EPHEMERAL_TTL_SECS",
+    ),
+    "--conversation-store-max-entries": ("conversation_store_max_entries", "LLAMA_ARG_CONVERSATION_STORE_MAX_ENTRIES"),
+    "--conversation-store-max-bytes": ("conversation_store_max_bytes", "MLXCEL_CONVERSATION_STORE_MAX_BYTES"),
+    "--conversation-store-ttl-secs": ("conversation_store_ttl_secs", "LLAMA_ARG_CONVERSATION_STORE_TTL_SECS"),
+}
+
+
 class ModelEntry(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # A local mlx-lm directory, a Hugging Face repo id, or a built-in model name.
     path: str
@@ -82,6 +115,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     cache_dir: str | None = None
     engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
+    responses: ResponsesConfig = msgspec.field(default_factory=ResponsesConfig)
     models: dict[str, ModelEntry] = msgspec.field(default_factory=dict)
 
     @property
@@ -107,6 +141,7 @@ ENV_VARS = {
     "LMSPD_HOST": "server.host",
     "LMSPD_PORT": "server.port",
     "LMSPD_DATA_DIR": "server.data_dir",
+    **{env: f"responses.{key}" for key, env in RESPONSES_FLAGS.values()},
 }
 
 

@@ -24,7 +24,7 @@ from service.generation import build_generate
 from service.hub import Hub
 from service.models.registry import ModelRegistry
 from service.responses.builder import ResponseState
-from service.responses.history import chain_messages
+from service.responses.history import history as history_for
 from service.responses.schema import ResponseRequest
 from service.store.tasks import EventBuilder, TaskRecord, TaskStore
 
@@ -183,7 +183,9 @@ class Supervisor:
             await self.engine.load(model.name, str(model.path))
             if not await self._to(task_id, "running", state.in_progress()):
                 return await self._settle_cancel(task_id, state)
-            history = await chain_messages(self.store, task.owner, task.previous_response_id)
+            history = await history_for(
+                self.store, task.owner, task.previous_response_id, task.conversation, before=task.id
+            )
             cmd = build_generate(
                 model,
                 request.messages(history),

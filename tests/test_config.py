@@ -26,7 +26,11 @@ def test_example_config_loads_and_documents_every_key() -> None:
     text = example.read_text()
     for key in Config.__struct_fields__:
         assert key in text
-    for key in (*config.engine.__struct_fields__, *config.server.__struct_fields__):
+    for key in (
+        *config.engine.__struct_fields__,
+        *config.server.__struct_fields__,
+        *config.responses.__struct_fields__,
+    ):
         assert key in text
 
 
@@ -73,3 +77,16 @@ def test_bad_environment_value_is_named() -> None:
 def test_missing_config_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.toml", environ={})
+
+
+def test_seed_store_flags_environment_variables() -> None:
+    env = {
+        "LLAMA_ARG_RESPONSES_STORE_MAX_ENTRIES": "7",
+        "MLXCEL_RESPONSES_BACKGROUND_MAX_JOBS": "0",
+        "LLAMA_ARG_CONVERSATION_STORE_TTL_SECS": "0",
+    }
+    r = load_config(environ=env).responses
+    assert (r.store_max_entries, r.background_max_jobs, r.conversation_store_ttl_secs) == (7, 0, 0)
+    assert (r.store_max_bytes, r.store_ttl_secs, r.background_ephemeral_ttl_secs) == (268435456, 3600, 600)
+    with pytest.raises(ConfigError, match="background_ephemeral_ttl_secs"):
+        load_config(environ={"MLXCEL_RESPONSES_BACKGROUND_EPHEMERAL_TTL_SECS": "0"})

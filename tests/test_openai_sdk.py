@@ -204,7 +204,7 @@ def test_unfinished_previous_response(client: openai.OpenAI) -> None:
         ({"top_p": 0}, "top_p"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
         ({"reasoning": {"effort": "low"}}, "reasoning"),
-        ({"conversation": "conv_1"}, "conversation"),
+        ({"conversation": "conv_1", "previous_response_id": "resp_x"}, "conversation"),
         ({"frobnicate": 1}, "frobnicate"),
         ({"model": "ghost"}, "model"),
     ],

@@ -43,13 +43,20 @@ EXPECTED_SCHEMA = {
         "stored",
         "previous_response_id",
         "expires_at",
+        "conversation",
     ],
     "events": ["task_id", "seq", "type", "data", "tokens"],
     "idempotency_keys": ["owner", "key", "fingerprint", "task_id", "created_at"],
     "task_counts": ["status", "n"],
 }
 EXPECTED_TRIGGERS = {"task_counts_insert", "task_counts_update", "task_counts_delete"}
-EXPECTED_INDEXES = {"tasks_by_status", "tasks_by_owner", "tasks_by_finished", "tasks_by_expiry"}
+EXPECTED_INDEXES = {
+    "tasks_by_status",
+    "tasks_by_owner",
+    "tasks_by_finished",
+    "tasks_by_expiry",
+    "tasks_by_conversation",
+}
 
 
 def event(etype: str):  # type: ignore[no-untyped-def]
@@ -87,8 +94,8 @@ def test_migrations_produce_exactly_the_schema(tmp_path: Path) -> None:
     assert indexes == EXPECTED_INDEXES
     triggers = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'trigger'")}
     assert triggers == EXPECTED_TRIGGERS
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == 2
-    assert migrate(conn) == 2  # idempotent
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == 3
+    assert migrate(conn) == 3  # idempotent
 
 
 async def test_wal_and_full_sync(store: TaskStore) -> None:

@@ -27,7 +27,7 @@ from service.api.state import AppState
 from service.config import Config
 from service.engine.client import EngineClient
 from service.engine.protocol import SamplingParams
-from service.errors import LmspdError
+from service.errors import LmspdError, QueueFullError
 from service.generation import check_request
 from service.hub import Hub
 from service.models.registry import ModelRegistry
@@ -98,6 +98,8 @@ async def on_lmspd_error(request: Request, exc: Exception) -> Response:
     if p.code == "unauthorized":
         headers["WWW-Authenticate"] = "Bearer"
     if _is_openai(request):
+        if isinstance(exc, QueueFullError):  # /v1: a full queue is "overloaded", as the seed has it
+            p = problem("server_overloaded", exc.message, status=503)
         return openai_error(p, headers)
     return problem_response(p, headers)
 
@@ -153,7 +155,8 @@ async def _janitor(state: AppState) -> None:
                 task_retention_secs=s.task_retention_secs,
                 idempotency_retention_secs=s.idempotency_retention_secs,
             )
-            log.info("retention purge: %s", counts)
+            evicted = await state.store.enforce_response_limits(state.config.responses)
+            log.info("retention purge: %s; response store evictions: %d", counts, evicted)
         except Exception:
             log.exception("retention purge failed")
 

@@ -23,12 +23,55 @@ from service.errors import InvalidRequestError, LmspdError
 from service.generation import check_request, tokenizer_for
 from service.responses import schema as s
 from service.responses.builder import ResponseState, initial_response
-from service.responses.history import FINISHED, chain_messages
+from service.responses.history import FINISHED
+from service.responses.history import history as history_for
 from service.store.tasks import NewEvent, ResponseFields, TaskRecord
 
 
 class ResponseNotFoundError(LmspdError):
     code = "not_found"
+
+
+class TooManyBackgroundJobsError(LmspdError):
+    code = "rate_limit_exceeded"
+
+
+def _store_enabled(app: AppState) -> bool:
+    return app.config.responses.store_max_entries > 0
+
+
+def _require_store(app: AppState, param: str) -> None:
+    if not _store_enabled(app):
+        raise InvalidRequestError("the response store is disabled (store_max_entries = 0)", param=param)
+
+
+async def _admit(app: AppState, req: s.ResponseRequest) -> None:
+    """The seed's limits on what may be created."""
+    limits = app.config.responses
+    if req.previous_response_id is not None:
+        _require_store(app, "previous_response_id")
+    if req.conversation is not None and limits.conversation_store_max_entries == 0:
+        raise InvalidRequestError(
+            "conversations are disabled (conversation_store_max_entries = 0)", param="conversation"
+        )
+    if req.background:
+        if 0 in (limits.background_max_jobs, limits.store_max_entries, limits.store_max_bytes):
+            raise InvalidRequestError("background mode is disabled by the response store settings", param="background")
+        if await app.store.active_background() >= limits.background_max_jobs:
+            raise TooManyBackgroundJobsError(f"{limits.background_max_jobs} background responses are already active")
+
+
+def _keeps(app: AppState, req: s.ResponseRequest) -> bool:
+    """Whether a finished response stays readable (store on, and a byte budget to hold it)."""
+    return req.store and _store_enabled(app) and app.config.responses.store_max_bytes > 0
+
+
+async def _enforce_limits(app: AppState) -> None:
+    """Evict past the store caps, at most once a second (cheap queries, run off the request)."""
+    now = time.monotonic()
+    if now - app.limits_enforced_at >= 1.0:
+        app.limits_enforced_at = now
+        await app.store.enforce_response_limits(app.config.responses)
 
 
 def _json(obj: object, status: int = 200) -> Response:
@@ -60,6 +103,7 @@ def _check(app: AppState, req: s.ResponseRequest, history: list[dict[str, Any]])
 
 
 async def _lookup(app: AppState, request: Request) -> TaskRecord:
+    _require_store(app, "response_id")
     response_id = request.path_params["response_id"]
     task = await app.store.get_by_response(response_id, app.auth.owner(request))
     if task is None or task.kind != "response" or (not task.stored and not task.background):
@@ -74,8 +118,9 @@ async def create_response(request: Request) -> Response:
     body = await read_body(request, app.config.server.max_body_bytes)
     req = decode(body, s.ResponseRequest)
     req.validate()
+    await _admit(app, req)
     key = idempotency_key(request) if req.background else None
-    history = await chain_messages(app.store, owner, req.previous_response_id)
+    history = await history_for(app.store, owner, req.previous_response_id, req.conversation_id)
     await asyncio.to_thread(_check, app, req, history)
     model_name = req.model or app.config.default_model
 
@@ -92,13 +137,16 @@ async def create_response(request: Request) -> Response:
         first_event=first_event,
         idempotency=(key, fingerprint(body)) if key else None,
         response=ResponseFields(
-            background=req.background, stored=req.store, previous_response_id=req.previous_response_id
+            background=req.background,
+            stored=_keeps(app, req),
+            previous_response_id=req.previous_response_id,
+            conversation=req.conversation_id,
         ),
     )
     app.supervisor.wake()
     if req.background:
         if not req.store:
-            await app.store.set_expiry(task.id, int(time.time()) + app.config.server.responses_ephemeral_ttl_secs)
+            await app.store.set_expiry(task.id, int(time.time()) + app.config.responses.background_ephemeral_ttl_secs)
         return _raw_json(await _snapshot(app, task))
     if req.stream:
         return StreamingResponse(
@@ -108,8 +156,9 @@ async def create_response(request: Request) -> Response:
         )
     final = await _wait(app, request, task.id)
     data = await _snapshot(app, final)
-    if not req.store:
+    if not final.stored:
         await app.store.delete(task.id)
+    await _enforce_limits(app)
     return _raw_json(data)
 
 
@@ -169,8 +218,10 @@ async def _stream_and_settle(
         if own and not finished:
             with contextlib.suppress(LmspdError):
                 await _cancel(app, task.id)
-        if own and finished and not task.stored:
-            await app.store.delete(task.id)
+        if own and finished:
+            if not task.stored:
+                await app.store.delete(task.id)
+            await _enforce_limits(app)
 
 
 async def get_response(request: Request) -> Response:
@@ -219,7 +270,7 @@ async def input_tokens(request: Request) -> Response:
     owner = app.auth.owner(request)
     req = decode(await read_body(request, app.config.server.max_body_bytes), s.ResponseRequest)
     req.validate()
-    history = await chain_messages(app.store, owner, req.previous_response_id)
+    history = await history_for(app.store, owner, req.previous_response_id, req.conversation_id)
     model = await asyncio.to_thread(app.registry.resolve, req.model or app.config.default_model)
     tok = tokenizer_for(model)
     count = len(tok.encode_chat(req.messages(history), **(req.chat_template_kwargs or {})))

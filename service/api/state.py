@@ -30,6 +30,7 @@ class AppState:
     auth: Authenticator
     registry: ModelRegistry
     accepting: bool = True
+    limits_enforced_at: float = 0.0
 
     def check_accepting(self) -> None:
         if not self.accepting:

@@ -15,6 +15,38 @@ MAX_CHAIN = 256
 FINISHED = {"succeeded", "failed", "cancelled"}
 
 
+def _turn(request_json: bytes, response_json: bytes | None) -> list[dict[str, Any]]:
+    request = msgspec.json.decode(request_json, type=s.ResponseRequest)
+    turn = to_messages(request.items())
+    if response_json:
+        response = msgspec.json.decode(response_json, type=s.Response)
+        text = "".join(part.text for item in response.output for part in item.content)
+        turn.append({"role": "assistant", "content": text})
+    return turn
+
+
+async def history(
+    store: TaskStore,
+    owner: str,
+    previous_response_id: str | None,
+    conversation: str | None,
+    before: str | None = None,
+) -> list[dict[str, Any]]:
+    """The messages before this turn: a previous_response_id chain or a conversation transcript."""
+    if conversation is None:
+        return await chain_messages(store, owner, previous_response_id)
+    messages: list[dict[str, Any]] = []
+    for task in await store.conversation(owner, conversation):
+        if before is not None and task.id >= before:
+            break
+        if task.status not in FINISHED:
+            raise InvalidRequestError(
+                f"conversation '{conversation}' has a response in progress ('{task.response_id}')", param="conversation"
+            )
+        messages += _turn(task.request, task.response)
+    return messages
+
+
 async def chain_messages(store: TaskStore, owner: str, previous_response_id: str | None) -> list[dict[str, Any]]:
     """Messages of every earlier turn, oldest first: each turn's input, then its output.
     Instructions are not inherited. Unknown, unstored or unfinished responses are 400s."""
@@ -33,13 +65,7 @@ async def chain_messages(store: TaskStore, owner: str, previous_response_id: str
                 f"previous response '{current}' has not finished (status: {_status(task.status)})",
                 param="previous_response_id",
             )
-        request = msgspec.json.decode(task.request, type=s.ResponseRequest)
-        turn = to_messages(request.items())
-        if task.response:
-            response = msgspec.json.decode(task.response, type=s.Response)
-            text = "".join(part.text for item in response.output for part in item.content)
-            turn.append({"role": "assistant", "content": text})
-        turns.append(turn)
+        turns.append(_turn(task.request, task.response))
         current = task.previous_response_id
     return [m for turn in reversed(turns) for m in turn]
 

@@ -97,7 +97,12 @@ class ResponseRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if self.top_logprobs not in (None, 0):
             raise InvalidRequestError("top_logprobs is not supported yet", param="top_logprobs")
         if self.conversation is not None:
-            raise InvalidRequestError("conversation is not supported yet", param="conversation")
+            if self.previous_response_id is not None:
+                raise InvalidRequestError(
+                    "previous_response_id and conversation are mutually exclusive", param="conversation"
+                )
+            if not self.conversation_id:
+                raise InvalidRequestError("conversation must be an id or {'id': ...}", param="conversation")
         if self.context_management is not None:
             raise InvalidRequestError("context_management is not supported yet", param="context_management")
         reserved = {"messages", "add_generation_prompt", "bos_token", "eos_token"} & set(
@@ -109,6 +114,13 @@ class ResponseRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             )
         if self.background and self.stream:
             raise InvalidRequestError("background and stream cannot be combined", param="stream")
+
+    @property
+    def conversation_id(self) -> str | None:
+        if isinstance(self.conversation, dict):
+            cid = self.conversation.get("id")
+            return cid if isinstance(cid, str) and cid else None
+        return self.conversation or None
 
     def items(self) -> list[Any]:
         from service.responses.inputs import parse_items

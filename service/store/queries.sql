@@ -2,9 +2,16 @@
 
 -- name: insert_task
 INSERT INTO tasks (id, owner, status, on_restart, request, response_id, next_seq, created_at, updated_at,
-                   kind, background, stored, previous_response_id)
+                   kind, background, stored, previous_response_id, conversation)
 VALUES (:id, :owner, 'queued', :on_restart, :request, :response_id, 0, :now, :now,
-        :kind, :background, :stored, :previous_response_id);
+        :kind, :background, :stored, :previous_response_id, :conversation);
+
+-- name: conversation_turns
+SELECT * FROM tasks WHERE owner = :owner AND conversation = :conversation ORDER BY id;
+
+-- name: count_active_background
+SELECT count(*) FROM tasks
+WHERE kind = 'response' AND background = 1 AND status IN ('queued', 'loading', 'running', 'cancelling');
 
 -- name: get_task_by_response
 SELECT * FROM tasks WHERE response_id = :response_id;
@@ -76,3 +83,43 @@ DELETE FROM tasks WHERE id IN (
 -- name: purge_idempotency_keys
 DELETE FROM idempotency_keys WHERE (owner, key) IN (
     SELECT owner, key FROM idempotency_keys WHERE created_at < :cutoff LIMIT :limit);
+
+-- name: responses_expired
+-- Finished responses past the store TTL (the seed's --responses-store-ttl-secs).
+DELETE FROM tasks WHERE id IN (
+    SELECT id FROM tasks WHERE kind = 'response' AND finished_at < :cutoff LIMIT :limit);
+
+-- name: responses_over_count
+-- Keep the newest :keep finished responses; active ones are never evicted.
+DELETE FROM tasks WHERE id IN (
+    SELECT id FROM tasks WHERE kind = 'response' AND finished_at IS NOT NULL
+    ORDER BY finished_at DESC, id DESC LIMIT -1 OFFSET :keep);
+
+-- name: responses_over_bytes
+-- Evict the oldest finished responses until the rest fit in :budget bytes of JSON.
+DELETE FROM tasks WHERE id IN (
+    SELECT id FROM (
+        SELECT id, sum(length(request) + coalesce(length(response), 0))
+                   OVER (ORDER BY finished_at DESC, id DESC) AS running
+        FROM tasks WHERE kind = 'response' AND finished_at IS NOT NULL)
+    WHERE running > :budget);
+
+-- name: conversations_expired
+UPDATE tasks SET conversation = NULL WHERE conversation IS NOT NULL AND (owner, conversation) IN (
+    SELECT owner, conversation FROM tasks WHERE conversation IS NOT NULL
+    GROUP BY owner, conversation HAVING max(coalesce(finished_at, 9223372036854775807)) < :cutoff);
+
+-- name: conversations_over_count
+UPDATE tasks SET conversation = NULL WHERE conversation IS NOT NULL AND (owner, conversation) IN (
+    SELECT owner, conversation FROM (
+        SELECT owner, conversation, max(id) AS last FROM tasks WHERE conversation IS NOT NULL
+        GROUP BY owner, conversation ORDER BY last DESC LIMIT -1 OFFSET :keep));
+
+-- name: conversations_over_bytes
+UPDATE tasks SET conversation = NULL WHERE conversation IS NOT NULL AND (owner, conversation) IN (
+    SELECT owner, conversation FROM (
+        SELECT owner, conversation, sum(size) OVER (ORDER BY last DESC) AS running FROM (
+            SELECT owner, conversation, max(id) AS last,
+                   sum(length(request) + coalesce(length(response), 0)) AS size
+            FROM tasks WHERE conversation IS NOT NULL GROUP BY owner, conversation))
+    WHERE running > :budget);

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sqlite3
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import msgspec
 from ulid import monotonic as ulid
@@ -45,6 +45,16 @@ class ResponseFields(msgspec.Struct, frozen=True, kw_only=True):
     background: bool = True
     stored: bool = True
     previous_response_id: str | None = None
+    conversation: str | None = None
+
+
+class ResponseLimits(Protocol):
+    store_max_entries: int
+    store_max_bytes: int
+    store_ttl_secs: int
+    conversation_store_max_entries: int
+    conversation_store_max_bytes: int
+    conversation_store_ttl_secs: int
 
 
 class TaskRecord(msgspec.Struct, kw_only=True):
@@ -69,6 +79,7 @@ class TaskRecord(msgspec.Struct, kw_only=True):
     stored: int = 1
     previous_response_id: str | None = None
     expires_at: int | None = None
+    conversation: str | None = None
 
     @classmethod
     def from_row(cls, row: sqlite3.Row) -> TaskRecord:
@@ -280,6 +291,31 @@ class TaskStore:
 
     async def set_expiry(self, task_id: str, expires_at: int) -> None:
         await self.db.writer.submit(_rowcount(q("set_expiry"), {"id": task_id, "expires_at": expires_at}))
+
+    async def conversation(self, owner: str, conversation: str) -> list[TaskRecord]:
+        rows = await self.db.fetchall(q("conversation_turns"), {"owner": owner, "conversation": conversation})
+        return [TaskRecord.from_row(r) for r in rows]
+
+    async def active_background(self) -> int:
+        row = await self.db.fetchone(q("count_active_background"))
+        return int(row[0]) if row else 0
+
+    async def enforce_response_limits(self, limits: ResponseLimits, now: int | None = None) -> int:
+        """The seed's store caps: TTLs, entry counts, byte budgets. Returns rows changed."""
+        now = _now() if now is None else now
+        steps: list[tuple[str, dict[str, Any]]] = []
+        if limits.store_ttl_secs:
+            steps.append(("responses_expired", {"cutoff": now - limits.store_ttl_secs, "limit": 10_000}))
+        steps.append(("responses_over_count", {"keep": limits.store_max_entries}))
+        steps.append(("responses_over_bytes", {"budget": limits.store_max_bytes}))
+        if limits.conversation_store_ttl_secs:
+            steps.append(("conversations_expired", {"cutoff": now - limits.conversation_store_ttl_secs}))
+        steps.append(("conversations_over_count", {"keep": limits.conversation_store_max_entries}))
+        steps.append(("conversations_over_bytes", {"budget": limits.conversation_store_max_bytes}))
+        changed = 0
+        for query, params in steps:
+            changed += await self.db.writer.submit(_rowcount(q(query), params))
+        return changed
 
     async def queued_ids(self, limit: int) -> list[str]:
         return [r["id"] for r in await self.db.fetchall(q("queued_ids"), {"limit": limit})]

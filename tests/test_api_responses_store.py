@@ -1,0 +1,162 @@
+"""The seed's response and conversation store settings, and conversations, through the real app."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from starlette.testclient import TestClient
+
+from service.api.app import create_app
+from service.config import Config, EngineConfig, ModelEntry, ResponsesConfig, ServerConfig
+from service.models.registry import ResolvedModel
+
+QUICK = {"input": "Hi", "temperature": 0, "max_output_tokens": 3}
+LONG = {"input": "Tell me a story.", "max_output_tokens": 3000, "background": True}
+
+
+@pytest.fixture
+def make_client(tmp_path: Path, model_cache: Path, tiny_long: ResolvedModel) -> Iterator[Callable[..., TestClient]]:
+    clients: list[Any] = []
+
+    def make(**responses: int) -> TestClient:
+        config = Config(
+            default_model="tiny",
+            cache_dir=str(model_cache),
+            models={"tiny": ModelEntry(path=str(tiny_long.path))},
+            engine=EngineConfig(weight_dtype="quantized"),
+            server=ServerConfig(data_dir=str(tmp_path / f"data{len(clients)}")),
+            responses=ResponsesConfig(**responses),
+        )
+        ctx = TestClient(create_app(config))
+        clients.append(ctx)
+        return ctx.__enter__()
+
+    yield make
+    for c in clients:
+        c.__exit__(None, None, None)
+
+
+def enforce(client: TestClient, now: int | None = None) -> None:
+    state = client.app.state.lmsp  # type: ignore[attr-defined]
+    client.portal.call(lambda: state.store.enforce_response_limits(state.config.responses, now))  # type: ignore[union-attr]
+
+
+def error(r: Any) -> dict[str, Any]:
+    return dict(r.json()["error"])
+
+
+def test_conversation_keeps_a_transcript(make_client: Callable[..., TestClient]) -> None:
+    c = make_client()
+    r1 = c.post("/v1/responses", json={**QUICK, "input": "One.", "conversation": "conv_a"}).json()
+    r2 = c.post("/v1/responses", json={**QUICK, "input": "Two.", "conversation": {"id": "conv_a"}}).json()
+    count = c.post("/v1/responses/input_tokens", json={"input": "Three.", "conversation": "conv_a"}).json()
+    text = [r["output"][0]["content"][0]["text"] for r in (r1, r2)]
+    explicit = c.post(
+        "/v1/responses/input_tokens",
+        json={
+            "input": [
+                {"role": "user", "content": "One."},
+                {"role": "assistant", "content": text[0]},
+                {"role": "user", "content": "Two."},
+                {"role": "assistant", "content": text[1]},
+                {"role": "user", "content": "Three."},
+            ]
+        },
+    ).json()
+    assert count["input_tokens"] == explicit["input_tokens"]
+    other = c.post("/v1/responses/input_tokens", json={"input": "Three.", "conversation": "conv_b"}).json()
+    assert other["input_tokens"] < count["input_tokens"]
+    both = c.post("/v1/responses", json={**QUICK, "conversation": "conv_a", "previous_response_id": r2["id"]})
+    assert both.status_code == 400 and error(both)["param"] == "conversation"
+
+
+def test_conversation_store_disabled(make_client: Callable[..., TestClient]) -> None:
+    c = make_client(conversation_store_max_entries=0)
+    r = c.post("/v1/responses", json={**QUICK, "conversation": "conv_a"})
+    assert r.status_code == 400 and error(r)["param"] == "conversation"
+
+
+def test_response_store_disabled(make_client: Callable[..., TestClient]) -> None:
+    c = make_client(store_max_entries=0)
+    r = c.post("/v1/responses", json=QUICK).json()
+    assert r["status"] in ("completed", "incomplete")
+    for method, path in [
+        ("GET", f"/v1/responses/{r['id']}"),
+        ("DELETE", f"/v1/responses/{r['id']}"),
+        ("POST", f"/v1/responses/{r['id']}/cancel"),
+    ]:
+        assert c.request(method, path).status_code == 400
+    assert c.post("/v1/responses", json={**QUICK, "previous_response_id": r["id"]}).status_code == 400
+    bg = c.post("/v1/responses", json={**QUICK, "background": True})
+    assert bg.status_code == 400 and error(bg)["param"] == "background"
+
+
+@pytest.mark.parametrize("setting", ["background_max_jobs", "store_max_bytes"])
+def test_zero_settings_disable_background(make_client: Callable[..., TestClient], setting: str) -> None:
+    c = make_client(**{setting: 0})
+    r = c.post("/v1/responses", json={**QUICK, "background": True})
+    assert r.status_code == 400 and error(r)["type"] == "invalid_request_error"
+
+
+def test_background_job_cap_is_429(make_client: Callable[..., TestClient]) -> None:
+    c = make_client(background_max_jobs=1)
+    first = c.post("/v1/responses", json=LONG).json()
+    second = c.post("/v1/responses", json=LONG)
+    assert second.status_code == 429 and second.headers["retry-after"]
+    assert error(second)["type"] == "rate_limit_exceeded"
+    assert c.post(f"/v1/responses/{first['id']}/cancel").json()["status"] == "cancelled"
+    assert c.post("/v1/responses", json=LONG).status_code == 200
+
+
+def test_store_entry_cap_evicts_the_oldest(make_client: Callable[..., TestClient]) -> None:
+    c = make_client(store_max_entries=2)
+    ids = [c.post("/v1/responses", json=QUICK).json()["id"] for _ in range(3)]
+    enforce(c)
+    assert [c.get(f"/v1/responses/{i}").status_code for i in ids] == [404, 200, 200]
+
+
+def test_store_byte_budget_and_ttl(make_client: Callable[..., TestClient]) -> None:
+    c = make_client(store_max_bytes=3000, store_ttl_secs=60)
+    ids = [c.post("/v1/responses", json=QUICK).json()["id"] for _ in range(3)]
+    enforce(c)
+    kept = [c.get(f"/v1/responses/{i}").status_code for i in ids]
+    assert kept[-1] == 200 and 404 in kept  # the newest fits, the oldest did not
+    enforce(c, now=int(time.time()) + 61)
+    assert c.get(f"/v1/responses/{ids[-1]}").status_code == 404
+
+
+def test_ephemeral_background_result_expires(make_client: Callable[..., TestClient]) -> None:
+    c = make_client(background_ephemeral_ttl_secs=5)
+    r = c.post("/v1/responses", json={**QUICK, "background": True, "store": False}).json()
+    while c.get(f"/v1/responses/{r['id']}").json()["status"] in ("queued", "in_progress"):
+        time.sleep(0.05)
+    state = c.app.state.lmsp  # type: ignore[attr-defined]
+    c.portal.call(
+        lambda: state.store.purge(
+            event_retention_secs=10**6,
+            task_retention_secs=10**6,  # type: ignore[union-attr]
+            idempotency_retention_secs=10**6,
+            now=int(time.time()) + 6,
+        )
+    )
+    assert c.get(f"/v1/responses/{r['id']}").status_code == 404
+
+
+def test_conversation_caps_drop_old_transcripts(make_client: Callable[..., TestClient]) -> None:
+    c = make_client(conversation_store_max_entries=1)
+    c.post("/v1/responses", json={**QUICK, "conversation": "old"})
+    c.post("/v1/responses", json={**QUICK, "conversation": "new"})
+    enforce(c)
+    alone = c.post("/v1/responses/input_tokens", json={"input": "Next"}).json()["input_tokens"]
+    assert (
+        c.post("/v1/responses/input_tokens", json={"input": "Next", "conversation": "old"}).json()["input_tokens"]
+        == alone
+    )
+    assert (
+        c.post("/v1/responses/input_tokens", json={"input": "Next", "conversation": "new"}).json()["input_tokens"]
+        > alone
+    )

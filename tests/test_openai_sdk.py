@@ -235,3 +235,15 @@ def test_stored_responses_survive_kill_and_restart(server: Server, client: opena
     assert again.responses.retrieve(stored.id).model_dump() == stored.model_dump()
     interrupted = again.responses.retrieve(running.id)
     assert interrupted.status == "failed" and interrupted.error.code == "server_restarted"  # type: ignore[union-attr]
+
+
+def test_many_requests_at_once_all_succeed(client: openai.OpenAI) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(i: int) -> str:
+        r = client.responses.create(input=f"Question {i}", temperature=0, max_output_tokens=4)
+        return r.status
+
+    with ThreadPoolExecutor(16) as pool:  # 4x the engine's slots: the rest wait in the queue
+        statuses = list(pool.map(one, range(16)))
+    assert set(statuses) <= {"completed", "incomplete"} and len(statuses) == 16

@@ -37,6 +37,10 @@ def _configure(conn: sqlite3.Connection, writer: bool) -> None:
             conn.execute("PRAGMA fullfsync = ON")  # fsync alone does not reach the platter on macOS
 
 
+def _read_all(conn: sqlite3.Connection, sql: str, params: dict[str, Any] | tuple[Any, ...]) -> list[sqlite3.Row]:
+    return conn.execute(sql, params).fetchall()
+
+
 def _run_batch(conn: sqlite3.Connection, jobs: list[Job]) -> list[tuple[bool, Any]]:
     results: list[tuple[bool, Any]] = []
     conn.execute("BEGIN IMMEDIATE")
@@ -127,14 +131,15 @@ class Database:
         await on_thread(reader, _configure, False)
         return cls(writer, reader)
 
+    # Each read runs, and finishes, in one hop on the reader's thread. Cursors left open
+    # across awaits would keep one read transaction alive while requests interleave, and
+    # in WAL mode that pins an old snapshot: a task committed a moment ago would not be seen.
     async def fetchone(self, sql: str, params: dict[str, Any] | tuple[Any, ...] = ()) -> sqlite3.Row | None:
-        async with self.reader.execute(sql, params) as cur:
-            row: sqlite3.Row | None = await cur.fetchone()
-            return row
+        rows = await on_thread(self.reader, _read_all, sql, params)
+        return rows[0] if rows else None
 
     async def fetchall(self, sql: str, params: dict[str, Any] | tuple[Any, ...] = ()) -> list[sqlite3.Row]:
-        async with self.reader.execute(sql, params) as cur:
-            return list(await cur.fetchall())
+        return await on_thread(self.reader, _read_all, sql, params)
 
     async def close(self) -> None:
         await self.writer.close()

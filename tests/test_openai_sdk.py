@@ -247,3 +247,26 @@ def test_many_requests_at_once_all_succeed(client: openai.OpenAI) -> None:
     with ThreadPoolExecutor(16) as pool:  # 4x the engine's slots: the rest wait in the queue
         statuses = list(pool.map(one, range(16)))
     assert set(statuses) <= {"completed", "incomplete"} and len(statuses) == 16
+
+
+def test_conversation_through_the_sdk(client: openai.OpenAI) -> None:
+    kw: dict[str, Any] = {"temperature": 0, "max_output_tokens": 5, "conversation": "conv_sdk"}
+    first = client.responses.create(input="Turn one.", **kw)
+    second = client.responses.create(input="Turn two.", **kw)
+    assert first.output_text and second.output_text
+    with_history = client.responses.input_tokens.count(input="Three.", conversation="conv_sdk").input_tokens
+    assert with_history > client.responses.input_tokens.count(input="Three.").input_tokens
+
+
+def test_every_kind_of_response_object_matches_the_schema(server: Server, client: openai.OpenAI) -> None:
+    queued = raw(server, "POST", "/v1/responses", json={"input": "Hi", "background": True, "max_output_tokens": 3000})
+    validate("ResponseResource", queued.json())
+    rid = queued.json()["id"]
+    cancelled = raw(server, "POST", f"/v1/responses/{rid}/cancel")
+    validate("ResponseResource", cancelled.json())
+    assert cancelled.json()["status"] == "cancelled"
+    done = client.responses.create(input="Hi", max_output_tokens=3, background=True)
+    finished = wait(client, done.id)
+    validate("ResponseResource", raw(server, "GET", f"/v1/responses/{finished.id}").json())
+    stored = raw(server, "POST", "/v1/responses", json={"input": "Hi", "max_output_tokens": 3}).json()
+    validate("ResponseResource", stored)

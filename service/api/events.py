@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -12,6 +12,7 @@ from starlette.responses import Response, StreamingResponse
 from service.api.state import AppState
 from service.errors import InvalidRequestError, LmspdError
 from service.responses.schema import FINAL_EVENTS
+from service.store.tasks import Event
 
 TERMINAL = {"succeeded", "failed", "cancelled"}
 
@@ -52,8 +53,16 @@ async def task_events(request: Request) -> Response:
     )
 
 
-async def _stream(app: AppState, task_id: str, after: int) -> AsyncIterator[bytes]:
-    yield b"retry: 2000\n\n"
+Frame = Callable[[Event], bytes]
+
+
+def lmsp_frame(ev: Event) -> bytes:
+    return b"id: %d\nevent: %s\ndata: %s\n\n" % (ev.seq, ev.type.encode(), ev.data)
+
+
+async def event_frames(app: AppState, task_id: str, after: int, frame: Frame) -> AsyncIterator[bytes]:
+    """A task's events after ``after``, replayed then live, up to and including its final
+    event; keep-alive comments while it waits. Ends early when the server shuts down."""
     keepalive = app.config.server.keepalive_secs
     while True:
         signal = app.hub.signal(task_id)  # taken before reading, so no commit slips between
@@ -62,7 +71,7 @@ async def _stream(app: AppState, task_id: str, after: int) -> AsyncIterator[byte
             # One write per batch: a replay is bounded by the database read, not by per-event sends.
             final = next((i for i, ev in enumerate(events) if ev.type in FINAL_EVENTS), None)
             batch = events if final is None else events[: final + 1]
-            yield b"".join(b"id: %d\nevent: %s\ndata: %s\n\n" % (ev.seq, ev.type.encode(), ev.data) for ev in batch)
+            yield b"".join(frame(ev) for ev in batch)
             if final is not None:
                 return
             after = batch[-1].seq
@@ -75,3 +84,9 @@ async def _stream(app: AppState, task_id: str, after: int) -> AsyncIterator[byte
             await asyncio.wait_for(signal.wait(), keepalive)
             continue
         yield b": keep-alive\n\n"
+
+
+async def _stream(app: AppState, task_id: str, after: int) -> AsyncIterator[bytes]:
+    yield b"retry: 2000\n\n"
+    async for chunk in event_frames(app, task_id, after, lmsp_frame):
+        yield chunk

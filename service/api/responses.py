@@ -17,6 +17,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from service.api.events import event_frames
 from service.api.state import AppState
 from service.api.wire import decode, fingerprint, idempotency_key, read_body
 from service.errors import InvalidRequestError, LmspdError
@@ -25,7 +26,7 @@ from service.responses import schema as s
 from service.responses.builder import ResponseState, initial_response
 from service.responses.history import FINISHED
 from service.responses.history import history as history_for
-from service.store.tasks import NewEvent, ResponseFields, TaskRecord
+from service.store.tasks import Event, NewEvent, ResponseFields, TaskRecord
 
 
 class ResponseNotFoundError(LmspdError):
@@ -184,6 +185,10 @@ async def _cancel(app: AppState, task_id: str) -> TaskRecord:
     return task
 
 
+def _openai_frame(ev: Event) -> bytes:
+    return b"event: %s\ndata: %s\n\n" % (ev.type.encode(), ev.data)
+
+
 async def _stream_and_settle(
     app: AppState, request: Request, task: TaskRecord, after: int, own: bool
 ) -> AsyncIterator[bytes]:
@@ -191,29 +196,11 @@ async def _stream_and_settle(
     response cancels it when the client goes away, and forgets it after if store is false."""
     finished = False
     try:
-        while True:
-            signal = app.hub.signal(task.id)
-            events = await app.store.events_after(task.id, after, 1000)
-            chunk = []
-            for ev in events:
-                chunk.append(b"event: %s\ndata: %s\n\n" % (ev.type.encode(), ev.data))
-                after = ev.seq
-                if ev.type in s.FINAL_EVENTS:
-                    finished = True
-                    break
-            if chunk:
-                yield b"".join(chunk)
-            if finished:
-                yield b"data: [DONE]\n\n"
-                return
-            if events:
-                continue
-            if app.hub.closing.is_set():
-                return
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(signal.wait(), app.config.server.keepalive_secs)
-                continue
-            yield b": keep-alive\n\n"
+        async for chunk in event_frames(app, task.id, after, _openai_frame):
+            yield chunk
+        finished = (await app.store.get(task.id)).status in FINISHED
+        if finished:
+            yield b"data: [DONE]\n\n"
     finally:
         if own and not finished:
             with contextlib.suppress(LmspdError):

@@ -33,12 +33,14 @@ _CLIENT_ERRORS = ("invalid_request", "context_length_exceeded", "model_not_found
 
 
 class Supervisor:
-    def __init__(self, config: Config, store: TaskStore, engine: EngineClient, hub: Hub) -> None:
+    def __init__(
+        self, config: Config, store: TaskStore, engine: EngineClient, hub: Hub, registry: ModelRegistry
+    ) -> None:
         self.config = config
         self.store = store
         self.engine = engine
         self.hub = hub
-        self.registry = ModelRegistry(config)
+        self.registry = registry
         self.running: dict[str, asyncio.Task[None]] = {}
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
@@ -62,15 +64,17 @@ class Supervisor:
         except LmspdError as exc:  # tasks naming it will fail with the reason; others still run
             log.error("default model %s did not load: %s", self.config.default_model, exc.message)
 
-    async def stop(self) -> None:
-        """Leave in-flight tasks as their policies can recover them, then stop the engine."""
+    async def stop(self, *, close_engine: bool = True) -> None:
+        """Leave in-flight tasks as their policies can recover them, then stop the engine
+        (unless it was handed in by the caller, who then owns it)."""
         self._stopping = True
         if self._loop_task:
             self._loop_task.cancel()
         for task in list(self.running.values()):
             task.cancel()
         await asyncio.gather(*self.running.values(), return_exceptions=True)
-        await self.engine.close()
+        if close_engine:
+            await self.engine.close()
 
     def wake(self) -> None:
         self._wake.set()

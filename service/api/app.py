@@ -174,9 +174,10 @@ def create_app(config: Config, engine: EngineClient | None = None) -> Starlette:
         db = await Database.open(config.server.database_path)
         store = TaskStore(db, max_queued=config.server.max_queued_tasks)
         hub = Hub()
-        supervisor = Supervisor(config, store, engine or EngineClient(config.engine), hub)
+        registry = ModelRegistry(config)
+        supervisor = Supervisor(config, store, engine or EngineClient(config.engine), hub, registry)
         await supervisor.start()  # recovers unfinished tasks before any request is served
-        state = AppState(config, db, store, hub, supervisor, Authenticator(config.server.tokens), ModelRegistry(config))
+        state = AppState(config, db, store, hub, supervisor, Authenticator(config.server.tokens), registry)
         app.state.lmsp = state
         await asyncio.to_thread(_warm_up, state)
         janitor = asyncio.create_task(_janitor(state))
@@ -186,7 +187,7 @@ def create_app(config: Config, engine: EngineClient | None = None) -> Starlette:
             state.accepting = False
             hub.close()
             janitor.cancel()
-            await supervisor.stop()
+            await supervisor.stop(close_engine=engine is None)  # a handed-in engine is the caller's
             await db.close()
 
     return Starlette(

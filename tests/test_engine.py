@@ -12,7 +12,7 @@ import pytest
 
 from service.config import EngineConfig
 from service.engine import protocol as p
-from service.engine.client import EngineClient
+from service.engine.client import EARLY_CANCELS_KEPT, EngineClient
 from service.errors import (
     ContextLengthExceededError,
     EngineCrashedError,
@@ -98,6 +98,43 @@ async def test_cancel_mid_generation(engine: EngineClient, tiny: ResolvedModel) 
             break
     # The engine keeps serving afterwards.
     assert (await collect(engine, request(tiny, PROMPTS[1], max_tokens=4)))[2].reason == "length"
+
+
+async def test_cancel_before_generate_is_not_lost(engine: EngineClient, tiny: ResolvedModel) -> None:
+    # The supervisor may cancel between deciding to run a request and sending it: the
+    # engine has never heard of the id, so the client must remember the cancel.
+    cmd = request(tiny, PROMPTS[0], max_tokens=200, generated=[42, 43])
+    await engine.cancel(cmd.request_id)
+    ids, text, fin = await collect(engine, cmd)
+    assert (ids, text) == ([], "")
+    assert fin.reason == "cancelled"
+    assert fin.prompt_tokens == len(cmd.prompt)
+    assert fin.completion_tokens == 2  # the tokens it was resumed with, none new
+    assert engine.stats()["in_flight"] == 0
+    # The cancel applied once: the same id runs normally afterwards.
+    assert (await collect(engine, cmd))[2].reason == "length"
+
+
+async def test_forget_drops_a_remembered_cancel(engine: EngineClient, tiny: ResolvedModel) -> None:
+    cmd = request(tiny, PROMPTS[1], max_tokens=6)
+    await engine.cancel(cmd.request_id)
+    engine.forget(cmd.request_id)
+    engine.forget("never-cancelled")  # forgetting an unknown id is harmless
+    ids, _, fin = await collect(engine, cmd)
+    assert fin.reason == "length"
+    assert len(ids) == fin.completion_tokens == 6
+
+
+async def test_remembered_cancels_are_bounded(engine: EngineClient, tiny: ResolvedModel) -> None:
+    first = request(tiny, PROMPTS[1], max_tokens=3)
+    await engine.cancel(first.request_id)
+    for i in range(EARLY_CANCELS_KEPT):
+        await engine.cancel(f"abandoned-{i}")
+    # The oldest remembered cancel was dropped to make room, so its request runs.
+    assert (await collect(engine, first))[2].reason == "length"
+    last = request(tiny, PROMPTS[1], max_tokens=3)
+    await engine.cancel(last.request_id)
+    assert (await collect(engine, last))[2].reason == "cancelled"
 
 
 async def test_leaving_the_stream_cancels_the_request(engine: EngineClient, tiny: ResolvedModel) -> None:

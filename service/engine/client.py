@@ -14,6 +14,7 @@ import contextlib
 import logging
 import multiprocessing as mp
 import threading
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
@@ -45,6 +46,10 @@ _ERRORS: dict[str, type[LmspdError]] = {
 
 Event = p.Delta | p.Finished
 
+# Early cancels remembered at most: an id that never generates is forgotten eventually,
+# so a caller that cancels and then gives up cannot grow the client without bound.
+EARLY_CANCELS_KEPT = 4096
+
 
 def error_from(reply: p.Failed) -> LmspdError:
     cls = _ERRORS.get(reply.code, EngineError)
@@ -60,6 +65,8 @@ class EngineClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-writer")
         self._streams: dict[str, asyncio.Queue[Event | LmspdError]] = {}
+        # Cancels for ids with no stream yet (oldest first): Generate may still be on its way.
+        self._early_cancels: OrderedDict[str, None] = OrderedDict()
         self._loads: dict[str, list[asyncio.Future[p.ModelLoaded]]] = {}
         self._ready: asyncio.Future[p.Ready] | None = None
         self.loaded: dict[str, p.ModelLoaded] = {}
@@ -182,6 +189,14 @@ class EngineClient:
         """
         if cmd.request_id in self._streams:
             raise InvalidRequestError(f"request id {cmd.request_id} is already running")
+        if self._take_early_cancel(cmd.request_id):
+            yield p.Finished(
+                request_id=cmd.request_id,
+                reason="cancelled",
+                prompt_tokens=len(cmd.prompt),
+                completion_tokens=len(cmd.generated),
+            )
+            return
         queue: asyncio.Queue[Event | LmspdError] = asyncio.Queue()
         self._streams[cmd.request_id] = queue
         finished = False
@@ -206,8 +221,31 @@ class EngineClient:
             await self._send(cmd)
 
     async def cancel(self, request_id: str) -> None:
-        """Ask the engine to stop a request; its stream ends with ``reason="cancelled"``."""
-        await self._send_quietly(p.Cancel(request_id))
+        """Ask the engine to stop a request; its stream ends with ``reason="cancelled"``.
+
+        A request with no stream yet is remembered instead: the engine would drop a
+        Cancel for an id it does not know, and the Generate that follows would run to
+        the end. Once a stream exists, the single writer thread delivers this Cancel
+        after its Generate, so the engine always knows the id by then.
+        """
+        if request_id in self._streams:
+            await self._send_quietly(p.Cancel(request_id))
+            return
+        self._early_cancels[request_id] = None
+        self._early_cancels.move_to_end(request_id)
+        while len(self._early_cancels) > EARLY_CANCELS_KEPT:
+            self._early_cancels.popitem(last=False)
+
+    def forget(self, request_id: str) -> None:
+        """Drop a remembered cancel (for a request that ended without generating)."""
+        self._early_cancels.pop(request_id, None)
+
+    def _take_early_cancel(self, request_id: str) -> bool:
+        """Whether the request was cancelled before it started (each cancel applies once)."""
+        if request_id not in self._early_cancels:
+            return False
+        del self._early_cancels[request_id]
+        return True
 
     async def close(self, timeout: float = 10.0) -> None:
         process = self.process

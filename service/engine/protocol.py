@@ -12,6 +12,17 @@ import msgspec
 
 FinishReason = Literal["stop", "length", "cancelled"]
 
+# OpenAI's bound on top_logprobs (Responses and Chat Completions alike).
+MAX_TOP_LOGPROBS = 20
+
+
+def validate_top_logprobs(k: int | None, param: str = "top_logprobs") -> None:
+    """Raise InvalidRequestError unless k is None (no logprobs) or in 0..MAX_TOP_LOGPROBS."""
+    from service.errors import InvalidRequestError
+
+    if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
+        raise InvalidRequestError(f"{param} must be between 0 and {MAX_TOP_LOGPROBS}, got {k}", param=param)
+
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     temperature: float = 1.0
@@ -55,6 +66,9 @@ class Generate(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     sampling: SamplingParams = SamplingParams()
     stop_token_ids: list[int] = []
     stop: list[str] = []
+    # None: no logprobs. k in 0..MAX_TOP_LOGPROBS: each generated token's logprob and the
+    # k most likely tokens at its position (what OpenAI's top_logprobs=k returns).
+    logprobs: int | None = None
 
 
 class Cancel(msgspec.Struct, tag=True, frozen=True):
@@ -87,10 +101,37 @@ class ModelLoaded(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     seconds: float
 
 
+class TopLogprob(msgspec.Struct, array_like=True, frozen=True):
+    token: str  # see TokenLogprob.token
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(msgspec.Struct, array_like=True, frozen=True):
+    """One generated token's log-probability, in OpenAI's shape.
+
+    ``bytes`` are the token's exact UTF-8 bytes (a byte-level BPE token may hold part
+    of a character; concatenating consecutive entries' bytes rebuilds the text).
+    ``token`` is those bytes as text, with bytes that are not valid UTF-8 on their own
+    written as ``\\xNN`` escapes, as OpenAI does, rather than U+FFFD, which would make
+    distinct partial tokens look alike. ``logprob`` is finite: -9999.0 stands for a
+    token that cannot be chosen (OpenAI's convention; JSON has no -Infinity).
+    ``top_logprobs`` are the k most likely tokens at this position, most likely first.
+    """
+
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
 class Delta(msgspec.Struct, array_like=True, frozen=True):
     request_id: str
     token_ids: list[int]
     text: str
+    # One entry per id in token_ids when the request asked for logprobs; None otherwise.
+    # Last and optional so that the array encoding of a Delta without it is unchanged.
+    logprobs: list[TokenLogprob] | None = None
 
 
 class Deltas(msgspec.Struct, tag=True, frozen=True):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -25,6 +26,102 @@ from service.models.registry import context_length_of
 from service.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("lmspd.engine")
+
+# A logprob of -inf (a token no sampler could pick) travels as this, as OpenAI reports it.
+LOGPROB_FLOOR = -9999.0
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's bytes_to_unicode, inverted: byte-level BPE spells each byte as one printable
+    character; this maps those characters back to the bytes."""
+    byte_values = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = list(byte_values)  # printable bytes stand for themselves
+    shifted = 0
+    for b in range(256):
+        if b not in byte_values:  # the others are spelled 256, 257, ... in byte order
+            byte_values.append(b)
+            chars.append(256 + shifted)
+            shifted += 1
+    return {chr(c): b for b, c in zip(byte_values, chars, strict=True)}
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def top_logprobs(
+    rows: list[Any], tokens: list[int], ks: list[int]
+) -> tuple[list[float], list[list[tuple[int, float]]]]:
+    """Each row's chosen-token logprob and its k most likely (id, logprob), most likely first.
+
+    One partial sort and one evaluation for the whole step, not one per request.
+    """
+    import mlx.core as mx
+
+    stacked = mx.stack(rows).astype(mx.float32)
+    chosen = mx.take_along_axis(stacked, mx.array(tokens)[:, None], axis=-1)[:, 0]
+    kmax = max(ks)
+    if kmax == 0:
+        return [_finite(v) for v in _to_list(chosen)], [[] for _ in ks]
+    ids = mx.argpartition(-stacked, kth=kmax - 1, axis=-1)[:, :kmax]
+    values = mx.take_along_axis(stacked, ids, axis=-1)
+    mx.eval(chosen, ids, values)
+    tops: list[list[tuple[int, float]]] = []
+    for k, row_ids, row_values in zip(ks, _to_list(ids), _to_list(values), strict=True):
+        # Ties go to the lower id, as argmax (the greedy sampler) breaks them.
+        ranked = sorted(zip(row_ids, row_values, strict=True), key=lambda iv: (-iv[1], iv[0]))[:k]
+        tops.append([(int(i), _finite(v)) for i, v in ranked])
+    return [_finite(v) for v in _to_list(chosen)], tops
+
+
+def _to_list(array: Any) -> list[Any]:
+    return list(array.tolist())
+
+
+def _finite(logprob: float) -> float:
+    return max(min(float(logprob), 0.0), LOGPROB_FLOOR)
+
+
+class TokenPieces:
+    """Each token id's raw bytes and its text as logprobs report them (cached per id)."""
+
+    def __init__(self, model_dir: Path) -> None:
+        from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers import decoders
+
+        self._tok = HFTokenizer.from_file(str(model_dir / "tokenizer.json"))
+        self._byte_level = isinstance(self._tok.decoder, decoders.ByteLevel)
+        # Added (special) tokens are stored as plain text, not in the byte alphabet.
+        self._added = {i: t.content for i, t in self._tok.get_added_tokens_decoder().items()}
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+
+    def piece(self, token_id: int) -> tuple[str, list[int]]:
+        found = self._cache.get(token_id)
+        if found is None:
+            raw = self._raw(token_id)
+            # OpenAI writes bytes that are not UTF-8 on their own (part of a character)
+            # as \xNN escapes; `bytes` keeps them exact either way.
+            found = self._cache[token_id] = (raw.decode("utf-8", errors="backslashreplace"), list(raw))
+        return found
+
+    def scored(self, token_id: int, logprob: float) -> tuple[str, float, list[int]]:
+        """The fields of a TopLogprob, in order."""
+        text, raw = self.piece(token_id)
+        return text, logprob, raw
+
+    def _raw(self, token_id: int) -> bytes:
+        added = self._added.get(token_id)
+        if added is not None:
+            return added.encode()
+        spelled: str | None = self._tok.id_to_token(token_id)
+        if spelled is None:  # an embedding row past the tokenizer's vocabulary
+            return b""
+        if self._byte_level:
+            return b"".join(bytes([_BYTE_LEVEL[c]]) if c in _BYTE_LEVEL else c.encode() for c in spelled)
+        # SentencePiece-style vocabularies: <0xNN> byte fallback, U+2581 for a space.
+        if m := _BYTE_FALLBACK.fullmatch(spelled):
+            return bytes([int(m.group(1), 16)])
+        return spelled.replace("\u2581", " ").encode()
 
 
 @dataclass
@@ -47,6 +144,12 @@ class LoadedModel:
     vocab_size: int
     weight_dtype: str
     requests: dict[int, Request] = field(default_factory=dict)
+    pieces: TokenPieces | None = None  # built on the first request that asks for logprobs
+
+    def token_pieces(self) -> TokenPieces:
+        if self.pieces is None:
+            self.pieces = TokenPieces(Path(self.path))
+        return self.pieces
 
 
 class Engine:
@@ -214,6 +317,7 @@ class Engine:
             return self._fail(cmd, "model_not_found", f"model '{cmd.model}' could not be loaded", "model")
         try:
             cmd.sampling.validate()
+            p.validate_top_logprobs(cmd.logprobs)
         except LmspdError as exc:
             return self._fail(cmd, exc.code, exc.message, exc.param)
         tokens = cmd.prompt + cmd.generated
@@ -301,13 +405,47 @@ class Engine:
             log.exception("decode step failed")
             self._fail_all(lm, f"generation failed: {exc}")
             return
-        for r in responses:
-            req = lm.requests.get(r.uid)
-            if req is None:
-                continue
-            self._on_token(lm, req, r.token, r.finish_reason, deltas)
+        live = [(r, req) for r in responses if (req := lm.requests.get(r.uid)) is not None]
+        try:
+            scored = self._score(lm, live)
+        except Exception as exc:  # only the requests that asked for logprobs depend on them
+            log.exception("logprobs failed")
+            for _, req in live:
+                if req.cmd.logprobs is not None:
+                    self._drop(lm, req, f"logprobs failed: {exc}")
+            live = [(r, req) for r, req in live if req.cmd.logprobs is None]
+            scored = {}
+        for r, req in live:
+            self._on_token(lm, req, r.token, r.finish_reason, deltas, scored.get(r.uid))
 
-    def _on_token(self, lm: LoadedModel, req: Request, token: int, finish: str | None, deltas: list[p.Delta]) -> None:
+    @staticmethod
+    def _score(lm: LoadedModel, live: list[tuple[Any, Request]]) -> dict[int, p.TokenLogprob]:
+        """Logprobs for the tokens of requests that asked; others pay nothing."""
+        # A stop token is not output, so it gets no entry either.
+        wanted = [
+            (r, req.cmd.logprobs) for r, req in live if req.cmd.logprobs is not None and r.finish_reason != "stop"
+        ]
+        if not wanted:
+            return {}
+        chosen, tops = top_logprobs(
+            [r.logprobs for r, _ in wanted], [r.token for r, _ in wanted], [k for _, k in wanted]
+        )
+        pieces = lm.token_pieces()
+        scored: dict[int, p.TokenLogprob] = {}
+        for (r, _), logprob, top in zip(wanted, chosen, tops, strict=True):
+            alternatives = [p.TopLogprob(*pieces.scored(t, v)) for t, v in top]
+            scored[r.uid] = p.TokenLogprob(*pieces.scored(r.token, logprob), alternatives)
+        return scored
+
+    def _on_token(
+        self,
+        lm: LoadedModel,
+        req: Request,
+        token: int,
+        finish: str | None,
+        deltas: list[p.Delta],
+        logprob: p.TokenLogprob | None = None,
+    ) -> None:
         ids: list[int] = []
         text = ""
         if finish != "stop":  # a stop token ends the output without being part of it
@@ -318,7 +456,8 @@ class Engine:
             text += req.detok.flush()
         text, hit = self._apply_stop_strings(req, text)
         if ids or text:
-            deltas.append(p.Delta(req.cmd.request_id, ids, text))
+            logprobs = None if req.cmd.logprobs is None else ([logprob] if ids and logprob else [])
+            deltas.append(p.Delta(req.cmd.request_id, ids, text, logprobs))
         if hit:
             lm.batch.remove([req.uid])  # a no-op when the batch already finished it
             self._finish(lm, req, "stop")
@@ -340,6 +479,12 @@ class Engine:
         keep = max((k for s in stops for k in range(1, len(s)) if pending.endswith(s[:k])), default=0)
         req.held = pending[len(pending) - keep :] if keep else ""
         return pending[: len(pending) - keep], False
+
+    def _drop(self, lm: LoadedModel, req: Request, message: str) -> None:
+        lm.batch.remove([req.uid])
+        del lm.requests[req.uid]
+        del self.by_id[req.cmd.request_id]
+        self._fail(req.cmd, "server_error", message)
 
     def _fail_all(self, lm: LoadedModel, message: str) -> None:
         for req in list(lm.requests.values()):

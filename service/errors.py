@@ -1,75 +1,219 @@
-"""The one exception tree of lmspd.
+"""The one exception tree of lmspd, and the problem objects built from it.
 
 Every error the service raises on purpose derives from :class:`LmspdError` and
-carries a stable ``code`` (the LMSP problem code) and, where one field is to
-blame, ``param``.
+carries, as class attributes, a stable ``code`` (the LMSP problem code), its
+HTTP ``status`` and ``title``, and how the OpenAI envelope names it; where one
+field is to blame, the instance carries ``param``. The HTTP layer renders a
+problem object (LMSP 9.3) or OpenAI's ``{"error": {...}}`` from the class alone,
+and a failed task's ``error`` is the same problem object.
 """
 
 from __future__ import annotations
 
+from typing import ClassVar
+
+import msgspec
+
 
 class LmspdError(Exception):
-    code = "server_error"
+    code: ClassVar[str] = "server_error"
+    status: ClassVar[int] = 500
+    title: ClassVar[str] = "Internal server error"
+    # OpenAI's envelope: its ``code`` for this error (None: no code), and the HTTP status
+    # on /v1 where it differs from LMSP's.
+    openai_code: ClassVar[str | None] = "server_error"
+    openai_status: ClassVar[int | None] = None
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
 
+    def problem(self) -> Problem:
+        return Problem(
+            type=f"urn:lmsp:problem:{self.code}",
+            title=self.title,
+            status=self.status,
+            detail=self.message,
+            code=self.code,
+            param=self.param,
+        )
+
+
+class Problem(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """RFC 9457 problem object (LMSP 9.3)."""
+
+    type: str
+    title: str
+    status: int
+    detail: str
+    code: str
+    param: str | None = None
+    instance: str | None = None
+
+
+# --- configuration and models ---------------------------------------------------------------
+
 
 class ConfigError(LmspdError):
     code = "invalid_config"
+    title = "Invalid configuration"
 
 
 class ModelError(LmspdError):
-    code = "model_error"
+    """A model exists but cannot be used (its files are broken, it failed to load)."""
+
+    code = "model_load_failed"
+    title = "Model failed to load"
 
 
 class ModelNotFoundError(ModelError):
     code = "model_not_found"
+    status = 404
+    title = "Model not found"
+    openai_code = "model_not_found"
 
 
 class ModelConversionError(ModelError):
     code = "model_conversion_failed"
+    title = "Model conversion failed"
 
 
 class ModelDownloadError(ModelError):
     code = "model_download_failed"
+    title = "Model download failed"
+
+
+# --- client errors --------------------------------------------------------------------------
 
 
 class InvalidRequestError(LmspdError):
     code = "invalid_request"
+    status = 400
+    title = "Invalid request"
+    openai_code: ClassVar[str | None] = None
 
 
 class ContextLengthExceededError(InvalidRequestError):
     code = "context_length_exceeded"
+    title = "Context length exceeded"
+    openai_code = "context_length_exceeded"
 
 
-class EngineError(LmspdError):
-    code = "engine_error"
+class UnsupportedCapabilityError(InvalidRequestError):
+    code = "unsupported_capability"
+    title = "Unsupported capability"
+    openai_code = "unsupported_capability"
 
 
-class EngineCrashedError(EngineError):
-    code = "engine_crashed"
+class UnauthorizedError(LmspdError):
+    code = "unauthorized"
+    status = 401
+    title = "Unauthorized"
+    openai_code = "invalid_api_key"
 
 
-class TaskNotFoundError(LmspdError):
+class NotFoundError(LmspdError):
+    code = "not_found"
+    status = 404
+    title = "Not found"
+    openai_code = "not_found"
+
+
+class TaskNotFoundError(NotFoundError):
     code = "task_not_found"
+    title = "Task not found"
 
 
 class TaskNotCancelableError(LmspdError):
     code = "task_not_cancelable"
+    status = 409
+    title = "Task not cancelable"
+    openai_code = "task_not_cancelable"
+
+
+class EventHistoryExpiredError(LmspdError):
+    code = "event_history_expired"
+    status = 410
+    title = "Event history expired"
+    openai_code = "event_history_expired"
+
+
+class PayloadTooLargeError(LmspdError):
+    code = "payload_too_large"
+    status = 413
+    title = "Payload too large"
+    openai_code = "payload_too_large"
 
 
 class IdempotencyKeyReusedError(LmspdError):
     code = "idempotency_key_reused"
+    status = 422
+    title = "Idempotency key reused"
+    openai_code = "idempotency_key_reused"
 
 
-class QueueFullError(LmspdError):
+class RateLimitError(LmspdError):
     code = "rate_limit_exceeded"
+    status = 429
+    title = "Rate limit exceeded"
+    openai_code = "rate_limit_exceeded"
+
+
+class QueueFullError(RateLimitError):
+    """The task queue is full: 429 on LMSP; on /v1 the seed calls it overloaded (503)."""
+
+    title = "Too many queued tasks"
+    openai_code = "server_overloaded"
+    openai_status = 503
+
+
+class TooManyBackgroundJobsError(RateLimitError):
+    title = "Too many background responses"
+
+
+class ServerOverloadedError(LmspdError):
+    code = "server_overloaded"
+    status = 503
+    title = "Server overloaded"
+    openai_code = "server_overloaded"
+
+
+# --- failures of accepted work (a failed task's error) --------------------------------------
+
+
+class ServerRestartedError(LmspdError):
+    code = "server_restarted"
+    title = "Server restarted"
+
+
+class EngineError(LmspdError):
+    code = "engine_error"
+    title = "Engine error"
+
+
+class EngineCrashedError(EngineError):
+    code = "engine_crashed"
+    title = "Engine crashed"
 
 
 class SequenceConflictError(LmspdError):
     """An event append raced another writer of the same task (a bug, never a client error)."""
 
-    code = "server_error"
+
+def _by_code() -> dict[str, type[LmspdError]]:
+    found: dict[str, type[LmspdError]] = {}
+    pending: list[type[LmspdError]] = [LmspdError]
+    while pending:
+        cls = pending.pop(0)
+        found.setdefault(cls.code, cls)  # breadth first: the most general class owns a code
+        pending += cls.__subclasses__()
+    return found
+
+
+_BY_CODE = _by_code()
+
+
+def error_for(code: str, message: str, *, param: str | None = None) -> LmspdError:
+    """The error a code stands for (engine replies and stored problems carry only codes)."""
+    return _BY_CODE.get(code, LmspdError)(message, param=param)

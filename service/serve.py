@@ -38,7 +38,8 @@ def check_bind(config: Config) -> None:
 
 async def run(config: Config) -> None:
     check_bind(config)
-    app = create_app(config)
+    stop = asyncio.Event()
+    app = create_app(config, shutdown=stop)
     hc = HypercornConfig()
     hc.bind = [
         f"[{config.server.host}]:{config.server.port}"
@@ -47,17 +48,7 @@ async def run(config: Config) -> None:
     ]
     hc.graceful_timeout = config.server.shutdown_grace_secs
     hc.accesslog = None
-    stop = asyncio.Event()
-
-    def on_signal() -> None:
-        log.info("shutting down: no new work; in-flight tasks stay recoverable by their policy")
-        lmsp = getattr(app.state, "lmsp", None)
-        if lmsp is not None:
-            lmsp.accepting = False
-            lmsp.hub.close()  # ends SSE streams cleanly; clients resume with Last-Event-ID
-        stop.set()
-
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal)
+        loop.add_signal_handler(sig, stop.set)  # the app's lifespan owns what shutdown means
     await hypercorn_serve(app, hc, shutdown_trigger=stop.wait)  # type: ignore[arg-type]

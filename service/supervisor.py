@@ -15,21 +15,20 @@ import logging
 
 import msgspec
 
-from service.api.problems import problem
 from service.config import Config
 from service.engine import protocol as p
 from service.engine.client import EngineClient
-from service.errors import EngineCrashedError, LmspdError
+from service.errors import EngineCrashedError, LmspdError, error_for
 from service.generation import build_generate
 from service.hub import Hub
 from service.models.registry import ModelRegistry
 from service.responses.builder import ResponseState
 from service.responses.history import history as history_for
-from service.responses.schema import ResponseRequest
-from service.store.tasks import EventBuilder, TaskRecord, TaskStore
+from service.responses.schema import TaskRequest
+from service.store.status import TaskStatus
+from service.store.tasks import Event, EventBuilder, TaskRecord, TaskStore
 
 log = logging.getLogger("lmspd.supervisor")
-_CLIENT_ERRORS = ("invalid_request", "context_length_exceeded", "model_not_found")
 
 
 class Supervisor:
@@ -116,7 +115,7 @@ class Supervisor:
                 continue  # never started: nothing was lost, it runs in turn
             state = ResponseState.from_events(await self._all_events(task_id))
             if task.status == "cancelling":
-                await self.store.transition(task_id, "cancelled", events=state.cancelled())
+                await self._settle_cancel(task_id, state)
             else:
                 await self._interrupted(task, state, "server_restarted", "the server restarted during generation")
             self.hub.notify(task_id)
@@ -129,8 +128,9 @@ class Supervisor:
         else:
             await self._fail(task.id, state, code, detail)
 
-    async def _all_events(self, task_id: str) -> list:  # type: ignore[type-arg]
-        events, after = [], -1
+    async def _all_events(self, task_id: str) -> list[Event]:
+        events: list[Event] = []
+        after = -1
         while batch := await self.store.events_after(task_id, after, 5000):
             events += batch
             after = batch[-1].seq
@@ -163,17 +163,32 @@ class Supervisor:
         await self.store.append_events(task_id, events)
         self.hub.notify(task_id)
 
-    async def _to(self, task_id: str, status: str, events: list[EventBuilder], **kw: bytes) -> bool:
-        done = await self.store.transition(task_id, status, events=events, **kw)  # type: ignore[arg-type]
+    async def _to(self, task_id: str, status: TaskStatus, events: list[EventBuilder]) -> bool:
+        done = await self.store.transition(task_id, status, events=events)
         self.hub.notify(task_id)
         return done is not None
 
     async def _settle_cancel(self, task_id: str, state: ResponseState) -> None:
-        await self._to(task_id, "cancelled", state.cancelled())
+        events = state.cancelled()
+        await self._final(task_id, "cancelled", events, state)
+
+    async def _final(
+        self,
+        task_id: str,
+        status: TaskStatus,
+        events: list[EventBuilder],
+        state: ResponseState,
+        error: bytes | None = None,
+    ) -> bool:
+        """A terminal transition; it keeps the final response object with the task, as the
+        event log is purged after the retention window while the response stays readable."""
+        done = await self.store.transition(task_id, status, events=events, response=state.encoded(), error=error)
+        self.hub.notify(task_id)
+        return done is not None
 
     async def _fail(self, task_id: str, state: ResponseState, code: str, detail: str) -> None:
-        error = msgspec.json.encode(problem(code, detail))
-        if not await self._to(task_id, "failed", state.failed(code, detail), error=error):
+        error = msgspec.json.encode(error_for(code, detail).problem())
+        if not await self._final(task_id, "failed", state.failed(code, detail), state, error):
             await self._settle_cancel(task_id, state)  # it was cancelling: cancel wins
 
     async def _run_inner(self, task_id: str) -> None:
@@ -181,7 +196,7 @@ class Supervisor:
         state = ResponseState.from_events(await self._all_events(task_id))
         if not await self._to(task_id, "loading", []):
             return  # cancelled (or claimed) first
-        request = msgspec.json.decode(task.request, type=ResponseRequest)
+        request = msgspec.json.decode(task.request, type=TaskRequest)
         try:
             model = await asyncio.to_thread(self.registry.resolve, request.model or self.config.default_model)
             await self.engine.load(model.name, str(model.path))
@@ -195,11 +210,9 @@ class Supervisor:
                 request.messages(history),
                 request_id=task_id,
                 max_tokens=request.max_output_tokens or self.config.server.default_max_output_tokens,
-                sampling=p.SamplingParams(
-                    temperature=1.0 if request.temperature is None else request.temperature,
-                    top_p=1.0 if request.top_p is None else request.top_p,
-                ),
+                sampling=request.sampling(),
                 generated=state.tokens,
+                stop=request.stop,
                 template_kwargs=request.chat_template_kwargs,
             )
             finished = await self._generate(task_id, state, cmd)
@@ -209,12 +222,11 @@ class Supervisor:
                 return await self._settle_cancel(task_id, state)
             return await self._interrupted(task, state, "engine_crashed", exc.message)
         except LmspdError as exc:
-            code = exc.code if exc.code in _CLIENT_ERRORS else "server_error"
-            return await self._fail(task_id, state, code, exc.message)
+            return await self._fail(task_id, state, exc.code, exc.message)
         if finished.reason == "cancelled":
             return await self._settle_cancel(task_id, state)
         events = state.finish(finished.reason, finished.prompt_tokens)
-        if not await self._to(task_id, "succeeded", events, response=msgspec.json.encode(state.response)):
+        if not await self._final(task_id, "succeeded", events, state):
             await self._settle_cancel(task_id, state)
 
     async def _generate(self, task_id: str, state: ResponseState, cmd: p.Generate) -> p.Finished:

@@ -82,7 +82,7 @@ def test_full_queue_is_429_with_retry_after_and_persists_nothing(client: TestCli
 
 
 def test_engine_crash_applies_policies_and_the_engine_comes_back(client: TestClient) -> None:
-    supervisor = client.app.state.lmsp.supervisor  # type: ignore[attr-defined]
+    supervisor = client.app.state.lmsp.core.supervisor  # type: ignore[attr-defined]
     failing = client.post("/lmsp/v1/tasks", json=long_task("fail")).json()["id"]
     while status(client, failing) != "running":
         time.sleep(0.02)

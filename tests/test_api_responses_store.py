@@ -42,7 +42,7 @@ def make_client(tmp_path: Path, model_cache: Path, tiny_long: ResolvedModel) -> 
 
 def enforce(client: TestClient, now: int | None = None) -> None:
     state = client.app.state.lmsp  # type: ignore[attr-defined]
-    client.portal.call(lambda: state.store.enforce_response_limits(state.config.responses, now))  # type: ignore[union-attr]
+    client.portal.call(lambda: state.core.store.enforce_response_limits(state.config.responses, now))  # type: ignore[union-attr]
 
 
 def error(r: Any) -> dict[str, Any]:
@@ -136,7 +136,7 @@ def test_ephemeral_background_result_expires(make_client: Callable[..., TestClie
         time.sleep(0.05)
     state = c.app.state.lmsp  # type: ignore[attr-defined]
     c.portal.call(
-        lambda: state.store.purge(
+        lambda: state.core.store.purge(
             event_retention_secs=10**6,
             task_retention_secs=10**6,  # type: ignore[union-attr]
             idempotency_retention_secs=10**6,

@@ -129,7 +129,7 @@ def test_invalid_last_event_id(client: TestClient, value: str) -> None:
 def test_events_past_retention_are_gone(client: TestClient) -> None:
     task_id = client.post("/lmsp/v1/tasks", json=task_body(), headers=ALICE).json()["id"]
     wait_done(client, task_id)
-    store = client.app.state.lmsp.store  # type: ignore[attr-defined]
+    store = client.app.state.lmsp.core.store  # type: ignore[attr-defined]
     client.portal.call(
         lambda: store.purge(
             event_retention_secs=1,

@@ -18,7 +18,8 @@ from service.errors import (
 )
 from service.store.db import Database
 from service.store.migrate import MIGRATIONS_DIR, migrate
-from service.store.tasks import TERMINAL, TRANSITIONS, NewEvent, TaskRecord, TaskStore
+from service.store.status import TERMINAL, TRANSITIONS
+from service.store.tasks import NewEvent, TaskRecord, TaskStore
 
 EXPECTED_SCHEMA = {
     "tasks": [
@@ -32,7 +33,6 @@ EXPECTED_SCHEMA = {
         "response",
         "error",
         "attempt",
-        "generated",
         "next_seq",
         "events_expired",
         "created_at",
@@ -94,8 +94,8 @@ def test_migrations_produce_exactly_the_schema(tmp_path: Path) -> None:
     assert indexes == EXPECTED_INDEXES
     triggers = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'trigger'")}
     assert triggers == EXPECTED_TRIGGERS
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == 3
-    assert migrate(conn) == 3  # idempotent
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == 4
+    assert migrate(conn) == 4  # idempotent
 
 
 async def test_wal_and_full_sync(store: TaskStore) -> None:
@@ -147,27 +147,27 @@ def test_transition_table_matches_lmsp_7_2() -> None:
 
 async def test_cancel_semantics(store: TaskStore) -> None:
     queued, _ = await create(store)
-    done = await store.cancel(queued.id, "alice", final_event=event("response.cancelled"))
+    done = await store.cancel(queued.id, "alice", final_events=[event("response.cancelled")])
     assert done.status == "cancelled"
     assert [e.type for e in await store.events_after(queued.id, -1)] == ["response.created", "response.cancelled"]
-    assert (await store.cancel(queued.id, "alice", final_event=event("x"))).status == "cancelled"  # idempotent
+    assert (await store.cancel(queued.id, "alice", final_events=[event("x")])).status == "cancelled"  # idempotent
 
     running, _ = await create(store)
     await store.transition(running.id, "loading")
     await store.transition(running.id, "running")
-    assert (await store.cancel(running.id, "alice", final_event=event("x"))).status == "cancelling"
-    assert (await store.cancel(running.id, "alice", final_event=event("x"))).status == "cancelling"
+    assert (await store.cancel(running.id, "alice", final_events=[event("x")])).status == "cancelling"
+    assert (await store.cancel(running.id, "alice", final_events=[event("x")])).status == "cancelling"
     assert await store.transition(running.id, "succeeded") is None  # cancelling only goes to cancelled
     assert (await store.transition(running.id, "cancelled")) is not None
 
     finished, _ = await create(store)
     await store.transition(finished.id, "failed")
     with pytest.raises(TaskNotCancelableError):
-        await store.cancel(finished.id, "alice", final_event=event("x"))
+        await store.cancel(finished.id, "alice", final_events=[event("x")])
     with pytest.raises(TaskNotFoundError):
-        await store.cancel("task_nope", "alice", final_event=event("x"))
+        await store.cancel("task_nope", "alice", final_events=[event("x")])
     with pytest.raises(TaskNotFoundError):  # another token's task is invisible
-        await store.cancel(running.id, "mallory", final_event=event("x"))
+        await store.cancel(running.id, "mallory", final_events=[event("x")])
 
 
 async def test_cancel_racing_completion_100_times(store: TaskStore) -> None:
@@ -176,7 +176,7 @@ async def test_cancel_racing_completion_100_times(store: TaskStore) -> None:
         await store.transition(task.id, "loading")
         await store.transition(task.id, "running")
         await asyncio.gather(
-            store.cancel(task.id, "alice", final_event=event("response.cancelled")),
+            store.cancel(task.id, "alice", final_events=[event("response.cancelled")]),
             store.transition(task.id, "succeeded", events=[event("response.completed")]),
             return_exceptions=True,
         )
@@ -263,7 +263,7 @@ async def test_status_counts_follow_every_change(store: TaskStore) -> None:
     ids = [(await create(store))[0].id for _ in range(4)]
     await store.transition(ids[0], "loading")
     await store.transition(ids[1], "cancelled")
-    await store.cancel(ids[2], "alice", final_event=event("response.cancelled"))
+    await store.cancel(ids[2], "alice", final_events=[event("response.cancelled")])
     await store.purge(event_retention_secs=0, task_retention_secs=-10, idempotency_retention_secs=0)
     counts = dict(await store.db.fetchall("SELECT status, n FROM task_counts WHERE n > 0"))  # type: ignore[arg-type]
     actual = dict(await store.db.fetchall("SELECT status, count(*) FROM tasks GROUP BY status"))  # type: ignore[arg-type]

@@ -22,12 +22,13 @@ from starlette.routing import Route
 
 from service.api import events, responses, tasks
 from service.api.auth import Authenticator
-from service.api.problems import from_error, openai_error, problem, problem_response
-from service.api.state import AppState
+from service.api.problems import openai_response, problem_response
+from service.api.state import AppState, state_of
 from service.config import Config
+from service.core import Core
 from service.engine.client import EngineClient
 from service.engine.protocol import SamplingParams
-from service.errors import LmspdError, QueueFullError
+from service.errors import InvalidRequestError, LmspdError, NotFoundError
 from service.generation import check_request
 from service.hub import Hub
 from service.models.registry import ModelRegistry
@@ -47,13 +48,13 @@ async def healthz(request: Request) -> Response:
 
 
 async def readyz(request: Request) -> Response:
-    app: AppState = request.app.state.lmsp
-    ready = app.accepting and app.supervisor.engine.alive
+    app = state_of(request)
+    ready = app.core.accepting and app.core.supervisor.engine.alive
     return _json({"status": "ready" if ready else "not_ready"}, 200 if ready else 503)
 
 
 async def capabilities(request: Request) -> Response:
-    app: AppState = request.app.state.lmsp
+    app = state_of(request)
     app.auth.owner(request)
     s = app.config.server
     return _json(
@@ -76,45 +77,42 @@ async def capabilities(request: Request) -> Response:
 
 
 async def models(request: Request) -> Response:
-    app: AppState = request.app.state.lmsp
+    app = state_of(request)
     app.auth.owner(request)
     data = [
         {"id": m.name, "object": "model", "created": 0, "owned_by": "lmspd", "ready": m.pulled}
-        for m in app.registry.list()
+        for m in app.core.models()
     ]
     return _json({"object": "list", "data": data})
 
 
 def _is_openai(request: Request) -> bool:
-    return request.url.path.startswith(("/v1/", "/responses"))
+    return request.url.path.startswith(("/v1/", "/responses", "/chat/"))
+
+
+def _render(request: Request, exc: LmspdError) -> Response:
+    return openai_response(exc) if _is_openai(request) else problem_response(exc)
 
 
 async def on_lmspd_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, LmspdError)
-    p = from_error(exc)
-    headers = {}
-    if p.status in (429, 503):
-        headers["Retry-After"] = "1"
-    if p.code == "unauthorized":
-        headers["WWW-Authenticate"] = "Bearer"
-    if _is_openai(request):
-        if isinstance(exc, QueueFullError):  # /v1: a full queue is "overloaded", as the seed has it
-            p = problem("server_overloaded", exc.message, status=503)
-        return openai_error(p, headers)
-    return problem_response(p, headers)
+    return _render(request, exc)
 
 
 async def on_http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
-    code = "not_found" if exc.status_code == 404 else "invalid_request"
-    p = problem(code, str(exc.detail), status=exc.status_code)
-    return openai_error(p) if _is_openai(request) else problem_response(p)
+    error: LmspdError
+    if exc.status_code == 404:
+        error = NotFoundError(str(exc.detail))
+    else:
+        error = InvalidRequestError(str(exc.detail))
+        error.status = exc.status_code  # type: ignore[misc]  # 405 and the like keep their status
+    return _render(request, error)
 
 
 async def on_unexpected(request: Request, exc: Exception) -> Response:
     log.exception("unhandled error on %s %s", request.method, request.url.path)
-    p = problem("server_error", "internal server error", status=500)
-    return openai_error(p) if _is_openai(request) else problem_response(p)
+    return _render(request, LmspdError("internal server error"))
 
 
 def _openai_routes(prefix: str) -> list[Route]:
@@ -124,11 +122,13 @@ def _openai_routes(prefix: str) -> list[Route]:
         Route(f"{prefix}/responses/{{response_id}}", responses.get_response, methods=["GET"]),
         Route(f"{prefix}/responses/{{response_id}}", responses.delete_response, methods=["DELETE"]),
         Route(f"{prefix}/responses/{{response_id}}/cancel", responses.cancel_response, methods=["POST"]),
+        Route(f"{prefix}/responses/{{response_id}}/input_items", responses.list_input_items, methods=["GET"]),
     ]
 
 
 ROUTES = [
     Route("/healthz", healthz),
+    Route("/lmsp/v1/healthz", healthz),  # clients guess it
     Route("/readyz", readyz),
     Route("/lmsp/v1/capabilities", capabilities),
     Route("/lmsp/v1/models", models),
@@ -145,30 +145,36 @@ ROUTES = [
 ]
 
 
-async def _janitor(state: AppState) -> None:
-    s = state.config.server
+async def _janitor(config: Config, store: TaskStore) -> None:
+    s = config.server
     while True:
         await asyncio.sleep(s.janitor_interval_secs)
         try:
-            counts = await state.store.purge(
+            counts = await store.purge(
                 event_retention_secs=s.event_retention_secs,
                 task_retention_secs=s.task_retention_secs,
                 idempotency_retention_secs=s.idempotency_retention_secs,
             )
-            evicted = await state.store.enforce_response_limits(state.config.responses)
-            log.info("retention purge: %s; response store evictions: %d", counts, evicted)
+            evicted = await store.enforce_response_limits(config.responses)
+            # Foreground store:false responses whose request ended without releasing them.
+            unstored = await store.delete_finished_unstored()
+            log.info("retention purge: %s; response store evictions: %d; unstored: %d", counts, evicted, unstored)
         except Exception:
             log.exception("retention purge failed")
 
 
-def _warm_up(state: AppState) -> None:
+def _warm_up(config: Config, registry: ModelRegistry) -> None:
     """Load the default model's tokenizer and compile its chat template before the first request."""
     with contextlib.suppress(LmspdError):
-        if (model := state.registry.resolve_local(state.config.default_model)) is not None:
+        if (model := registry.resolve_local(config.default_model)) is not None:
             check_request(model, [{"role": "user", "content": "warm-up"}], SamplingParams())
 
 
-def create_app(config: Config, engine: EngineClient | None = None) -> Starlette:
+def create_app(config: Config, engine: EngineClient | None = None, shutdown: asyncio.Event | None = None) -> Starlette:
+    """The app. ``engine``: one the caller started and keeps (tests share one); ``shutdown``:
+    set by the process on SIGTERM, so intake stops and event streams end before the server
+    waits for open connections."""
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         db = await Database.open(config.server.database_path)
@@ -177,16 +183,19 @@ def create_app(config: Config, engine: EngineClient | None = None) -> Starlette:
         registry = ModelRegistry(config)
         supervisor = Supervisor(config, store, engine or EngineClient(config.engine), hub, registry)
         await supervisor.start()  # recovers unfinished tasks before any request is served
-        state = AppState(config, db, store, hub, supervisor, Authenticator(config.server.tokens), registry)
-        app.state.lmsp = state
-        await asyncio.to_thread(_warm_up, state)
-        janitor = asyncio.create_task(_janitor(state))
+        await store.delete_finished_unstored()  # left by a crash between a request's end and its release
+        core = Core(config, store, hub, supervisor, registry)
+        app.state.lmsp = AppState(config, core, Authenticator(config.server.tokens))
+        await asyncio.to_thread(_warm_up, config, registry)
+        chores = [asyncio.create_task(_janitor(config, store))]
+        if shutdown is not None:
+            chores.append(asyncio.create_task(_on_shutdown(shutdown, core)))
         try:
             yield
         finally:
-            state.accepting = False
-            hub.close()
-            janitor.cancel()
+            for chore in chores:
+                chore.cancel()
+            await core.close()
             await supervisor.stop(close_engine=engine is None)  # a handed-in engine is the caller's
             await db.close()
 
@@ -195,3 +204,9 @@ def create_app(config: Config, engine: EngineClient | None = None) -> Starlette:
         lifespan=lifespan,
         exception_handlers={LmspdError: on_lmspd_error, HTTPException: on_http_error, Exception: on_unexpected},
     )
+
+
+async def _on_shutdown(shutdown: asyncio.Event, core: Core) -> None:
+    await shutdown.wait()
+    log.info("shutting down: no new work; in-flight tasks stay recoverable by their policy")
+    core.begin_shutdown()

@@ -6,11 +6,7 @@ import hmac
 
 from starlette.requests import Request
 
-from service.errors import LmspdError
-
-
-class UnauthorizedError(LmspdError):
-    code = "unauthorized"
+from service.errors import UnauthorizedError
 
 
 class Authenticator:

@@ -9,16 +9,12 @@ from typing import Any, TypeVar
 import msgspec
 from starlette.requests import Request
 
-from service.errors import InvalidRequestError, LmspdError
+from service.errors import InvalidRequestError, PayloadTooLargeError
 from service.store.tasks import TaskRecord
 
 T = TypeVar("T")
 _UNKNOWN = re.compile(r"unknown field `([^`]+)`")
 _PATH = re.compile(r"at `\$\.?([^`]*)`")
-
-
-class PayloadTooLargeError(LmspdError):
-    code = "payload_too_large"
 
 
 class TaskObject(msgspec.Struct, kw_only=True):

@@ -29,6 +29,10 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
+    # With temperature > 0, the request draws from its own generator seeded with this, so
+    # the same seed, prompt and parameters give the same tokens whatever else is running.
+    # None: MLX's shared generator (not reproducible). Ignored by greedy decoding.
+    seed: int | None = None
 
     def validate(self) -> None:
         """Raise InvalidRequestError naming the first out-of-range parameter."""
@@ -44,6 +48,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             raise InvalidRequestError(f"top_k must be >= 0, got {self.top_k}", param="top_k")
         if not 0.0 <= self.min_p <= 1.0:
             raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}", param="min_p")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise InvalidRequestError(f"seed must be a 64-bit integer, got {self.seed}", param="seed")
 
 
 # --- commands -------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import os
 import re
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -122,6 +123,44 @@ class TokenPieces:
         if m := _BYTE_FALLBACK.fullmatch(spelled):
             return bytes([int(m.group(1), 16)])
         return spelled.replace("\u2581", " ").encode()
+
+
+class SeededSampler:
+    """mlx-lm's make_sampler, drawing from the request's own PRNG key.
+
+    The global generator is shared by every request in the batch, so a seed set there
+    would not make one request reproducible. This key advances once per sampled token;
+    a resumed request first advances it once per token it already has, so it continues
+    exactly as the uninterrupted run would have.
+    """
+
+    def __init__(self, s: p.SamplingParams, seed: int, already: int) -> None:
+        import mlx.core as mx
+        from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+        self.temperature = s.temperature
+        # The same filters in the same order as make_sampler.
+        self.filters: list[Callable[[Any], Any]] = []
+        if 0.0 < s.top_p < 1.0:
+            self.filters.append(lambda x: apply_top_p(x, s.top_p))
+        if s.min_p != 0.0:
+            self.filters.append(lambda x: apply_min_p(x, s.min_p))
+        if s.top_k > 0:
+            self.filters.append(lambda x: apply_top_k(x, s.top_k))
+        key = mx.random.key(seed % 2**64)  # a negative seed names a key too
+        for n in range(already):
+            key = mx.random.split(key)[0]
+            if n % 256 == 255:  # keep the lazy chain short for long resumes
+                mx.eval(key)
+        self.key = key
+
+    def __call__(self, logprobs: Any) -> Any:
+        import mlx.core as mx
+
+        for f in self.filters:
+            logprobs = f(logprobs)
+        self.key, draw = mx.random.split(self.key)
+        return mx.random.categorical(logprobs * (1.0 / self.temperature), key=draw)
 
 
 @dataclass
@@ -356,9 +395,13 @@ class Engine:
         from mlx_lm.sample_utils import make_sampler
 
         s = cmd.sampling
-        sampler = make_sampler(
-            temp=s.temperature, top_p=s.top_p if s.top_p < 1.0 else 0.0, top_k=s.top_k, min_p=s.min_p
-        )
+        sampler: Any
+        if s.seed is not None and s.temperature > 0:
+            sampler = SeededSampler(s, s.seed, already=len(cmd.generated))
+        else:  # greedy ignores a seed; unseeded sampling draws from MLX's global generator
+            sampler = make_sampler(
+                temp=s.temperature, top_p=s.top_p if s.top_p < 1.0 else 0.0, top_k=s.top_k, min_p=s.min_p
+            )
         stops = StopSequences([[t] for t in cmd.stop_token_ids] or None)
         (uid,) = lm.batch.insert([tokens], max_tokens=[remaining], samplers=[sampler], stop_sequences=[stops])
         req = Request(cmd, uid, IncrementalDetokenizer(lm.tokenizer, cmd.generated), len(cmd.generated))

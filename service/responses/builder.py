@@ -40,7 +40,8 @@ def initial_response(
         prompt_cache_key=request.prompt_cache_key,
         id=response_id,
         created_at=created_at,
-        status="queued",
+        # A background response waits in the queue; a foreground one is under way for its client.
+        status="queued" if background else "in_progress",
         model=model,
         instructions=request.instructions,
         temperature=1.0 if request.temperature is None else request.temperature,
@@ -59,7 +60,12 @@ class ResponseState:
 
     @classmethod
     def from_events(cls, events: Sequence[Event]) -> ResponseState:
-        """Rebuild from a task's event log (the first event is ``response.created``)."""
+        """Rebuild from a task's event log (the first event is ``response.created``).
+
+        Only an unfinished task's log is complete: the janitor purges finished ones, whose
+        final response is kept with the task instead."""
+        if not events:
+            raise ValueError("an event log starts with response.created; this one is empty")
         first = s.event_decoder.decode(events[0].data)
         assert isinstance(first, s.ResponseCreated)
         state = cls(first.response)
@@ -95,6 +101,11 @@ class ResponseState:
 
     def created(self) -> list[EventBuilder]:
         return [to_builder(lambda seq: s.ResponseCreated(sequence_number=seq, response=self.response))]
+
+    def queued(self) -> EventBuilder:
+        """The response waits for a generation slot (Open Responses ``response.queued``)."""
+        response = msgspec.structs.replace(self.response, status="queued")
+        return to_builder(lambda seq: s.ResponseQueued(sequence_number=seq, response=response))
 
     def in_progress(self) -> list[EventBuilder]:
         response = self._snapshot(status="in_progress")
@@ -161,15 +172,42 @@ class ResponseState:
         ]
         return out
 
+    def _close_item(self) -> tuple[list[s.OutputMessage], list[EventBuilder]]:
+        """Close the open message item, if any, as incomplete: a stream that ends early
+        still gets its ``.done`` events, as clients' accumulators expect."""
+        if self.item_id is None:
+            return [], []
+        item_id, text = self.item_id, self.text
+        item = self._message("incomplete")
+        part = s.OutputText(text)
+        events = [
+            to_builder(
+                lambda seq: s.OutputTextDone(
+                    sequence_number=seq, item_id=item_id, output_index=0, content_index=0, text=text
+                )
+            ),
+            to_builder(
+                lambda seq: s.ContentPartDone(
+                    sequence_number=seq, item_id=item_id, output_index=0, content_index=0, part=part
+                )
+            ),
+            to_builder(lambda seq: s.OutputItemDone(sequence_number=seq, output_index=0, item=item)),
+        ]
+        return [item], events
+
     def failed(self, code: str, message: str) -> list[EventBuilder]:
-        output = [self._message("incomplete")] if self.item_id else []
+        output, events = self._close_item()
         response = self._snapshot(status="failed", error=s.ResponseError(code, message), output=output)
-        return [to_builder(lambda seq: s.ResponseFailed(sequence_number=seq, response=response))]
+        return [*events, to_builder(lambda seq: s.ResponseFailed(sequence_number=seq, response=response))]
 
     def cancelled(self) -> list[EventBuilder]:
-        output = [self._message("incomplete")] if self.item_id else []
+        output, events = self._close_item()
         response = self._snapshot(status="cancelled", output=output)
-        return [to_builder(lambda seq: s.ResponseCancelled(sequence_number=seq, response=response))]
+        return [*events, to_builder(lambda seq: s.ResponseCancelled(sequence_number=seq, response=response))]
+
+    def encoded(self) -> bytes:
+        """The response object as it stands (the final one once a closing method ran)."""
+        return s.encoder.encode(self.response)
 
     def restarted(self, attempt: int, reason: str) -> list[EventBuilder]:
         """A ``retry`` starts over: clients discard what they accumulated."""

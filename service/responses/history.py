@@ -9,14 +9,14 @@ import msgspec
 from service.errors import InvalidRequestError
 from service.responses import schema as s
 from service.responses.inputs import to_messages
+from service.store.status import TERMINAL
 from service.store.tasks import TaskStore
 
 MAX_CHAIN = 256
-FINISHED = {"succeeded", "failed", "cancelled"}
 
 
 def _turn(request_json: bytes, response_json: bytes | None) -> list[dict[str, Any]]:
-    request = msgspec.json.decode(request_json, type=s.ResponseRequest)
+    request = msgspec.json.decode(request_json, type=s.TaskRequest)
     turn = to_messages(request.items())
     if response_json:
         response = msgspec.json.decode(response_json, type=s.Response)
@@ -39,7 +39,7 @@ async def history(
     for task in await store.conversation(owner, conversation):
         if before is not None and task.id >= before:
             break
-        if task.status not in FINISHED:
+        if task.status not in TERMINAL:
             raise InvalidRequestError(
                 f"conversation '{conversation}' has a response in progress ('{task.response_id}')", param="conversation"
             )
@@ -58,9 +58,9 @@ async def chain_messages(store: TaskStore, owner: str, previous_response_id: str
                 f"previous_response_id chain is longer than {MAX_CHAIN}", param="previous_response_id"
             )
         task = await store.get_by_response(current, owner)
-        if task is None or task.kind != "response" or not task.stored:
+        if task is None or not task.stored:  # a task's response continues like any other
             raise InvalidRequestError(f"previous response '{current}' not found", param="previous_response_id")
-        if task.status not in FINISHED:
+        if task.status not in TERMINAL:
             raise InvalidRequestError(
                 f"previous response '{current}' has not finished (status: {_status(task.status)})",
                 param="previous_response_id",

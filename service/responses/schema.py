@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from service.engine.protocol import SamplingParams
 from service.errors import InvalidRequestError
 
 # --- requests -------------------------------------------------------------------------------
@@ -32,7 +33,7 @@ _BUILTIN_TOOLS = {
 }
 
 
-class ResponseRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class ResponseRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
     """A Responses request. Decoding validates types and rejects unknown fields;
     :meth:`validate` checks values and the features that are not served yet."""
 
@@ -115,6 +116,13 @@ class ResponseRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if self.background and self.stream:
             raise InvalidRequestError("background and stream cannot be combined", param="stream")
 
+    def sampling(self) -> SamplingParams:
+        """The engine's sampling parameters, with OpenAI's defaults."""
+        return SamplingParams(
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+        )
+
     @property
     def conversation_id(self) -> str | None:
         if isinstance(self.conversation, dict):
@@ -138,6 +146,26 @@ class ResponseRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if self.instructions:
             out.append({"role": "system", "content": self.instructions})
         return out + (history or []) + to_messages(self.items())
+
+
+class TaskRequest(ResponseRequest, kw_only=True, omit_defaults=True):
+    """What a task runs, as stored with it: a Responses request plus what other views
+    (Chat Completions) may ask for. Clients never send this shape directly."""
+
+    stop: list[str] | None = None
+    seed: int | None = None
+
+    @classmethod
+    def of(cls, request: ResponseRequest, **extra: Any) -> TaskRequest:
+        if isinstance(request, TaskRequest) and not extra:
+            return request
+        fields = {f: getattr(request, f) for f in request.__struct_fields__}
+        return cls(**fields, **extra)
+
+    def sampling(self) -> SamplingParams:
+        return (
+            msgspec.structs.replace(super().sampling(), seed=self.seed) if self.seed is not None else super().sampling()
+        )
 
 
 class TaskCreate(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -245,6 +273,10 @@ class ResponseCreated(_Event, tag="response.created"):
     response: Response
 
 
+class ResponseQueued(_Event, tag="response.queued"):
+    response: Response
+
+
 class ResponseInProgress(_Event, tag="response.in_progress"):
     response: Response
 
@@ -312,6 +344,7 @@ class AttemptRestarted(_Event, tag="lmsp.attempt.restarted"):
 
 ResponseEvent = (
     ResponseCreated
+    | ResponseQueued
     | ResponseInProgress
     | ResponseCompleted
     | ResponseIncomplete

@@ -1,26 +1,39 @@
 -- Named queries: each starts with "-- name: <name>" and runs as one statement.
 
+-- name: count_queued_and_active
+SELECT coalesce(sum(n) FILTER (WHERE status = 'queued'), 0), coalesce(sum(n), 0)
+FROM task_counts WHERE status IN {ACTIVE};
+
 -- name: insert_task
 INSERT INTO tasks (id, owner, status, on_restart, request, response_id, next_seq, created_at, updated_at,
-                   kind, background, stored, previous_response_id, conversation)
+                   kind, background, stored, previous_response_id, conversation, expires_at)
 VALUES (:id, :owner, 'queued', :on_restart, :request, :response_id, 0, :now, :now,
-        :kind, :background, :stored, :previous_response_id, :conversation);
+        :kind, :background, :stored, :previous_response_id, :conversation, :expires_at);
 
 -- name: conversation_turns
 SELECT * FROM tasks WHERE owner = :owner AND conversation = :conversation ORDER BY id;
 
 -- name: count_active_background
-SELECT count(*) FROM tasks
-WHERE kind = 'response' AND background = 1 AND status IN ('queued', 'loading', 'running', 'cancelling');
+SELECT count(*) FROM tasks WHERE kind = 'response' AND background = 1 AND status IN {ACTIVE};
+
+-- name: transition
+-- A compare-and-set: the first committed transition wins, terminal states never change.
+UPDATE tasks SET status = :to, updated_at = :now, response = coalesce(:response, response),
+                 error = coalesce(:error, error),
+                 finished_at = CASE WHEN :to IN {TERMINAL} THEN :now ELSE finished_at END
+WHERE id = :id AND status IN (SELECT value FROM json_each(:sources));
+
+-- name: delete_finished_unstored
+-- Foreground store:false responses whose request ended (their reader is gone).
+DELETE FROM tasks WHERE id IN (
+    SELECT id FROM tasks WHERE kind = 'response' AND stored = 0 AND background = 0
+      AND status IN {TERMINAL} LIMIT :limit);
 
 -- name: get_task_by_response
 SELECT * FROM tasks WHERE response_id = :response_id;
 
 -- name: delete_task
 DELETE FROM tasks WHERE id = :id;
-
--- name: set_expiry
-UPDATE tasks SET expires_at = :expires_at WHERE id = :id;
 
 -- name: get_task
 SELECT * FROM tasks WHERE id = :id;
@@ -52,15 +65,12 @@ ORDER BY id DESC LIMIT :limit;
 SELECT id FROM tasks WHERE status = 'queued' ORDER BY id LIMIT :limit;
 
 -- name: unfinished_ids
-SELECT id FROM tasks WHERE status IN ('queued', 'loading', 'running', 'cancelling') ORDER BY id;
+SELECT id FROM tasks WHERE status IN {ACTIVE} ORDER BY id;
 
 -- name: requeue
 -- Not a client-visible transition: a restart or engine crash puts started work back in line.
 UPDATE tasks SET status = 'queued', attempt = attempt + :bump, updated_at = :now
-WHERE id = :id AND status IN ('loading', 'running');
-
--- name: count_queued
-SELECT coalesce((SELECT n FROM task_counts WHERE status = 'queued'), 0);
+WHERE id = :id AND status IN {STARTED};
 
 -- name: expire_events
 -- Marks at most :limit finished tasks whose events passed the retention window; the
@@ -123,3 +133,10 @@ UPDATE tasks SET conversation = NULL WHERE conversation IS NOT NULL AND (owner, 
                    sum(length(request) + coalesce(length(response), 0)) AS size
             FROM tasks WHERE conversation IS NOT NULL GROUP BY owner, conversation))
     WHERE running > :budget);
+
+-- name: cancel_task
+-- LMSP 7.3: a queued task is cancelled at once, a started one goes to cancelling.
+UPDATE tasks SET status = :to, updated_at = :now,
+                 response = coalesce(:response, response),
+                 finished_at = CASE WHEN :to IN {TERMINAL} THEN :now ELSE finished_at END
+WHERE id = :id AND status = :from;

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sqlite3
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import msgspec
 from ulid import monotonic as ulid
@@ -22,20 +22,11 @@ from service.errors import (
     SequenceConflictError,
     TaskNotCancelableError,
     TaskNotFoundError,
+    TooManyBackgroundJobsError,
 )
 from service.store.db import Database
 from service.store.queries import q
-
-TaskStatus = Literal["queued", "loading", "running", "cancelling", "succeeded", "failed", "cancelled"]
-OnRestart = Literal["fail", "retry", "resume"]
-TERMINAL: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
-# The state machine of LMSP section 7.2: status -> statuses it may move to.
-TRANSITIONS: dict[str, frozenset[str]] = {
-    "queued": frozenset({"loading", "cancelled", "failed"}),
-    "loading": frozenset({"running", "cancelling", "failed"}),
-    "running": frozenset({"succeeded", "failed", "cancelling"}),
-    "cancelling": frozenset({"cancelled"}),
-}
+from service.store.status import TERMINAL, OnRestart, TaskStatus, sources
 
 
 class ResponseFields(msgspec.Struct, frozen=True, kw_only=True):
@@ -46,6 +37,7 @@ class ResponseFields(msgspec.Struct, frozen=True, kw_only=True):
     stored: bool = True
     previous_response_id: str | None = None
     conversation: str | None = None
+    expires_at: int | None = None  # a store:false background result stays readable until then
 
 
 class ResponseLimits(Protocol):
@@ -68,13 +60,12 @@ class TaskRecord(msgspec.Struct, kw_only=True):
     response: bytes | None
     error: bytes | None
     attempt: int
-    generated: bytes | None
     next_seq: int
     events_expired: int
     created_at: int
     updated_at: int
     finished_at: int | None
-    kind: str = "task"
+    kind: str = "task"  # "task": made on /lmsp/v1/tasks; "response": on /v1/responses
     background: int = 1
     stored: int = 1
     previous_response_id: str | None = None
@@ -164,8 +155,17 @@ class TaskStore:
         first_event: EventBuilder,
         idempotency: tuple[str, str] | None = None,  # (key, request fingerprint)
         response: ResponseFields | None = None,
+        waiting_event: EventBuilder | None = None,
+        slots: int = 0,
+        max_background: int | None = None,
     ) -> tuple[TaskRecord, bool]:
-        """Persist a queued task and its first event; returns (task, replayed)."""
+        """Persist a queued task and its first event; returns (task, replayed).
+
+        ``waiting_event`` follows the first event when ``slots`` or more tasks are already
+        active (the task will wait for a slot). ``max_background`` bounds the active
+        background responses; it is checked in the same transaction as the insert, so
+        concurrent requests cannot overshoot it.
+        """
         task_id, response_id = new_ids()
 
         def job(conn: sqlite3.Connection) -> tuple[TaskRecord, bool]:
@@ -179,9 +179,13 @@ class TaskStore:
                             "this Idempotency-Key was used with a different request body", param="Idempotency-Key"
                         )
                     return _get(conn, row["task_id"]), True
-            queued = conn.execute(q("count_queued")).fetchone()[0]
+            queued, active = conn.execute(q("count_queued_and_active")).fetchone()
             if queued >= self.max_queued:
                 raise QueueFullError(f"the task queue is full ({self.max_queued} queued)")
+            fields = response or ResponseFields(kind="task")
+            limited = fields.background and max_background is not None
+            if limited and conn.execute(q("count_active_background")).fetchone()[0] >= max_background:
+                raise TooManyBackgroundJobsError(f"{max_background} background responses are already active")
             conn.execute(
                 q("insert_task"),
                 {
@@ -191,7 +195,7 @@ class TaskStore:
                     "request": request,
                     "response_id": response_id,
                     "now": now,
-                    **msgspec.structs.asdict(response or ResponseFields(kind="task")),
+                    **msgspec.structs.asdict(fields),
                 },
             )
             if idempotency is not None:
@@ -205,7 +209,8 @@ class TaskStore:
                         "now": now,
                     },
                 )
-            return _append(conn, _get(conn, task_id), [first_event]), False
+            events = [first_event] if waiting_event is None or active < slots else [first_event, waiting_event]
+            return _append(conn, _get(conn, task_id), events), False
 
         return await self.db.writer.submit(job)
 
@@ -226,17 +231,11 @@ class TaskStore:
     ) -> TaskRecord | None:
         """Move a task to ``to`` if its current status allows; None if another transition won."""
 
-        allowed = [s for s, nexts in TRANSITIONS.items() if to in nexts]
+        params = {"id": task_id, "to": to, "response": response, "error": error}
+        params["sources"] = msgspec.json.encode(sorted(sources(to))).decode()
 
         def job(conn: sqlite3.Connection) -> TaskRecord | None:
-            now = _now()
-            cur = conn.execute(
-                "UPDATE tasks SET status = ?, updated_at = ?, response = coalesce(?, response), "
-                "error = coalesce(?, error), finished_at = CASE WHEN ? THEN ? ELSE finished_at END "
-                f"WHERE id = ? AND status IN ({','.join('?' * len(allowed))})",
-                (to, now, response, error, to in TERMINAL, now, task_id, *allowed),
-            )
-            if cur.rowcount != 1:
+            if conn.execute(q("transition"), {**params, "now": _now()}).rowcount != 1:
                 return None  # another transition committed first, or the task is terminal
             return _append(conn, _get(conn, task_id), events)
 
@@ -246,8 +245,16 @@ class TaskStore:
         """Append events (group-committed with whatever else is being written)."""
         return await self.db.writer.submit(lambda conn: _append(conn, _get(conn, task_id), events))
 
-    async def cancel(self, task_id: str, owner: str | None, *, final_event: EventBuilder) -> TaskRecord:
-        """LMSP 7.3: queued → cancelled now; loading/running → cancelling; idempotent; 409 if finished."""
+    async def cancel(
+        self,
+        task_id: str,
+        owner: str | None,
+        *,
+        final_events: Sequence[EventBuilder],
+        response: bytes | None = None,
+    ) -> TaskRecord:
+        """LMSP 7.3: queued → cancelled now (with ``final_events`` and the final ``response``);
+        loading/running → cancelling; idempotent; 409 if finished."""
 
         def job(conn: sqlite3.Connection) -> TaskRecord:
             task = _get(conn, task_id)
@@ -255,17 +262,14 @@ class TaskStore:
                 raise TaskNotFoundError(f"task {task_id} not found", param="task_id")
             if task.status in ("cancelling", "cancelled"):
                 return task
-            if task.status in ("succeeded", "failed"):
+            if task.status in TERMINAL:
                 raise TaskNotCancelableError(f"task {task_id} already {task.status}")
             now = _now()
-            to = "cancelled" if task.status == "queued" else "cancelling"
-            cur = conn.execute(
-                "UPDATE tasks SET status = ?, updated_at = ?, finished_at = CASE WHEN ? THEN ? END "
-                "WHERE id = ? AND status = ?",
-                (to, now, to == "cancelled", now, task_id, task.status),
-            )
+            queued = task.status == "queued"
+            params = {"id": task_id, "to": "cancelled" if queued else "cancelling", "from": task.status}
+            cur = conn.execute(q("cancel_task"), {**params, "now": now, "response": response if queued else None})
             assert cur.rowcount == 1  # the writer serialises jobs, so the status read above holds
-            return _append(conn, _get(conn, task_id), [final_event] if to == "cancelled" else [])
+            return _append(conn, _get(conn, task_id), final_events if queued else [])
 
         return await self.db.writer.submit(job)
 
@@ -286,11 +290,11 @@ class TaskStore:
             return None
         return TaskRecord.from_row(row)
 
+    async def delete_finished_unstored(self, limit: int = 500) -> int:
+        return await self.db.writer.submit(_rowcount(q("delete_finished_unstored"), {"limit": limit}))
+
     async def delete(self, task_id: str) -> bool:
         return await self.db.writer.submit(_rowcount(q("delete_task"), {"id": task_id})) == 1
-
-    async def set_expiry(self, task_id: str, expires_at: int) -> None:
-        await self.db.writer.submit(_rowcount(q("set_expiry"), {"id": task_id, "expires_at": expires_at}))
 
     async def conversation(self, owner: str, conversation: str) -> list[TaskRecord]:
         rows = await self.db.fetchall(q("conversation_turns"), {"owner": owner, "conversation": conversation})

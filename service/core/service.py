@@ -1,0 +1,303 @@
+"""The service layer under every HTTP surface: /v1/responses, /v1/chat/completions and
+/lmsp/v1/tasks are views of the same operations, implemented once here.
+
+A request becomes a durable task (``submit``); readers wait on it (``wait``), follow
+its event log (``follow``) or read its response object (``snapshot``); ``cancel``
+settles it; ``abandon`` is what happens when the client of a foreground request
+goes away. Handlers translate HTTP to these calls and errors back to HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+import msgspec
+
+from service.config import Config
+from service.errors import (
+    InvalidRequestError,
+    LmspdError,
+    NotFoundError,
+    ServerOverloadedError,
+    TaskNotCancelableError,
+)
+from service.generation import check_request, tokenizer_for
+from service.hub import Hub
+from service.models.registry import ModelInfo, ModelRegistry
+from service.responses import schema as s
+from service.responses.builder import ResponseState, initial_response
+from service.responses.history import history
+from service.store.status import ACTIVE, TERMINAL, OnRestart
+from service.store.tasks import Event, NewEvent, ResponseFields, TaskRecord, TaskStore
+from service.supervisor import Supervisor
+
+log = logging.getLogger("lmspd.core")
+Kind = Literal["task", "response"]
+
+
+class Core:
+    def __init__(
+        self, config: Config, store: TaskStore, hub: Hub, supervisor: Supervisor, registry: ModelRegistry
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.hub = hub
+        self.supervisor = supervisor
+        self.registry = registry
+        self.accepting = True
+        self._limits_enforced_at = 0.0
+        self._chores: set[asyncio.Task[None]] = set()  # abandoned requests still settling
+
+    # --- lifecycle ------------------------------------------------------------------------------
+
+    def begin_shutdown(self) -> None:
+        """Stop intake and end every event stream (clients resume with Last-Event-ID)."""
+        self.accepting = False
+        self.hub.close()
+
+    async def close(self) -> None:
+        self.begin_shutdown()
+        for chore in list(self._chores):
+            chore.cancel()
+        await asyncio.gather(*self._chores, return_exceptions=True)
+
+    # --- intake ---------------------------------------------------------------------------------
+
+    async def submit(
+        self,
+        owner: str,
+        request: s.TaskRequest,
+        *,
+        kind: Kind,
+        on_restart: OnRestart = "fail",
+        idempotency: tuple[str, str] | None = None,
+    ) -> tuple[TaskRecord, bool]:
+        """Accept a validated request as a durable task; returns (task, replayed).
+
+        Everything that would make the task fail anyway (unknown history, model, too
+        long a prompt, the store's limits) is a client error here, before anything is
+        written."""
+        if not self.accepting:
+            raise ServerOverloadedError("the server is shutting down")
+        background = kind == "task" or request.background
+        self._admit(request, background)
+        turns = await history(self.store, owner, request.previous_response_id, request.conversation_id)
+        await asyncio.to_thread(self._check, request, turns)
+        model = request.model or self.config.default_model
+        limits = self.config.responses
+        stored = request.store and self.store_enabled and limits.store_max_bytes > 0
+        expires = int(time.time()) + limits.background_ephemeral_ttl_secs if background and not request.store else None
+
+        def first(task: TaskRecord, seq: int) -> NewEvent:
+            response = initial_response(
+                request, response_id=task.response_id, model=model, created_at=task.created_at, background=background
+            )
+            return ResponseState(response).created()[0](task, seq)
+
+        def waiting(task: TaskRecord, seq: int) -> NewEvent:
+            response = initial_response(
+                request, response_id=task.response_id, model=model, created_at=task.created_at, background=background
+            )
+            return ResponseState(response).queued()(task, seq)
+
+        task, replayed = await self.store.create(
+            owner=owner,
+            request=msgspec.json.encode(request),
+            on_restart=on_restart,
+            first_event=first,
+            waiting_event=waiting,
+            slots=self.config.engine.max_concurrency,
+            idempotency=idempotency,
+            max_background=limits.background_max_jobs if kind == "response" else None,
+            response=ResponseFields(
+                kind=kind,
+                background=background,
+                stored=stored if kind == "response" else request.store,
+                previous_response_id=request.previous_response_id,
+                conversation=request.conversation_id,
+                expires_at=expires,
+            ),
+        )
+        self.supervisor.wake()
+        return task, replayed
+
+    @property
+    def store_enabled(self) -> bool:
+        return self.config.responses.store_max_entries > 0
+
+    def require_store(self, param: str) -> None:
+        if not self.store_enabled:
+            raise InvalidRequestError("the response store is disabled (store_max_entries = 0)", param=param)
+
+    def _admit(self, request: s.ResponseRequest, background: bool) -> None:
+        """The seed's switches: what the store settings disable outright."""
+        limits = self.config.responses
+        if request.previous_response_id is not None:
+            self.require_store("previous_response_id")
+        if request.conversation is not None and limits.conversation_store_max_entries == 0:
+            raise InvalidRequestError(
+                "conversations are disabled (conversation_store_max_entries = 0)", param="conversation"
+            )
+        if request.background and 0 in (limits.background_max_jobs, limits.store_max_entries, limits.store_max_bytes):
+            raise InvalidRequestError("background mode is disabled by the response store settings", param="background")
+
+    def _check(self, request: s.TaskRequest, turns: list[dict[str, Any]]) -> None:
+        """Runs in a worker thread: rendering a large prompt must not stall the event loop."""
+        model = self.registry.resolve_local(request.model or self.config.default_model)
+        sampling = request.sampling()
+        if model is None:  # fetched when the task runs
+            sampling.validate()
+        else:
+            check_request(model, request.messages(turns), sampling, request.chat_template_kwargs)
+
+    async def input_tokens(self, owner: str, request: s.ResponseRequest) -> int:
+        turns = await history(self.store, owner, request.previous_response_id, request.conversation_id)
+
+        def count() -> int:
+            model = self.registry.resolve(request.model or self.config.default_model)
+            tok = tokenizer_for(model)
+            return len(tok.encode_chat(request.messages(turns), **(request.chat_template_kwargs or {})))
+
+        return await asyncio.to_thread(count)
+
+    def models(self) -> list[ModelInfo]:
+        return self.registry.list()
+
+    # --- reading --------------------------------------------------------------------------------
+
+    async def task(self, task_id: str, owner: str | None) -> TaskRecord:
+        return await self.store.get(task_id, owner)
+
+    async def response_task(self, response_id: str, owner: str) -> TaskRecord:
+        """The task behind a response id, as /v1/responses/{id} sees it: a stored response
+        or background job (a task's response included); foreground store:false ones are gone."""
+        self.require_store("response_id")
+        task = await self.store.get_by_response(response_id, owner)
+        if task is None or (not task.stored and not task.background):
+            raise NotFoundError(f"response '{response_id}' not found", param="response_id")
+        return task
+
+    async def snapshot(self, task: TaskRecord) -> bytes:
+        """The response object as it stands: the final one once finished (kept with the task
+        for every terminal state, as its events may be purged), else rebuilt from the log."""
+        if task.response is not None:
+            return task.response
+        events = await self._all_events(task.id)
+        if not events:  # a finished task whose log was purged (only rows older than this rule)
+            raise NotFoundError(f"response '{task.response_id}' is no longer available", param="response_id")
+        return ResponseState.from_events(events).encoded()
+
+    async def _all_events(self, task_id: str) -> list[Event]:
+        events: list[Event] = []
+        after = -1
+        while batch := await self.store.events_after(task_id, after, 5000):
+            events += batch
+            after = batch[-1].seq
+        return events
+
+    async def follow(self, task_id: str, after: int) -> AsyncIterator[list[Event]]:
+        """A task's events after ``after`` in batches, replayed then live, up to and including
+        its final event. An empty batch means nothing happened for ``keepalive_secs``. Ends
+        early when the server shuts down."""
+        keepalive = self.config.server.keepalive_secs
+        while True:
+            signal = self.hub.signal(task_id)  # taken before reading, so no commit slips between
+            events = await self.store.events_after(task_id, after, 1000)
+            if events:
+                final = next((i for i, ev in enumerate(events) if ev.type in s.FINAL_EVENTS), None)
+                batch = events if final is None else events[: final + 1]
+                yield batch
+                if final is not None:
+                    return
+                after = batch[-1].seq
+                continue
+            if self.hub.closing.is_set():
+                return
+            if (await self.store.get(task_id)).status in TERMINAL:
+                if not await self.store.events_after(task_id, after, 1):
+                    return
+                continue
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(signal.wait(), keepalive)
+                continue
+            yield []
+
+    async def wait(self, task_id: str) -> TaskRecord:
+        """Until the task is finished."""
+        while True:
+            signal = self.hub.signal(task_id)
+            task = await self.store.get(task_id)
+            if task.status in TERMINAL:
+                return task
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(signal.wait(), 5.0)
+
+    # --- cancel ---------------------------------------------------------------------------------
+
+    async def cancel(self, task_id: str, owner: str | None) -> TaskRecord:
+        """LMSP 7.3. A queued task is cancelled at once with its final events; a started one
+        goes to ``cancelling`` and the supervisor settles it at the next decode step."""
+        task = await self.store.get(task_id, owner)
+        if task.status in TERMINAL or task.status == "cancelling":
+            # Decided without the event log: a finished task's log may have been purged.
+            if task.status in ("succeeded", "failed"):
+                raise TaskNotCancelableError(f"task {task_id} already {task.status}")
+            return task
+        # The whole log: a task requeued by ``resume`` already streamed deltas.
+        state = ResponseState.from_events(await self._all_events(task_id))
+        final = state.cancelled()
+        task = await self.store.cancel(task_id, owner, final_events=final, response=state.encoded())
+        self.hub.notify(task_id)
+        if task.status == "cancelling":
+            await self.supervisor.cancel(task_id)
+        return task
+
+    async def cancel_and_wait(self, task_id: str, owner: str | None, timeout: float = 10.0) -> TaskRecord:
+        """Cancel, then wait (bounded) for the engine to stop, so the caller sees the end."""
+        task = await self.cancel(task_id, owner)
+        if task.status in ACTIVE:
+            with contextlib.suppress(TimeoutError):
+                task = await asyncio.wait_for(self.wait(task_id), timeout)
+        return task
+
+    def abandon(self, task: TaskRecord) -> None:
+        """The client of a foreground request went away: cancel it, and forget it once it
+        ends if it was not to be stored. Runs detached: the request's own scope is cancelled."""
+        chore = asyncio.create_task(self._abandon(task), name=f"abandon {task.id}")
+        self._chores.add(chore)
+        chore.add_done_callback(self._chores.discard)
+
+    async def _abandon(self, task: TaskRecord) -> None:
+        try:
+            with contextlib.suppress(TaskNotCancelableError):
+                await self.cancel(task.id, None)
+            await self.release(await self.wait(task.id))
+        except LmspdError as exc:  # gone already (deleted, purged): nothing left to settle
+            log.info("abandoned task %s: %s", task.id, exc.message)
+
+    async def release(self, task: TaskRecord) -> None:
+        """A foreground request has read its finished response: drop it if not stored, and
+        keep the store within its caps."""
+        if not task.stored and not task.background:
+            await self.store.delete(task.id)
+        now = time.monotonic()
+        if now - self._limits_enforced_at >= 1.0:  # cheap queries, but not on every request
+            self._limits_enforced_at = now
+            await self.store.enforce_response_limits(self.config.responses)
+
+    async def delete(self, task: TaskRecord) -> None:
+        if task.status not in TERMINAL:
+            raise InvalidRequestError(
+                f"response '{task.response_id}' has not finished: cancel it first", param="response_id"
+            )
+        await self.store.delete(task.id)
+
+    async def input_items(self, task: TaskRecord) -> list[Any]:
+        """The request's own input items, in order (not the history it continued)."""
+        request = msgspec.json.decode(task.request, type=s.TaskRequest)
+        return request.items()

@@ -57,6 +57,7 @@ def build_generate(
     generated: list[int] | None = None,
     stop: list[str] | None = None,
     template_kwargs: dict[str, Any] | None = None,
+    logprobs: int | None = None,
 ) -> p.Generate:
     """Validate, render and tokenize; raise before any generation on bad input."""
     sampling.validate()
@@ -76,4 +77,5 @@ def build_generate(
         sampling=sampling,
         stop_token_ids=tok.eos_token_ids,
         stop=stop or [],
+        logprobs=logprobs,
     )

@@ -22,6 +22,7 @@ from service.errors import EngineCrashedError, LmspdError, error_for
 from service.generation import build_generate
 from service.hub import Hub
 from service.models.registry import ModelRegistry
+from service.responses import schema as s
 from service.responses.builder import ResponseState
 from service.responses.history import history as history_for
 from service.responses.schema import TaskRequest
@@ -213,6 +214,7 @@ class Supervisor:
                 sampling=request.sampling(),
                 generated=state.tokens,
                 stop=request.stop,
+                logprobs=request.logprobs,
                 template_kwargs=request.chat_template_kwargs,
             )
             finished = await self._generate(task_id, state, cmd)
@@ -246,7 +248,7 @@ class Supervisor:
                 items = [await queue.get()]
                 while not queue.empty():  # group what arrived while the last commit ran
                     items.append(queue.get_nowait())
-                text, tokens = "", []
+                text, tokens, logprobs = "", [], []
                 end: p.Finished | None = None
                 for item in items:
                     if isinstance(item, Exception):
@@ -257,8 +259,9 @@ class Supervisor:
                     else:
                         text += item.text
                         tokens += item.token_ids
+                        logprobs += [s.LogProb.of(entry) for entry in item.logprobs or []]
                 if text or tokens:
-                    await self._commit(task_id, state.delta(text, tokens))
+                    await self._commit(task_id, state.delta(text, tokens, logprobs))
                 if end is not None:
                     return end
         finally:

@@ -4,6 +4,9 @@
 /lmsp/v1/capabilities, /lmsp/v1/models    discovery (LMSP 10)
 /lmsp/v1/tasks[...]                       durable tasks (LMSP 7)  -> service.api.tasks
 /lmsp/v1/tasks/{id}/events                event stream (LMSP 6.4) -> service.api.events
+/v1/responses[...], /lmsp/v1/responses     OpenAI Responses API    -> service.api.responses
+/v1/chat/completions                      Chat Completions view   -> service.api.chat
+Every handler translates HTTP to one call of the service layer, service.core.Core.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from service.api import events, responses, tasks
+from service.api import chat, events, responses, tasks
 from service.api.auth import Authenticator
 from service.api.problems import openai_response, problem_response
 from service.api.state import AppState, state_of
@@ -123,6 +126,7 @@ def _openai_routes(prefix: str) -> list[Route]:
         Route(f"{prefix}/responses/{{response_id}}", responses.delete_response, methods=["DELETE"]),
         Route(f"{prefix}/responses/{{response_id}}/cancel", responses.cancel_response, methods=["POST"]),
         Route(f"{prefix}/responses/{{response_id}}/input_items", responses.list_input_items, methods=["GET"]),
+        Route(f"{prefix}/chat/completions", chat.create_chat_completion, methods=["POST"]),
     ]
 
 

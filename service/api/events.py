@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
 
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -10,10 +12,11 @@ from starlette.responses import Response, StreamingResponse
 from service.api.state import state_of
 from service.core import Core
 from service.errors import EventHistoryExpiredError, InvalidRequestError
-from service.store.tasks import Event
+from service.store.status import TERMINAL
+from service.store.tasks import Event, TaskRecord
 
+T = TypeVar("T")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-Frame = Callable[[Event], bytes]
 
 
 def resume_point(raw: str | None, param: str, next_seq: int) -> int:
@@ -50,14 +53,49 @@ def lmsp_frame(ev: Event) -> bytes:
     return b"id: %d\nevent: %s\ndata: %s\n\n" % (ev.seq, ev.type.encode(), ev.data)
 
 
-async def frames(core: Core, task_id: str, after: int, frame: Frame) -> AsyncIterator[bytes]:
-    """One write per batch of events (a replay is bounded by the database read, not by
-    per-event sends); a keep-alive comment when nothing happened for a while."""
-    async for batch in core.follow(task_id, after):
-        yield b"".join(frame(ev) for ev in batch) if batch else b": keep-alive\n\n"
-
-
 async def _lmsp_stream(core: Core, task_id: str, after: int) -> AsyncIterator[bytes]:
+    # One write per batch of events: a replay is bounded by the database read, not by sends.
     yield b"retry: 2000\n\n"
-    async for chunk in frames(core, task_id, after, lmsp_frame):
-        yield chunk
+    async for batch in core.follow(task_id, after):
+        yield b"".join(lmsp_frame(ev) for ev in batch) if batch else b": keep-alive\n\n"
+
+
+async def until_disconnected(request: Request) -> None:
+    """Returns when the client hangs up (the ASGI server reports it at once)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+    """``work``'s result, or None if the client went away first (``work`` is then cancelled)."""
+    job = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(until_disconnected(request))
+    try:
+        await asyncio.wait({job, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not job.done():
+            job.cancel()
+    return job.result() if job.done() and not job.cancelled() else None
+
+
+Render = Callable[[list[Event]], bytes]
+
+
+async def openai_stream(core: Core, task: TaskRecord, after: int, render: Render, *, own: bool) -> AsyncIterator[bytes]:
+    """A /v1 stream (Responses or Chat Completions): the rendered events, then ``data: [DONE]``.
+    A stream that owns its foreground task abandons it when the client goes away (the
+    server cancels this generator's scope: the abandoning runs detached); a replay of a
+    background response never cancels it."""
+    finished = False
+    try:
+        async for batch in core.follow(task.id, after):
+            yield render(batch) if batch else b": keep-alive\n\n"
+        final = await core.task(task.id, None)
+        if finished := final.status in TERMINAL:
+            yield b"data: [DONE]\n\n"
+            if own:
+                await core.release(final)
+    finally:
+        if own and not finished:
+            core.abandon(task)

@@ -7,21 +7,18 @@ background one is polled; a foreground client that goes away abandons its task.
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from service.api.events import SSE_HEADERS, frames, resume_point
+from service.api.events import SSE_HEADERS, openai_stream, resume_point, unless_disconnected
 from service.api.state import state_of
 from service.api.wire import decode, fingerprint, idempotency_key, read_body
-from service.core import Core
 from service.responses import items as input_items_of
 from service.responses import schema as s
-from service.store.tasks import Event, TaskRecord
+from service.store.tasks import Event
 
 T = TypeVar("T")
 
@@ -41,25 +38,6 @@ async def _decode_request(request: Request, max_bytes: int) -> tuple[bytes, s.Re
     return body, req
 
 
-async def until_disconnected(request: Request) -> None:
-    """Returns when the client hangs up (the ASGI server reports it at once)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
-    """``work``'s result, or None if the client went away first (``work`` is then cancelled)."""
-    job = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(until_disconnected(request))
-    try:
-        await asyncio.wait({job, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        if not job.done():
-            job.cancel()
-    return job.result() if job.done() and not job.cancelled() else None
-
-
 async def create_response(request: Request) -> Response:
     app = state_of(request)
     owner = app.auth.owner(request)
@@ -71,7 +49,8 @@ async def create_response(request: Request) -> Response:
     if req.background:
         return _raw_json(await app.core.snapshot(task))
     if req.stream:
-        return StreamingResponse(_openai_stream(app.core, task, -1, own=True), media_type="text/event-stream")
+        stream = openai_stream(app.core, task, -1, render, own=True)
+        return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
     final = await unless_disconnected(request, app.core.wait(task.id))
     if final is None:
         app.core.abandon(task)
@@ -92,21 +71,8 @@ def openai_frame(ev: Event) -> bytes:
     return b"event: %s\ndata: %s\n\n" % (ev.type.encode(), ev.data)
 
 
-async def _openai_stream(core: Core, task: TaskRecord, after: int, own: bool) -> AsyncIterator[bytes]:
-    """The task's events, then ``data: [DONE]``. A stream that owns its (foreground) response
-    abandons it when the client goes away; a replay of a background one never does."""
-    finished = False
-    try:
-        async for chunk in frames(core, task.id, after, openai_frame):
-            yield chunk
-        final = await core.task(task.id, None)
-        if finished := final.status in ("succeeded", "failed", "cancelled"):
-            yield b"data: [DONE]\n\n"
-            if own:
-                await core.release(final)
-    finally:
-        if own and not finished:
-            core.abandon(task)  # detached: this scope is being cancelled
+def render(batch: list[Event]) -> bytes:
+    return b"".join(openai_frame(ev) for ev in batch)
 
 
 async def get_response(request: Request) -> Response:
@@ -114,9 +80,8 @@ async def get_response(request: Request) -> Response:
     task = await app.core.response_task(request.path_params["response_id"], app.auth.owner(request))
     if request.query_params.get("stream") in ("true", "1"):
         after = resume_point(request.query_params.get("starting_after"), "starting_after", task.next_seq)
-        return StreamingResponse(
-            _openai_stream(app.core, task, after, own=False), media_type="text/event-stream", headers=SSE_HEADERS
-        )
+        stream = openai_stream(app.core, task, after, render, own=False)
+        return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
     return _raw_json(await app.core.snapshot(task))
 
 

@@ -144,12 +144,12 @@ def usage(response: s.Response) -> ChatUsage | None:
     )
 
 
-def logprobs(entries: list[dict[str, Any]]) -> ChoiceLogprobs | None:
+def logprobs(entries: list[s.LogProb]) -> ChoiceLogprobs | None:
     """Responses logprobs ({token, logprob, bytes, top_logprobs}) share Chat's shape;
     converting validates them. None when there are none (logprobs were not asked for)."""
     if not entries:
         return None
-    return ChoiceLogprobs(content=msgspec.convert(entries, list[TokenLogprob]))
+    return ChoiceLogprobs(content=msgspec.convert(msgspec.to_builtins(entries), list[TokenLogprob]))
 
 
 def failure(response: s.Response) -> ChatError:

@@ -47,6 +47,8 @@ def initial_response(
         temperature=1.0 if request.temperature is None else request.temperature,
         top_p=1.0 if request.top_p is None else request.top_p,
         max_output_tokens=request.max_output_tokens,
+        max_tool_calls=request.max_tool_calls,
+        top_logprobs=request.top_logprobs or 0,
         metadata=request.metadata or {},
     )
 
@@ -57,6 +59,7 @@ class ResponseState:
         self.item_id: str | None = None
         self.text = ""
         self.tokens: list[int] = []
+        self.logprobs: list[s.LogProb] = []
 
     @classmethod
     def from_events(cls, events: Sequence[Event]) -> ResponseState:
@@ -84,8 +87,9 @@ class ResponseState:
                 state.item_id = ev.item.id
             elif isinstance(ev, s.OutputTextDelta):
                 state.text += ev.delta
+                state.logprobs += ev.logprobs
             elif isinstance(ev, s.AttemptRestarted):
-                state.item_id, state.text, state.tokens = None, "", []
+                state.item_id, state.text, state.tokens, state.logprobs = None, "", [], []
             if row.tokens:
                 state.tokens.extend(row.tokens)
         return state
@@ -96,8 +100,11 @@ class ResponseState:
 
     def _message(self, status: str) -> s.OutputMessage:
         assert self.item_id is not None
-        content = [s.OutputText(self.text)] if status != "in_progress" else []
+        content = [self._part()] if status != "in_progress" else []
         return s.OutputMessage(id=self.item_id, status=status, content=content)  # type: ignore[arg-type]
+
+    def _part(self) -> s.OutputText:
+        return s.OutputText(self.text, logprobs=list(self.logprobs))
 
     def created(self) -> list[EventBuilder]:
         return [to_builder(lambda seq: s.ResponseCreated(sequence_number=seq, response=self.response))]
@@ -111,7 +118,7 @@ class ResponseState:
         response = self._snapshot(status="in_progress")
         return [to_builder(lambda seq: s.ResponseInProgress(sequence_number=seq, response=response))]
 
-    def delta(self, text: str, tokens: list[int]) -> list[EventBuilder]:
+    def delta(self, text: str, tokens: list[int], logprobs: list[s.LogProb] | None = None) -> list[EventBuilder]:
         out: list[EventBuilder] = []
         if self.item_id is None:
             self.item_id = f"msg_{ulid.new()}"
@@ -127,10 +134,17 @@ class ResponseState:
         item_id = self.item_id
         self.text += text
         self.tokens.extend(tokens)
+        new_logprobs = logprobs or []
+        self.logprobs += new_logprobs
         out.append(
             to_builder(
                 lambda seq: s.OutputTextDelta(
-                    sequence_number=seq, item_id=item_id, output_index=0, content_index=0, delta=text
+                    sequence_number=seq,
+                    item_id=item_id,
+                    output_index=0,
+                    content_index=0,
+                    delta=text,
+                    logprobs=new_logprobs,
                 ),
                 tokens,
             )
@@ -144,7 +158,7 @@ class ResponseState:
         assert item_id is not None
         complete = reason == "stop"
         item = self._message("completed" if complete else "incomplete")
-        part = s.OutputText(self.text)
+        part = self._part()
         usage = s.Usage(
             input_tokens=prompt_tokens, output_tokens=len(self.tokens), total_tokens=prompt_tokens + len(self.tokens)
         )
@@ -159,7 +173,12 @@ class ResponseState:
         out += [
             to_builder(
                 lambda seq: s.OutputTextDone(
-                    sequence_number=seq, item_id=item_id, output_index=0, content_index=0, text=self.text
+                    sequence_number=seq,
+                    item_id=item_id,
+                    output_index=0,
+                    content_index=0,
+                    text=part.text,
+                    logprobs=part.logprobs,
                 )
             ),
             to_builder(
@@ -177,13 +196,18 @@ class ResponseState:
         still gets its ``.done`` events, as clients' accumulators expect."""
         if self.item_id is None:
             return [], []
-        item_id, text = self.item_id, self.text
+        item_id = self.item_id
         item = self._message("incomplete")
-        part = s.OutputText(text)
+        part = self._part()
         events = [
             to_builder(
                 lambda seq: s.OutputTextDone(
-                    sequence_number=seq, item_id=item_id, output_index=0, content_index=0, text=text
+                    sequence_number=seq,
+                    item_id=item_id,
+                    output_index=0,
+                    content_index=0,
+                    text=part.text,
+                    logprobs=part.logprobs,
                 )
             ),
             to_builder(
@@ -211,6 +235,6 @@ class ResponseState:
 
     def restarted(self, attempt: int, reason: str) -> list[EventBuilder]:
         """A ``retry`` starts over: clients discard what they accumulated."""
-        self.item_id, self.text, self.tokens = None, "", []
+        self.item_id, self.text, self.tokens, self.logprobs = None, "", [], []
         self._snapshot(status="queued", output=[], usage=None)
         return [to_builder(lambda seq: s.AttemptRestarted(sequence_number=seq, attempt=attempt, reason=reason))]

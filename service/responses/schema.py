@@ -11,12 +11,13 @@ from typing import Any, Literal
 
 import msgspec
 
-from service.engine.protocol import SamplingParams
+from service.engine.protocol import SamplingParams, TokenLogprob, validate_top_logprobs
 from service.errors import InvalidRequestError
 
 # --- requests -------------------------------------------------------------------------------
 
 
+LOGPROBS = "message.output_text.logprobs"
 _BUILTIN_TOOLS = {
     "web_search",
     "web_search_preview",
@@ -60,6 +61,24 @@ class ResponseRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, 
     context_management: list[dict[str, Any]] | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
+    # Documented by OpenAI; accepted and echoed where the response has them, as they change
+    # nothing here (one service tier, no caching policy, no per-end-user accounting).
+    user: str | None = None
+    service_tier: str | None = None
+    stream_options: dict[str, Any] | None = None
+    prompt_cache_retention: str | None = None
+    include: list[str] | None = None
+    max_tool_calls: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    prompt: dict[str, Any] | None = None
+
+    @property
+    def logprobs(self) -> int | None:
+        """How many alternatives per token the client asked for; None: no logprobs."""
+        if LOGPROBS not in (self.include or []):
+            return None
+        return self.top_logprobs or 0
 
     def validate(self) -> None:
         from service.responses.inputs import parse_items
@@ -95,8 +114,21 @@ class ResponseRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, 
             raise InvalidRequestError("only text.format {'type': 'text'} is supported yet", param="text.format")
         if self.reasoning is not None:
             raise InvalidRequestError("reasoning is not supported yet", param="reasoning")
-        if self.top_logprobs not in (None, 0):
-            raise InvalidRequestError("top_logprobs is not supported yet", param="top_logprobs")
+        validate_top_logprobs(self.top_logprobs)
+        for i, value in enumerate(self.include or []):
+            if value != LOGPROBS:
+                raise InvalidRequestError(
+                    f"include value {value!r} is not available here (only {LOGPROBS!r})", param=f"include[{i}]"
+                )
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0):
+                raise InvalidRequestError(f"{name} is not supported: only 0", param=name)
+        if self.prompt is not None:
+            raise InvalidRequestError("stored prompt templates are not available on a local server", param="prompt")
+        if self.max_tool_calls is not None and self.max_tool_calls < 1:
+            raise InvalidRequestError("max_tool_calls must be >= 1", param="max_tool_calls")
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequestError("stream_options needs stream: true", param="stream_options")
         if self.conversation is not None:
             if self.previous_response_id is not None:
                 raise InvalidRequestError(
@@ -177,10 +209,28 @@ class TaskCreate(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 # --- responses ------------------------------------------------------------------------------
 
 
+class TopLogProb(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class LogProb(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogProb]
+
+    @classmethod
+    def of(cls, entry: TokenLogprob) -> LogProb:
+        tops = [TopLogProb(t.token, t.logprob, t.bytes) for t in entry.top_logprobs]
+        return cls(entry.token, entry.logprob, entry.bytes, tops)
+
+
 class OutputText(msgspec.Struct, tag="output_text", tag_field="type"):
     text: str
     annotations: list[dict[str, Any]] = []
-    logprobs: list[dict[str, Any]] = []
+    logprobs: list[LogProb] = []
 
 
 class OutputMessage(msgspec.Struct, tag="message", tag_field="type", kw_only=True):
@@ -326,7 +376,7 @@ class OutputTextDelta(_Event, tag="response.output_text.delta"):
     output_index: int
     content_index: int
     delta: str
-    logprobs: list[dict[str, Any]] = []
+    logprobs: list[LogProb] = []
 
 
 class OutputTextDone(_Event, tag="response.output_text.done"):
@@ -334,7 +384,7 @@ class OutputTextDone(_Event, tag="response.output_text.done"):
     output_index: int
     content_index: int
     text: str
-    logprobs: list[dict[str, Any]] = []
+    logprobs: list[LogProb] = []
 
 
 class AttemptRestarted(_Event, tag="lmsp.attempt.restarted"):

@@ -1,0 +1,46 @@
+"""``POST /v1/chat/completions``: a thin view on the same durable core as /v1/responses.
+
+The chat request becomes a (not stored) response task; its result and event log are
+rendered as a chat completion or chunks (``service.chat.view``).
+"""
+
+from __future__ import annotations
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from service.api.events import SSE_HEADERS, openai_stream, unless_disconnected
+from service.api.state import state_of
+from service.api.wire import decode, read_body
+from service.chat.schema import ChatCompletionRequest
+from service.chat.view import ChunkStream, completion, failure
+from service.responses import schema as s
+
+
+async def create_chat_completion(request: Request) -> Response:
+    app = state_of(request)
+    owner = app.auth.owner(request)
+    chat = decode(await read_body(request, app.config.server.max_body_bytes), ChatCompletionRequest)
+    req, extras = chat.to_response_request()
+    if extras.logprobs is not None:
+        req = msgspec.structs.replace(req, include=[s.LOGPROBS], top_logprobs=extras.logprobs)
+    task_request = s.TaskRequest.of(req, stop=extras.stop or None, seed=extras.seed)
+    task, _ = await app.core.submit(owner, task_request, kind="response")
+    completion_id = f"chatcmpl-{task.response_id.removeprefix('resp_')}"
+    if chat.stream:
+        chunks = ChunkStream(
+            completion_id, req.model or app.config.default_model, task.created_at, include_usage=chat.include_usage
+        )
+        stream = openai_stream(app.core, task, -1, chunks.frames, own=True)
+        return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
+    final = await unless_disconnected(request, app.core.wait(task.id))
+    if final is None:
+        app.core.abandon(task)
+        return Response(status_code=499)  # nobody is listening
+    response = msgspec.json.decode(await app.core.snapshot(final), type=s.Response)
+    await app.core.release(final)
+    if response.status == "failed":
+        return Response(msgspec.json.encode(failure(response)), status_code=500, media_type="application/json")
+    body = completion(response, completion_id=completion_id, created=task.created_at)
+    return Response(msgspec.json.encode(body), media_type="application/json")

@@ -157,6 +157,7 @@ class Supervisor:
                 await self._fail(task_id, state, "server_error", "internal error while running the task")
         finally:
             self.running.pop(task_id, None)
+            self.engine.forget(task_id)  # a cancel that came before a Generate that never went
             self.hub.notify(task_id)
             self.wake()
 

@@ -24,25 +24,10 @@ from typing import Any
 from service.config import EngineConfig
 from service.engine import protocol as p
 from service.engine.worker import main as worker_main
-from service.errors import (
-    ContextLengthExceededError,
-    EngineCrashedError,
-    EngineError,
-    InvalidRequestError,
-    LmspdError,
-    ModelError,
-    ModelNotFoundError,
-)
+from service.errors import EngineCrashedError, InvalidRequestError, LmspdError, error_for
 
 log = logging.getLogger("lmspd.engine")
 
-_ERRORS: dict[str, type[LmspdError]] = {
-    "context_length_exceeded": ContextLengthExceededError,
-    "invalid_request": InvalidRequestError,
-    "model_not_found": ModelNotFoundError,
-    "model_load_failed": ModelError,
-    "engine_crashed": EngineCrashedError,
-}
 
 Event = p.Delta | p.Finished
 
@@ -52,8 +37,8 @@ EARLY_CANCELS_KEPT = 4096
 
 
 def error_from(reply: p.Failed) -> LmspdError:
-    cls = _ERRORS.get(reply.code, EngineError)
-    return cls(reply.message, param=reply.param)
+    """The engine's codes are the error tree's codes: one class per code, nothing remapped."""
+    return error_for(reply.code, reply.message, param=reply.param)
 
 
 class EngineClient:

@@ -353,7 +353,8 @@ class Engine:
             return None
         lm = self._load_or_fail(cmd.model, cmd.path)
         if lm is None:
-            return self._fail(cmd, "model_not_found", f"model '{cmd.model}' could not be loaded", "model")
+            # The model exists (it was resolved) but did not load: not a 404.
+            return self._fail(cmd, "model_load_failed", f"model '{cmd.model}' could not be loaded", "model")
         try:
             cmd.sampling.validate()
             p.validate_top_logprobs(cmd.logprobs)

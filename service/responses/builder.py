@@ -154,11 +154,8 @@ class ResponseState:
     def finish(self, reason: str, prompt_tokens: int) -> list[EventBuilder]:
         """The closing events; ``reason`` is the engine's ("stop" or "length")."""
         out = self.delta("", []) if self.item_id is None else []
-        item_id = self.item_id
-        assert item_id is not None
         complete = reason == "stop"
-        item = self._message("completed" if complete else "incomplete")
-        part = self._part()
+        output, done = self._close_item("completed" if complete else "incomplete")
         usage = s.Usage(
             input_tokens=prompt_tokens, output_tokens=len(self.tokens), total_tokens=prompt_tokens + len(self.tokens)
         )
@@ -166,38 +163,19 @@ class ResponseState:
             status="completed" if complete else "incomplete",
             completed_at=int(time.time()) if complete else None,
             incomplete_details=None if complete else s.IncompleteDetails("max_output_tokens"),
-            output=[item],
+            output=output,
             usage=usage,
         )
         final = s.ResponseCompleted if complete else s.ResponseIncomplete
-        out += [
-            to_builder(
-                lambda seq: s.OutputTextDone(
-                    sequence_number=seq,
-                    item_id=item_id,
-                    output_index=0,
-                    content_index=0,
-                    text=part.text,
-                    logprobs=part.logprobs,
-                )
-            ),
-            to_builder(
-                lambda seq: s.ContentPartDone(
-                    sequence_number=seq, item_id=item_id, output_index=0, content_index=0, part=part
-                )
-            ),
-            to_builder(lambda seq: s.OutputItemDone(sequence_number=seq, output_index=0, item=item)),
-            to_builder(lambda seq: final(sequence_number=seq, response=response)),
-        ]
-        return out
+        return [*out, *done, to_builder(lambda seq: final(sequence_number=seq, response=response))]
 
-    def _close_item(self) -> tuple[list[s.OutputMessage], list[EventBuilder]]:
-        """Close the open message item, if any, as incomplete: a stream that ends early
-        still gets its ``.done`` events, as clients' accumulators expect."""
+    def _close_item(self, status: str = "incomplete") -> tuple[list[s.OutputMessage], list[EventBuilder]]:
+        """Close the open message item, if any. A stream that ends early (failed,
+        cancelled) still gets its ``.done`` events, as clients' accumulators expect."""
         if self.item_id is None:
             return [], []
         item_id = self.item_id
-        item = self._message("incomplete")
+        item = self._message(status)
         part = self._part()
         events = [
             to_builder(

@@ -38,6 +38,7 @@ from service.supervisor import Supervisor
 
 log = logging.getLogger("lmspd.core")
 Kind = Literal["task", "response"]
+_INLINE_CHECK_BYTES = 16 * 1024
 
 
 class Core:
@@ -87,7 +88,11 @@ class Core:
         background = kind == "task" or request.background
         self._admit(request, background)
         turns = await history(self.store, owner, request.previous_response_id, request.conversation_id)
-        await asyncio.to_thread(self._check, request, turns)
+        encoded = msgspec.json.encode(request)
+        if len(encoded) < _INLINE_CHECK_BYTES and not turns:
+            self._check(request, turns)  # small: cheaper than a thread hop
+        else:
+            await asyncio.to_thread(self._check, request, turns)
         model = request.model or self.config.default_model
         limits = self.config.responses
         stored = request.store and self.store_enabled and limits.store_max_bytes > 0
@@ -107,7 +112,7 @@ class Core:
 
         task, replayed = await self.store.create(
             owner=owner,
-            request=msgspec.json.encode(request),
+            request=encoded,
             on_restart=on_restart,
             first_event=first,
             waiting_event=waiting,

@@ -21,6 +21,12 @@ import pytest
 from service.models.registry import ResolvedModel
 
 PROMPT = "Tell me a long story about a dragon."
+# Output tokens per task (greedy on the tiny model: every task runs to this limit). The kill
+# comes once the resume task has streamed 40 events, with ~260 tokens per task still to go:
+# a margin of many times the few steps between seeing event 40 and the kill, on any machine.
+# The test checks below that every task really was caught mid-generation.
+MAX_TOKENS = 300
+FINALS = ("response.completed", "response.incomplete", "response.failed", "response.cancelled")
 
 
 def free_port() -> int:
@@ -79,7 +85,7 @@ def server(tmp_path: Path, model_cache: Path, tiny_long: ResolvedModel) -> Itera
         srv.proc.wait(10)
 
 
-def submit(url: str, on_restart: str, max_tokens: int = 3000) -> dict[str, Any]:
+def submit(url: str, on_restart: str, max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
     body = {
         "type": "response",
         "on_restart": on_restart,
@@ -129,6 +135,7 @@ def text_of(events: list[dict[str, Any]]) -> str:
     return "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
 
 
+@pytest.mark.slow
 def test_kill_9_mid_generation_then_restart(server: Server) -> None:
     server.start()
     tasks = {policy: submit(server.url, policy) for policy in ("fail", "retry", "resume")}
@@ -145,6 +152,7 @@ def test_kill_9_mid_generation_then_restart(server: Server) -> None:
     server.kill9()
     reader.join(10)
     before_kill = list(seen)
+    assert not [e for e in before_kill if e["type"] in FINALS]  # the resume task was mid-generation
 
     server.start()
     url = server.url
@@ -172,11 +180,13 @@ def test_kill_9_mid_generation_then_restart(server: Server) -> None:
     tail: list[dict[str, Any]] = []
     read_sse(url, tasks["resume"]["id"], tail, last_event_id=before_kill[-1]["sequence_number"])
     assert before_kill + tail == resume_events
+    assert "response.output_text.delta" in {e["type"] for e in tail}  # it went on generating after the restart
     # Resumed text = what was generated before + the continuation = an uninterrupted run.
     reference = wait_final(url, submit(url, "fail")["id"])
     ref_text = reference["response"]["output"][0]["content"][0]["text"]
     assert final["resume"]["response"]["output"][0]["content"][0]["text"] == text_of(resume_events) == ref_text
     assert text_of(after_restart) == ref_text  # the retry started over and ran to the same end
     assert final["resume"]["response"]["usage"] == reference["response"]["usage"]
+    assert reference["response"]["usage"]["output_tokens"] == MAX_TOKENS  # as long as the margin above says
 
     assert server.stop() == 0  # SIGTERM: a clean exit

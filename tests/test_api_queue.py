@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from engine_host import Host, engine_host
 from starlette.testclient import TestClient
 
-from service.api.app import create_app
 from service.config import Config, EngineConfig, ModelEntry, ServerConfig
 from service.models.registry import ResolvedModel
 
@@ -26,20 +26,30 @@ def long_task(policy: str = "fail") -> dict[str, Any]:
     }
 
 
+ENGINE = EngineConfig(weight_dtype="quantized", max_concurrency=1)
+
+
+@pytest.fixture(scope="module")
+def host() -> Iterator[Host]:
+    """One engine for the module (the crash test kills it; its app's supervisor restarts it)."""
+    with engine_host(ENGINE) as h:
+        yield h
+
+
 @pytest.fixture
 def config(tmp_path: Path, model_cache: Path, tiny_long: ResolvedModel) -> Config:
     return Config(
         default_model="tiny",
         cache_dir=str(model_cache),
         models={"tiny": ModelEntry(path=str(tiny_long.path))},
-        engine=EngineConfig(weight_dtype="quantized", max_concurrency=1),
+        engine=ENGINE,
         server=ServerConfig(data_dir=str(tmp_path / "data"), max_queued_tasks=2, keepalive_secs=0.3),
     )
 
 
 @pytest.fixture
-def client(config: Config) -> Iterator[TestClient]:
-    with TestClient(create_app(config)) as c:
+def client(host: Host, config: Config) -> Iterator[TestClient]:
+    with host.serve(config) as c:
         yield c
 
 

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from engine_host import Host, engine_host
 from starlette.testclient import TestClient
 
-from service.api.app import create_app
 from service.config import Config, EngineConfig, ModelEntry, ResponsesConfig, ServerConfig
 from service.models.registry import ResolvedModel
 
@@ -18,31 +19,43 @@ QUICK = {"input": "Hi", "temperature": 0, "max_output_tokens": 3}
 LONG = {"input": "Tell me a story.", "max_output_tokens": 3000, "background": True}
 
 
+ENGINE = EngineConfig(weight_dtype="quantized")
+
+
+@pytest.fixture(scope="module")
+def host() -> Iterator[Host]:
+    """One engine for the module; every test's apps have their own database."""
+    with engine_host(ENGINE) as h:
+        yield h
+
+
 @pytest.fixture
-def make_client(tmp_path: Path, model_cache: Path, tiny_long: ResolvedModel) -> Iterator[Callable[..., TestClient]]:
-    clients: list[Any] = []
+def make_client(
+    host: Host, tmp_path: Path, model_cache: Path, tiny_long: ResolvedModel
+) -> Iterator[Callable[..., TestClient]]:
+    with contextlib.ExitStack() as stack:
+        made = 0
 
-    def make(**responses: int) -> TestClient:
-        config = Config(
-            default_model="tiny",
-            cache_dir=str(model_cache),
-            models={"tiny": ModelEntry(path=str(tiny_long.path))},
-            engine=EngineConfig(weight_dtype="quantized"),
-            server=ServerConfig(data_dir=str(tmp_path / f"data{len(clients)}")),
-            responses=ResponsesConfig(**responses),
-        )
-        ctx = TestClient(create_app(config))
-        clients.append(ctx)
-        return ctx.__enter__()
+        def make(**responses: int) -> TestClient:
+            nonlocal made
+            made += 1
+            config = Config(
+                default_model="tiny",
+                cache_dir=str(model_cache),
+                models={"tiny": ModelEntry(path=str(tiny_long.path))},
+                engine=ENGINE,
+                server=ServerConfig(data_dir=str(tmp_path / f"data{made}")),
+                responses=ResponsesConfig(**responses),
+            )
+            return stack.enter_context(host.serve(config))
 
-    yield make
-    for c in clients:
-        c.__exit__(None, None, None)
+        yield make
 
 
 def enforce(client: TestClient, now: int | None = None) -> None:
     state = client.app.state.lmsp  # type: ignore[attr-defined]
-    client.portal.call(lambda: state.core.store.enforce_response_limits(state.config.responses, now))  # type: ignore[union-attr]
+    assert client.portal is not None
+    client.portal.call(lambda: state.core.store.enforce_response_limits(state.config.responses, now))
 
 
 def error(r: Any) -> dict[str, Any]:
@@ -135,10 +148,11 @@ def test_ephemeral_background_result_expires(make_client: Callable[..., TestClie
     while c.get(f"/v1/responses/{r['id']}").json()["status"] in ("queued", "in_progress"):
         time.sleep(0.05)
     state = c.app.state.lmsp  # type: ignore[attr-defined]
+    assert c.portal is not None
     c.portal.call(
         lambda: state.core.store.purge(
             event_retention_secs=10**6,
-            task_retention_secs=10**6,  # type: ignore[union-attr]
+            task_retention_secs=10**6,
             idempotency_retention_secs=10**6,
             now=int(time.time()) + 6,
         )

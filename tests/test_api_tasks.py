@@ -11,10 +11,10 @@ from typing import Any
 
 import msgspec
 import pytest
+from engine_host import Host, engine_host
 from openresponses import validate, validate_event
 from starlette.testclient import TestClient
 
-from service.api.app import create_app
 from service.config import Config, EngineConfig, ModelEntry, ServerConfig
 from service.models.registry import ResolvedModel
 
@@ -27,13 +27,23 @@ def task_body(text: str = "Tell me a story.", **extra: Any) -> dict[str, Any]:
     return {"type": "response", "input": {"input": text, "temperature": 0, "max_output_tokens": 16, **extra}}
 
 
+ENGINE = EngineConfig(weight_dtype="quantized")
+
+
+@pytest.fixture(scope="module")
+def host() -> Iterator[Host]:
+    """One engine for the module; every test still gets a new app and database."""
+    with engine_host(ENGINE) as h:
+        yield h
+
+
 @pytest.fixture
 def server_config(tmp_path: Path, model_cache: Path, tiny_long: ResolvedModel) -> Config:
     return Config(
         default_model="tiny",
         cache_dir=str(model_cache),
         models={"tiny": ModelEntry(path=str(tiny_long.path))},
-        engine=EngineConfig(weight_dtype="quantized"),
+        engine=ENGINE,
         server=ServerConfig(
             data_dir=str(tmp_path / "data"), tokens=TOKENS, max_body_bytes=64 * 1024, keepalive_secs=0.5
         ),
@@ -41,8 +51,8 @@ def server_config(tmp_path: Path, model_cache: Path, tiny_long: ResolvedModel) -
 
 
 @pytest.fixture
-def client(server_config: Config) -> Iterator[TestClient]:
-    with TestClient(create_app(server_config)) as c:
+def client(host: Host, server_config: Config) -> Iterator[TestClient]:
+    with host.serve(server_config) as c:
         yield c
 
 
@@ -54,7 +64,7 @@ def db_rows(config: Config, sql: str) -> list[tuple[Any, ...]]:
 def wait_done(client: TestClient, task_id: str, timeout: float = 60) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        task = client.get(f"/lmsp/v1/tasks/{task_id}", headers=ALICE).json()
+        task: dict[str, Any] = client.get(f"/lmsp/v1/tasks/{task_id}", headers=ALICE).json()
         if task["status"] in ("succeeded", "failed", "cancelled"):
             return task
         time.sleep(0.05)
@@ -130,10 +140,11 @@ def test_events_past_retention_are_gone(client: TestClient) -> None:
     task_id = client.post("/lmsp/v1/tasks", json=task_body(), headers=ALICE).json()["id"]
     wait_done(client, task_id)
     store = client.app.state.lmsp.core.store  # type: ignore[attr-defined]
+    assert client.portal is not None
     client.portal.call(
         lambda: store.purge(
             event_retention_secs=1,
-            task_retention_secs=10**6,  # type: ignore[union-attr]
+            task_retention_secs=10**6,
             idempotency_retention_secs=10**6,
             now=int(time.time()) + 10,
         )
@@ -276,7 +287,8 @@ def test_bad_input_is_a_problem_and_persists_nothing(
 
 @pytest.mark.parametrize("key", [b"", b"x" * 256, "caf\u00e9".encode("latin-1"), b"tab\there", b"del\x7f"])
 def test_invalid_idempotency_key(client: TestClient, server_config: Config, key: bytes) -> None:
-    r = client.post("/lmsp/v1/tasks", json=task_body(), headers={**ALICE, "Idempotency-Key": key})
+    headers = {b"Authorization": ALICE["Authorization"].encode(), b"Idempotency-Key": key}
+    r = client.post("/lmsp/v1/tasks", json=task_body(), headers=headers)
     assert r.status_code == 400 and r.json()["param"] == "Idempotency-Key"
     assert db_rows(server_config, "SELECT count(*) FROM tasks") == [(0,)]
 
@@ -295,28 +307,61 @@ def test_discovery(client: TestClient) -> None:
     assert "tiny" in names and "smollm2-135m-instruct" in names
 
 
-def test_cancel_racing_completion_100_times(client: TestClient) -> None:
-    body = {"type": "response", "input": {"input": "Hi", "temperature": 0, "max_output_tokens": 2}}
-    ids = []
+FINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed", "response.cancelled")
+
+
+def settle_and_check(client: TestClient, task_id: str, cancel_status: int) -> str:
+    """A cancelled-or-finished task's invariants, whichever won; returns its final status."""
+    task = wait_done(client, task_id)
+    # The cancel's answer decides the outcome: 200 (cancelling/cancelled) can only end
+    # cancelled, 409 means it had already succeeded.
+    assert task["status"] == {200: "cancelled", 409: "succeeded"}[cancel_status], task
+    events = sse(client, task_id)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))  # no gap, no duplicate
+    finals = [e["type"] for e in events if e["type"] in FINAL_EVENTS]
+    expected = {"succeeded": ("response.completed", "response.incomplete"), "cancelled": ("response.cancelled",)}
+    assert len(finals) == 1 and finals[0] in expected[task["status"]] and events[-1]["type"] == finals[0]
+    # A terminal state never changes: cancelling again answers from it and moves nothing.
+    again = client.post(f"/lmsp/v1/tasks/{task_id}/cancel", headers=ALICE)
+    if task["status"] == "cancelled":
+        assert again.status_code == 200 and again.json()["status"] == "cancelled"
+    else:
+        assert again.status_code == 409 and again.json()["code"] == "task_not_cancelable"
+    after = client.get(f"/lmsp/v1/tasks/{task_id}", headers=ALICE).json()
+    assert after["status"] == task["status"] and sse(client, task_id) == events
+    return str(task["status"])
+
+
+def test_cancel_racing_completion(client: TestClient) -> None:
+    quick = {"type": "response", "input": {"input": "Hi", "temperature": 0, "max_output_tokens": 2}}
+    # Racing: cancel right after create, at different points (queued, loading, running, done).
+    # Which side wins depends on the machine; the invariants hold either way.
+    racing = []
     for i in range(100):
-        task_id = client.post("/lmsp/v1/tasks", json=body, headers=ALICE).json()["id"]
-        time.sleep((i % 10) * 0.002)  # cancel at different points: queued, loading, running, done
+        task_id = client.post("/lmsp/v1/tasks", json=quick, headers=ALICE).json()["id"]
+        time.sleep((i % 10) * 0.002)
         r = client.post(f"/lmsp/v1/tasks/{task_id}/cancel", headers=ALICE)
-        assert r.status_code in (200, 409)
-        ids.append(task_id)
-    outcomes = set()
-    for task_id in ids:
-        task = wait_done(client, task_id)
-        events = sse(client, task_id)
-        finals = [
-            e["type"]
-            for e in events
-            if e["type"] in ("response.completed", "response.incomplete", "response.failed", "response.cancelled")
-        ]
-        assert [e["sequence_number"] for e in events] == list(range(len(events)))
-        expected = {"succeeded": ["response.completed", "response.incomplete"], "cancelled": ["response.cancelled"]}[
-            task["status"]
-        ]
-        assert len(finals) == 1 and finals[0] in expected and events[-1]["type"] == finals[0]
-        outcomes.add(task["status"])
-    assert outcomes == {"succeeded", "cancelled"}  # the race really went both ways
+        assert r.status_code in (200, 409), r.text
+        racing.append((task_id, r.status_code))
+    # Both outcomes by construction: a long task cancelled once running (cancel wins) ...
+    long_body = task_body(max_output_tokens=3000)
+    cancelled = []
+    for _ in range(3):
+        task_id = client.post("/lmsp/v1/tasks", json=long_body, headers=ALICE).json()["id"]
+        while client.get(f"/lmsp/v1/tasks/{task_id}", headers=ALICE).json()["status"] != "running":
+            time.sleep(0.01)
+        r = client.post(f"/lmsp/v1/tasks/{task_id}/cancel", headers=ALICE)
+        assert r.status_code == 200 and r.json()["status"] in ("cancelling", "cancelled")
+        cancelled.append((task_id, 200))
+    # ... and a cancel that arrives after completion (409: completion won).
+    succeeded = []
+    for _ in range(3):
+        task_id = client.post("/lmsp/v1/tasks", json=quick, headers=ALICE).json()["id"]
+        assert wait_done(client, task_id)["status"] == "succeeded"
+        r = client.post(f"/lmsp/v1/tasks/{task_id}/cancel", headers=ALICE)
+        assert r.status_code == 409 and r.json()["code"] == "task_not_cancelable"
+        succeeded.append((task_id, 409))
+    for task_id, cancel_status in racing:
+        settle_and_check(client, task_id, cancel_status)
+    assert {settle_and_check(client, t, c) for t, c in cancelled} == {"cancelled"}
+    assert {settle_and_check(client, t, c) for t, c in succeeded} == {"succeeded"}

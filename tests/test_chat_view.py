@@ -408,7 +408,7 @@ def event_log(final: str = "completed", deltas: list[str] = DELTAS, logprobs: bo
         s.ContentPartAdded(sequence_number=3, item_id="msg_1", output_index=0, content_index=0, part=s.OutputText("")),
     ]
     for delta in deltas:
-        lp = [{"token": delta, "logprob": -0.5, "bytes": list(delta.encode()), "top_logprobs": []}] if logprobs else []
+        lp = [s.LogProb(token=delta, logprob=-0.5, bytes=list(delta.encode()), top_logprobs=[])] if logprobs else []
         events.append(
             s.OutputTextDelta(
                 sequence_number=len(events), item_id="msg_1", output_index=0, content_index=0, delta=delta, logprobs=lp

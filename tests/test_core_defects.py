@@ -61,6 +61,7 @@ def finish(client: TestClient, task_id: str) -> dict[str, Any]:
 
 def purge_all_events(client: TestClient) -> None:
     store = client.app.state.lmsp.core.store  # type: ignore[attr-defined]
+    assert client.portal is not None
     client.portal.call(
         lambda: store.purge(
             event_retention_secs=1,
@@ -86,7 +87,7 @@ def test_a_task_input_means_what_it_means_on_v1(client: TestClient) -> None:
         bad = {"type": "response", "input": {**body, "previous_response_id": previous}}
         r = client.post("/lmsp/v1/tasks", json=bad, headers=headers)
         assert r.status_code == 400 and r.json()["param"] == "previous_response_id", r.text
-    conv = {"type": "response", "input": {**QUICK, "input": "One.", "conversation": "conv_t"}}
+    conv: dict[str, Any] = {"type": "response", "input": {**QUICK, "input": "One.", "conversation": "conv_t"}}
     one = finish(client, client.post("/lmsp/v1/tasks", json=conv, headers=ALICE).json()["id"])
     conv["input"]["input"] = "Two."
     two = finish(client, client.post("/lmsp/v1/tasks", json=conv, headers=ALICE).json()["id"])
@@ -117,7 +118,9 @@ def test_finished_tasks_after_their_events_are_purged(client: TestClient) -> Non
         r = client.get(f"/v1/responses/{rid}", headers=ALICE)
         assert r.status_code == 200 and r.json()["status"] == status, r.text
         validate("ResponseResource", r.json())
+        assert client.portal is not None
         task = client.portal.call(core.store.get_by_response, rid)
+        assert task is not None
         assert client.post(f"/lmsp/v1/tasks/{task.id}/cancel", headers=ALICE).status_code == cancel_status
         assert client.post(f"/v1/responses/{rid}/cancel", headers=ALICE).json()["status"] == status
 
@@ -153,6 +156,7 @@ def test_background_cap_holds_under_concurrency(tmp_path: Path, model_cache: Pat
         assert {r.status_code for r in refused} <= {429}
         assert all(r.json()["error"]["code"] == "rate_limit_exceeded" for r in refused)
         store = c.app.state.lmsp.core.store  # type: ignore[attr-defined]
+        assert c.portal is not None
         tasks = [c.portal.call(store.get_by_response, r.json()["id"]) for r in accepted]
         finished = sum(t.finished_at is not None for t in tasks)
         # A job that ended while others were being created frees its place, nothing more.

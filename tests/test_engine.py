@@ -6,7 +6,8 @@ import asyncio
 import os
 import signal
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
 
 import pytest
 
@@ -34,7 +35,7 @@ async def engine() -> AsyncIterator[EngineClient]:
     await client.close()
 
 
-def request(model: ResolvedModel, prompt: str, max_tokens: int = 24, **kw: object) -> p.Generate:
+def request(model: ResolvedModel, prompt: str, max_tokens: int = 24, **kw: Any) -> p.Generate:
     return build_generate(
         model,
         [{"role": "user", "content": prompt}],
@@ -42,7 +43,7 @@ def request(model: ResolvedModel, prompt: str, max_tokens: int = 24, **kw: objec
         max_tokens=max_tokens,
         sampling=kw.pop("sampling", GREEDY),
         **kw,
-    )  # type: ignore[arg-type]
+    )
 
 
 async def collect(engine: EngineClient, cmd: p.Generate) -> tuple[list[int], str, p.Finished]:
@@ -319,6 +320,7 @@ async def test_a_seeded_request_is_unaffected_by_its_batch(engine: EngineClient,
     assert together[1][:2] == alone[:2]
     # Joining a batch that is already decoding changes nothing either.
     long = engine.generate(request(tiny, PROMPTS[0], max_tokens=200, sampling=seeded(13)))
+    assert isinstance(long, AsyncGenerator)
     assert isinstance(await anext(long), p.Delta)
     late = await collect(engine, request(tiny, PROMPTS[2], sampling=seeded(11)))
     await long.aclose()

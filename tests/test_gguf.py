@@ -69,6 +69,7 @@ def test_converted_weights_have_mlx_names(smol_dir: Path) -> None:
     import mlx.core as mx
 
     weights = mx.load(str(smol_dir / "model.safetensors"))
+    assert isinstance(weights, dict)
     assert len(weights) == 694
     layer = {k.split("layers.0.", 1)[1] for k in weights if k.startswith("model.layers.0.")}
     projections = [

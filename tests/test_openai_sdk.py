@@ -51,6 +51,8 @@ def wait(client: openai.OpenAI, response_id: str) -> Any:
     return r
 
 
+@pytest.mark.real_model
+@pytest.mark.slow
 def test_reply_with_hello_on_the_real_model(client: openai.OpenAI) -> None:
     r = client.responses.create(model="smol", input="Reply with: hello", temperature=0, max_output_tokens=8)
     assert r.output_text.lower().startswith("hello")  # greedy: "Hello! I'm here to help ..."
@@ -158,24 +160,27 @@ def test_previous_response_chain_renders_the_history(client: openai.OpenAI) -> N
 
 
 def test_output_fed_back_as_input_and_function_items(client: openai.OpenAI) -> None:
+    def count(items: list[Any]) -> int:
+        return client.responses.input_tokens.count(input=items).input_tokens
+
     r = client.responses.create(input="Hi", temperature=0, max_output_tokens=4)
-    items: list[Any] = [
-        {"role": "user", "content": "Hi"},
-        *[o.model_dump() for o in r.output],
-        {"role": "user", "content": "Again"},
-    ]
-    assert client.responses.create(input=items, max_output_tokens=3).status in ("completed", "incomplete")
-    calls: list[Any] = [
-        {"role": "user", "content": "Weather?"},
-        {"type": "function_call", "call_id": "c1", "name": "weather", "arguments": '{"city": "Paris"}'},
-        {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
-    ]
-    assert client.responses.create(input=calls, max_output_tokens=3).output_text is not None
+    turns: list[Any] = [{"role": "user", "content": "Hi"}, {"role": "user", "content": "Again"}]
+    items: list[Any] = [turns[0], *[o.model_dump() for o in r.output], turns[1]]
+    assert count(items) > count(turns)  # the fed-back output items are in the prompt
+    again = client.responses.create(input=items, temperature=0, max_output_tokens=3)
+    assert again.status in ("completed", "incomplete") and again.output_text
+    question: list[Any] = [{"role": "user", "content": "Weather?"}]
+    call: Any = {"type": "function_call", "call_id": "c1", "name": "weather", "arguments": '{"city": "Paris"}'}
+    result: Any = {"type": "function_call_output", "call_id": "c1", "output": "sunny"}
+    # Each function item is rendered into the prompt.
+    assert count(question) < count([*question, call]) < count([*question, call, result])
+    answer = client.responses.create(input=[*question, call, result], temperature=0, max_output_tokens=3)
+    assert answer.status in ("completed", "incomplete") and answer.output_text
 
 
 def test_store_false(client: openai.OpenAI) -> None:
     r = client.responses.create(input="Hi", max_output_tokens=2, store=False)
-    assert r.store is False
+    assert r.model_dump()["store"] is False
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(r.id)
     b = client.responses.create(input="Hi", max_output_tokens=2, store=False, background=True)
@@ -224,6 +229,7 @@ def test_models(client: openai.OpenAI) -> None:
     assert {"tiny", "smol", "smollm2-135m-instruct"} <= {m.id for m in client.models.list()}
 
 
+@pytest.mark.slow  # kills the module's server and starts it again
 def test_stored_responses_survive_kill_and_restart(server: Server, client: openai.OpenAI) -> None:
     stored = client.responses.create(input="Remember me.", temperature=0, max_output_tokens=5)
     running = client.responses.create(input="Tell me a story.", background=True, max_output_tokens=3000)
@@ -242,6 +248,7 @@ def test_many_requests_at_once_all_succeed(client: openai.OpenAI) -> None:
 
     def one(i: int) -> str:
         r = client.responses.create(input=f"Question {i}", temperature=0, max_output_tokens=4)
+        assert r.status is not None
         return r.status
 
     with ThreadPoolExecutor(16) as pool:  # 4x the engine's slots: the rest wait in the queue

@@ -16,7 +16,7 @@ from service.engine.client import EngineClient
 from service.generation import build_generate
 from service.models.registry import ResolvedModel
 
-pytestmark = pytest.mark.real_model
+pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 FRANCE = "What is the capital of France?"
 
 

@@ -265,6 +265,6 @@ async def test_status_counts_follow_every_change(store: TaskStore) -> None:
     await store.transition(ids[1], "cancelled")
     await store.cancel(ids[2], "alice", final_events=[event("response.cancelled")])
     await store.purge(event_retention_secs=0, task_retention_secs=-10, idempotency_retention_secs=0)
-    counts = dict(await store.db.fetchall("SELECT status, n FROM task_counts WHERE n > 0"))  # type: ignore[arg-type]
-    actual = dict(await store.db.fetchall("SELECT status, count(*) FROM tasks GROUP BY status"))  # type: ignore[arg-type]
+    counts = {status: n for status, n in await store.db.fetchall("SELECT status, n FROM task_counts WHERE n > 0")}
+    actual = {status: n for status, n in await store.db.fetchall("SELECT status, count(*) FROM tasks GROUP BY status")}
     assert counts == actual == {"queued": 1, "loading": 1}

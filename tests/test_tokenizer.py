@@ -82,6 +82,7 @@ def reference(gguf_path: Path) -> ReferenceBPE:
     import mlx.core as mx
 
     _, metadata = mx.load(str(gguf_path), return_metadata=True)
+    assert isinstance(metadata, dict)
     return ReferenceBPE(metadata)
 
 
@@ -126,7 +127,7 @@ def test_known_encoding(tok: Tokenizer) -> None:
 def test_chat_template_renders_like_transformers(tok: Tokenizer, smol_dir: Path) -> None:
     from transformers import PreTrainedTokenizerFast
 
-    hf = PreTrainedTokenizerFast(tokenizer_file=str(smol_dir / "tokenizer.json"))
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(smol_dir / "tokenizer.json"))  # type: ignore[no-untyped-call]
     hf.chat_template = tok.chat_template
     conversations = [
         [{"role": "user", "content": "Hi"}],

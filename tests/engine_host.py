@@ -1,0 +1,64 @@
+"""One engine process shared by many apps, each app with its own database.
+
+An :class:`EngineClient` belongs to the event loop it was started on (its reader thread
+hands every reply to that loop), while each ``with TestClient(app)`` runs the app on a
+fresh loop of its own. So a test module starts one loop thread (an anyio blocking portal)
+and one engine on it, and :func:`serve` runs every test's app on that same loop: the
+app's lifespan is entered in the portal and the TestClient sends its requests through the
+portal instead of starting its own. The app's lifespan does not close an engine it was
+handed; the module closes it at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import anyio.from_thread
+from anyio.from_thread import BlockingPortal
+from starlette.applications import Starlette
+from starlette.testclient import TestClient
+
+from service.api.app import create_app
+from service.config import Config, EngineConfig
+from service.engine.client import EngineClient
+
+
+@dataclass(frozen=True)
+class Host:
+    portal: BlockingPortal
+    engine: EngineClient
+
+    @contextlib.contextmanager
+    def serve(self, config: Config) -> Iterator[TestClient]:
+        """A TestClient for a new app on ``config`` that uses the shared engine."""
+        assert config.engine == self.engine.config, "the app's engine settings must be the shared engine's"
+        app = create_app(config, engine=self.engine)
+        with serve(app, self.portal) as client:
+            yield client
+
+
+@contextlib.contextmanager
+def serve(app: Starlette, portal: BlockingPortal) -> Iterator[TestClient]:
+    """Like ``with TestClient(app)``, but on ``portal``'s event loop."""
+    with portal.wrap_async_context_manager(app.router.lifespan_context(app)):
+        # Not entered with ``with``: that would start a loop of its own and the lifespan again.
+        client = TestClient(app)
+        client.portal = portal  # requests run on the shared loop
+        try:
+            yield client
+        finally:
+            client.close()
+
+
+@contextlib.contextmanager
+def engine_host(config: EngineConfig) -> Iterator[Host]:
+    """An event loop thread and an engine started on it, closed on exit."""
+    with anyio.from_thread.start_blocking_portal("asyncio") as portal:
+        engine = EngineClient(config)
+        portal.call(engine.start)
+        try:
+            yield Host(portal, engine)
+        finally:
+            portal.call(engine.close)

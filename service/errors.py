@@ -100,6 +100,11 @@ class ContextLengthExceededError(InvalidRequestError):
     openai_code = "context_length_exceeded"
 
 
+class MethodNotAllowedError(InvalidRequestError):
+    status = 405
+    title = "Method not allowed"
+
+
 class UnsupportedCapabilityError(InvalidRequestError):
     code = "unsupported_capability"
     title = "Unsupported capability"

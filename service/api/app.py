@@ -31,7 +31,7 @@ from service.config import Config
 from service.core import Core
 from service.engine.client import EngineClient
 from service.engine.protocol import SamplingParams
-from service.errors import InvalidRequestError, LmspdError, NotFoundError
+from service.errors import InvalidRequestError, LmspdError, MethodNotAllowedError, NotFoundError
 from service.generation import check_request
 from service.hub import Hub
 from service.models.registry import ModelRegistry
@@ -104,13 +104,8 @@ async def on_lmspd_error(request: Request, exc: Exception) -> Response:
 
 async def on_http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
-    error: LmspdError
-    if exc.status_code == 404:
-        error = NotFoundError(str(exc.detail))
-    else:
-        error = InvalidRequestError(str(exc.detail))
-        error.status = exc.status_code  # type: ignore[misc]  # 405 and the like keep their status
-    return _render(request, error)
+    kind = {404: NotFoundError, 405: MethodNotAllowedError}.get(exc.status_code, InvalidRequestError)
+    return _render(request, kind(str(exc.detail)))
 
 
 async def on_unexpected(request: Request, exc: Exception) -> Response:

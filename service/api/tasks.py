@@ -60,12 +60,12 @@ async def list_tasks(request: Request) -> Response:
         raise InvalidRequestError("limit must be an integer from 1 to 100", param="limit")
     limit = int(raw_limit)
     after = request.query_params.get("after")
-    tasks = await app.core.store.list(owner, limit=limit + 1, after=after, statuses=statuses or None)
-    data = [task_object(t) for t in tasks[:limit]]
+    tasks, has_more = await app.core.tasks(owner, limit=limit, after=after, statuses=statuses or None)
+    data = [task_object(t) for t in tasks]
     return _json(
         TaskList(
             data=data,
-            has_more=len(tasks) > limit,
+            has_more=has_more,
             first_id=data[0].id if data else None,
             last_id=data[-1].id if data else None,
         )

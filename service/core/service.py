@@ -178,6 +178,13 @@ class Core:
     async def task(self, task_id: str, owner: str | None) -> TaskRecord:
         return await self.store.get(task_id, owner)
 
+    async def tasks(
+        self, owner: str, *, limit: int, after: str | None, statuses: list[str] | None
+    ) -> tuple[list[TaskRecord], bool]:
+        """A page of the owner's tasks, newest first, and whether more follow."""
+        found = await self.store.list(owner, limit=limit + 1, after=after, statuses=statuses)
+        return found[:limit], len(found) > limit
+
     async def response_task(self, response_id: str, owner: str) -> TaskRecord:
         """The task behind a response id, as /v1/responses/{id} sees it: a stored response
         or background job (a task's response included); foreground store:false ones are gone."""

@@ -15,7 +15,7 @@ import logging
 import multiprocessing as mp
 import threading
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as mp_wait
@@ -42,6 +42,9 @@ def error_from(reply: p.Failed) -> LmspdError:
 
 
 class EngineClient:
+    """One engine process. It belongs to the event loop that started it: its reader thread
+    hands every reply to that loop, so share a client only among users of that loop."""
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.process: mp.process.BaseProcess | None = None
@@ -166,7 +169,7 @@ class EngineClient:
         await self._send(p.LoadModel(model, path))
         return await fut
 
-    async def generate(self, cmd: p.Generate) -> AsyncIterator[Event]:
+    async def generate(self, cmd: p.Generate) -> AsyncGenerator[Event, None]:
         """Yield the request's deltas, then its Finished; raise on failure.
 
         Leaving the iterator early (``break``, task cancellation) cancels the

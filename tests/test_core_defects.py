@@ -11,10 +11,10 @@ from typing import Any
 
 import msgspec
 import pytest
+from engine_host import Host, engine_host
 from openresponses import validate
 from starlette.testclient import TestClient
 
-from service.api.app import create_app
 from service.config import Config, EngineConfig, ModelEntry, ResponsesConfig, ServerConfig
 from service.core import Core
 from service.hub import Hub
@@ -28,6 +28,13 @@ TOKENS = {"alice": "alice-secret-token", "bob": "bob-secret-token"}
 ALICE = {"Authorization": f"Bearer {TOKENS['alice']}"}
 BOB = {"Authorization": f"Bearer {TOKENS['bob']}"}
 QUICK = {"input": "Hi", "temperature": 0, "max_output_tokens": 4}
+ENGINE = EngineConfig(weight_dtype="quantized", max_concurrency=1)
+
+
+@pytest.fixture(scope="module")
+def host() -> Iterator[Host]:
+    with engine_host(ENGINE) as h:
+        yield h
 
 
 def config_for(tmp_path: Path, model_cache: Path, tiny: ResolvedModel, **responses: int) -> Config:
@@ -35,15 +42,15 @@ def config_for(tmp_path: Path, model_cache: Path, tiny: ResolvedModel, **respons
         default_model="tiny",
         cache_dir=str(model_cache),
         models={"tiny": ModelEntry(path=str(tiny.path))},
-        engine=EngineConfig(weight_dtype="quantized", max_concurrency=1),
+        engine=ENGINE,
         server=ServerConfig(data_dir=str(tmp_path / "data"), tokens=TOKENS, keepalive_secs=0.5),
         responses=ResponsesConfig(**responses),
     )
 
 
 @pytest.fixture
-def client(tmp_path: Path, model_cache: Path, tiny_long: ResolvedModel) -> Iterator[TestClient]:
-    with TestClient(create_app(config_for(tmp_path, model_cache, tiny_long, background_max_jobs=64))) as c:
+def client(host: Host, tmp_path: Path, model_cache: Path, tiny_long: ResolvedModel) -> Iterator[TestClient]:
+    with host.serve(config_for(tmp_path, model_cache, tiny_long, background_max_jobs=64)) as c:
         yield c
 
 
@@ -126,14 +133,14 @@ def test_finished_tasks_after_their_events_are_purged(client: TestClient) -> Non
 
 
 def test_a_failed_background_response_survives_the_purge(
-    tmp_path: Path, model_cache: Path, tiny_long: ResolvedModel
+    host: Host, tmp_path: Path, model_cache: Path, tiny_long: ResolvedModel
 ) -> None:
     config = config_for(tmp_path, model_cache, tiny_long)
-    with TestClient(create_app(config)) as c:
+    with host.serve(config) as c:
         b = c.post("/v1/responses", json={**QUICK, "background": True, "max_output_tokens": 3000}, headers=ALICE)
         while c.get(f"/v1/responses/{b.json()['id']}", headers=ALICE).json()["status"] == "queued":
             time.sleep(0.02)
-    with TestClient(create_app(config)) as c:  # a restart: fail policy -> failed server_restarted
+    with host.serve(config) as c:  # a restart: fail policy -> failed server_restarted
         rid = b.json()["id"]
         assert c.get(f"/v1/responses/{rid}", headers=ALICE).json()["status"] == "failed"
         purge_all_events(c)
@@ -145,9 +152,11 @@ def test_a_failed_background_response_survives_the_purge(
         assert r.status_code == 409 and r.json()["code"] == "task_not_cancelable"
 
 
-def test_background_cap_holds_under_concurrency(tmp_path: Path, model_cache: Path, tiny_long: ResolvedModel) -> None:
+def test_background_cap_holds_under_concurrency(
+    host: Host, tmp_path: Path, model_cache: Path, tiny_long: ResolvedModel
+) -> None:
     config = config_for(tmp_path, model_cache, tiny_long, background_max_jobs=64)
-    with TestClient(create_app(config)) as c:
+    with host.serve(config) as c:
         body = {**QUICK, "background": True, "max_output_tokens": 3000}
         with ThreadPoolExecutor(32) as pool:
             results = list(pool.map(lambda _: c.post("/v1/responses", json=body, headers=ALICE), range(200)))

@@ -1,5 +1,6 @@
 """OpenAI clients against a real ``lmspd serve``: disconnects, cancelled streams, queued
-streams, accepted fields, input items, chat completions (one engine slot, tiny model)."""
+streams, accepted fields, input items, chat completions, and LangChain's default ChatOpenAI
+(Chat Completions and ``use_responses_api``) — one engine slot, tiny model."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import httpx
 import msgspec
 import openai
 import pytest
+from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
+from langchain_openai import ChatOpenAI
 from openresponses import validate, validate_event
 from test_acceptance_restart import Server, free_port
 
@@ -256,3 +259,22 @@ def test_chat_stream_disconnect_cancels(server: Server) -> None:
     while rows(server, f"SELECT status FROM tasks WHERE response_id = '{response_id}'"):
         assert time.monotonic() < deadline, "the disconnected chat completion was not abandoned"
         time.sleep(0.05)
+
+
+@pytest.mark.parametrize("use_responses_api", [False, True])
+def test_chat_openai_invoke_and_stream(server: Server, use_responses_api: bool) -> None:
+    llm = ChatOpenAI(
+        base_url=f"{server.url}/v1",
+        api_key="sk-no-auth",  # type: ignore[arg-type]
+        model="tiny",
+        temperature=0,
+        max_tokens=6,  # type: ignore[call-arg]
+        max_retries=0,
+        use_responses_api=use_responses_api,
+    )
+    messages = [SystemMessage("Be brief."), HumanMessage("Hi"), AIMessage("Hello."), HumanMessage("Again?")]
+    answer = llm.invoke(messages)
+    assert isinstance(answer.content, str | list) and answer.text
+    assert answer.usage_metadata is not None and answer.usage_metadata["output_tokens"] == 6
+    streamed = "".join(chunk.text for chunk in llm.stream(messages))
+    assert streamed == answer.text  # greedy: the same answer, streamed

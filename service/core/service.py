@@ -115,7 +115,9 @@ class Core:
             request=encoded,
             on_restart=on_restart,
             first_event=first,
-            waiting_event=waiting,
+            # A background response or task is created ``queued`` already; a foreground one is
+            # created ``in_progress`` and says so when it must wait for a slot first.
+            waiting_event=None if background else waiting,
             slots=self.config.engine.max_concurrency,
             idempotency=idempotency,
             max_background=limits.background_max_jobs if kind == "response" else None,

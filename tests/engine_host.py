@@ -12,6 +12,7 @@ handed; the module closes it at the end.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -62,3 +63,18 @@ def engine_host(config: EngineConfig) -> Iterator[Host]:
             yield Host(portal, engine)
         finally:
             portal.call(engine.close)
+
+
+def purge(client: TestClient, *, events_older_than: int = 10**6, later_by: int = 10) -> None:
+    """Run the retention janitor's purge as if ``later_by`` seconds had passed (events of
+    tasks finished more than ``events_older_than`` seconds before then are dropped)."""
+    store = client.app.state.lmsp.core.store  # type: ignore[attr-defined]
+    assert client.portal is not None
+    client.portal.call(
+        lambda: store.purge(
+            event_retention_secs=events_older_than,
+            task_retention_secs=10**6,
+            idempotency_retention_secs=10**6,
+            now=int(time.time()) + later_by,
+        )
+    )

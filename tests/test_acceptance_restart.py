@@ -3,6 +3,7 @@ again; every accepted task survives and ends as its ``on_restart`` policy says."
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -69,20 +70,34 @@ class Server:
         return self.proc.wait(30)
 
 
-@pytest.fixture
-def server(tmp_path: Path, model_cache: Path, tiny_long: ResolvedModel) -> Iterator[Server]:
-    config = tmp_path / "lmspd.toml"
+@contextlib.contextmanager
+def tiny_server(
+    tmp: Path, model_cache: Path, tiny: ResolvedModel, *, engine: str = "", server: str = "", models: str = ""
+) -> Iterator[Server]:
+    """A configured (not yet started) ``lmspd serve`` on the tiny model, killed on exit.
+    ``engine``, ``server`` and ``models`` are extra TOML lines for those sections."""
+    config = tmp / "lmspd.toml"
     config.write_text(
         f'default_model = "tiny"\ncache_dir = "{model_cache}"\n'
-        f'[engine]\nweight_dtype = "quantized"\nmax_concurrency = 4\n'
-        f'[server]\ndata_dir = "{tmp_path / "data"}"\nkeepalive_secs = 1.0\n'
-        f'[models.tiny]\npath = "{tiny_long.path}"\n'
+        f'[engine]\nweight_dtype = "quantized"\n{engine}'
+        f'[server]\ndata_dir = "{tmp / "data"}"\n{server}'
+        f'[models.tiny]\npath = "{tiny.path}"\n{models}'
     )
-    srv = Server(config, free_port(), tmp_path / "server.log")
-    yield srv
-    if srv.proc and srv.proc.poll() is None:
-        srv.proc.kill()
-        srv.proc.wait(10)
+    srv = Server(config, free_port(), tmp / "server.log")
+    try:
+        yield srv
+    finally:
+        if srv.proc and srv.proc.poll() is None:
+            srv.proc.kill()
+            srv.proc.wait(10)
+
+
+@pytest.fixture
+def server(tmp_path: Path, model_cache: Path, tiny_long: ResolvedModel) -> Iterator[Server]:
+    with tiny_server(
+        tmp_path, model_cache, tiny_long, engine="max_concurrency = 4\n", server="keepalive_secs = 1.0\n"
+    ) as srv:
+        yield srv
 
 
 def submit(url: str, on_restart: str, max_tokens: int = MAX_TOKENS) -> dict[str, Any]:

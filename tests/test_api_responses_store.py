@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_host import Host, engine_host
+from engine_host import Host, engine_host, purge
 from starlette.testclient import TestClient
 
 from service.config import Config, EngineConfig, ModelEntry, ResponsesConfig, ServerConfig
@@ -147,16 +147,7 @@ def test_ephemeral_background_result_expires(make_client: Callable[..., TestClie
     r = c.post("/v1/responses", json={**QUICK, "background": True, "store": False}).json()
     while c.get(f"/v1/responses/{r['id']}").json()["status"] in ("queued", "in_progress"):
         time.sleep(0.05)
-    state = c.app.state.lmsp  # type: ignore[attr-defined]
-    assert c.portal is not None
-    c.portal.call(
-        lambda: state.core.store.purge(
-            event_retention_secs=10**6,
-            task_retention_secs=10**6,
-            idempotency_retention_secs=10**6,
-            now=int(time.time()) + 6,
-        )
-    )
+    purge(c, later_by=6)
     assert c.get(f"/v1/responses/{r['id']}").status_code == 404
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from engine_host import Host, engine_host
+from engine_host import Host, engine_host, purge
 from openresponses import validate, validate_event
 from starlette.testclient import TestClient
 
@@ -139,16 +139,7 @@ def test_invalid_last_event_id(client: TestClient, value: str) -> None:
 def test_events_past_retention_are_gone(client: TestClient) -> None:
     task_id = client.post("/lmsp/v1/tasks", json=task_body(), headers=ALICE).json()["id"]
     wait_done(client, task_id)
-    store = client.app.state.lmsp.core.store  # type: ignore[attr-defined]
-    assert client.portal is not None
-    client.portal.call(
-        lambda: store.purge(
-            event_retention_secs=1,
-            task_retention_secs=10**6,
-            idempotency_retention_secs=10**6,
-            now=int(time.time()) + 10,
-        )
-    )
+    purge(client, events_older_than=1)
     r = client.get(f"/lmsp/v1/tasks/{task_id}/events", headers=ALICE)
     assert r.status_code == 410 and r.json()["code"] == "event_history_expired"
     assert client.get(f"/lmsp/v1/tasks/{task_id}", headers=ALICE).status_code == 200

@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from engine_host import Host, engine_host
+from engine_host import Host, engine_host, purge
 from openresponses import validate
 from starlette.testclient import TestClient
 
@@ -66,19 +66,6 @@ def finish(client: TestClient, task_id: str) -> dict[str, Any]:
     return dict(task)
 
 
-def purge_all_events(client: TestClient) -> None:
-    store = client.app.state.lmsp.core.store  # type: ignore[attr-defined]
-    assert client.portal is not None
-    client.portal.call(
-        lambda: store.purge(
-            event_retention_secs=1,
-            task_retention_secs=10**6,
-            idempotency_retention_secs=10**6,
-            now=int(time.time()) + 10,
-        )
-    )
-
-
 def test_a_task_input_means_what_it_means_on_v1(client: TestClient) -> None:
     first = client.post("/v1/responses", json={**QUICK, "input": "First."}, headers=ALICE).json()
     body = {"input": "Second.", "previous_response_id": first["id"], "temperature": 0, "max_output_tokens": 4}
@@ -119,7 +106,7 @@ def test_finished_tasks_after_their_events_are_purged(client: TestClient) -> Non
     assert cancelled["status"] == "cancelled"
     while client.get(f"/v1/responses/{quick['id']}", headers=ALICE).json()["status"] in ("queued", "in_progress"):
         time.sleep(0.02)
-    purge_all_events(client)
+    purge(client, events_older_than=1)
     core: Core = client.app.state.lmsp.core  # type: ignore[attr-defined]
     for rid, status, cancel_status in [(quick["id"], "incomplete", 409), (long.json()["id"], "cancelled", 200)]:
         r = client.get(f"/v1/responses/{rid}", headers=ALICE)
@@ -143,7 +130,7 @@ def test_a_failed_background_response_survives_the_purge(
     with host.serve(config) as c:  # a restart: fail policy -> failed server_restarted
         rid = b.json()["id"]
         assert c.get(f"/v1/responses/{rid}", headers=ALICE).json()["status"] == "failed"
-        purge_all_events(c)
+        purge(c, events_older_than=1)
         r = c.get(f"/v1/responses/{rid}", headers=ALICE)
         assert r.status_code == 200 and r.json()["error"]["code"] == "server_restarted"
         task = c.get("/lmsp/v1/tasks", headers=ALICE).json()["data"][0]

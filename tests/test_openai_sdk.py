@@ -12,26 +12,17 @@ import msgspec
 import openai
 import pytest
 from openresponses import validate, validate_event
-from test_acceptance_restart import Server, free_port
+from test_acceptance_restart import Server, tiny_server
 
 from service.models.registry import ResolvedModel
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, tiny_long: ResolvedModel) -> Iterator[Server]:
-    tmp = tmp_path_factory.mktemp("sdk")
-    config = tmp / "lmspd.toml"
-    config.write_text(
-        f'default_model = "tiny"\ncache_dir = "{model_cache}"\n[engine]\nweight_dtype = "quantized"\n'
-        f'[server]\ndata_dir = "{tmp / "data"}"\n'
-        f'[models.tiny]\npath = "{tiny_long.path}"\n[models.smol]\npath = "smollm2-135m-instruct"\n'
-    )
-    srv = Server(config, free_port(), tmp / "server.log")
-    srv.start()
-    yield srv
-    if srv.proc and srv.proc.poll() is None:
-        srv.proc.kill()
-        srv.proc.wait(10)
+    smol = '[models.smol]\npath = "smollm2-135m-instruct"\n'
+    with tiny_server(tmp_path_factory.mktemp("sdk"), model_cache, tiny_long, models=smol) as srv:
+        srv.start()
+        yield srv
 
 
 @pytest.fixture

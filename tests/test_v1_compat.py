@@ -18,7 +18,7 @@ import pytest
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 from langchain_openai import ChatOpenAI
 from openresponses import validate, validate_event
-from test_acceptance_restart import Server, free_port
+from test_acceptance_restart import Server, tiny_server
 
 from service.models.registry import ResolvedModel
 
@@ -28,20 +28,11 @@ LONG = {"input": "Tell me a story.", "max_output_tokens": 3000}
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, tiny_long: ResolvedModel) -> Iterator[Server]:
     tmp = tmp_path_factory.mktemp("compat")
-    config = tmp / "lmspd.toml"
-    config.write_text(
-        f'default_model = "tiny"\ncache_dir = "{model_cache}"\n'
-        f'[engine]\nweight_dtype = "quantized"\nmax_concurrency = 1\n'
-        f'[server]\ndata_dir = "{tmp / "data"}"\nkeepalive_secs = 0.5\n'
-        f'[models.tiny]\npath = "{tiny_long.path}"\n'
-    )
-    srv = Server(config, free_port(), tmp / "server.log")
-    srv.db = tmp / "data" / "lmspd.db"  # type: ignore[attr-defined]
-    srv.start()
-    yield srv
-    if srv.proc and srv.proc.poll() is None:
-        srv.proc.kill()
-        srv.proc.wait(10)
+    one_slot, quick_keepalive = "max_concurrency = 1\n", "keepalive_secs = 0.5\n"
+    with tiny_server(tmp, model_cache, tiny_long, engine=one_slot, server=quick_keepalive) as srv:
+        srv.db = tmp / "data" / "lmspd.db"  # type: ignore[attr-defined]
+        srv.start()
+        yield srv
 
 
 @pytest.fixture

@@ -43,9 +43,7 @@ async def create_response(request: Request) -> Response:
     owner = app.auth.owner(request)
     body, req = await _decode_request(request, app.config.server.max_body_bytes)
     key = idempotency_key(request) if req.background else None
-    task, _ = await app.core.submit(
-        owner, s.TaskRequest.of(req), kind="response", idempotency=(key, fingerprint(body)) if key else None
-    )
+    task, _ = await app.core.submit(owner, req, kind="response", idempotency=(key, fingerprint(body)) if key else None)
     if req.background:
         return _raw_json(await app.core.snapshot(task))
     if req.stream:

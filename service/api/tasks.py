@@ -9,7 +9,7 @@ from starlette.responses import Response
 from service.api.state import state_of
 from service.api.wire import TaskList, decode, etag, fingerprint, idempotency_key, read_body, task_object
 from service.errors import InvalidRequestError
-from service.responses.schema import TaskCreate, TaskRequest
+from service.responses.schema import TaskCreate
 from service.store.status import STATUSES
 
 
@@ -29,7 +29,7 @@ async def create_task(request: Request) -> Response:
         raise InvalidRequestError(exc.message, param=f"input.{exc.param}" if exc.param else "input") from exc
     task, replayed = await app.core.submit(
         owner,
-        TaskRequest.of(envelope.input),
+        envelope.input,
         kind="task",
         on_restart=envelope.on_restart,
         idempotency=(key, fingerprint(body)) if key else None,

@@ -72,7 +72,7 @@ class Core:
     async def submit(
         self,
         owner: str,
-        request: s.TaskRequest,
+        request: s.ResponseRequest,
         *,
         kind: Kind,
         on_restart: OnRestart = "fail",
@@ -87,7 +87,10 @@ class Core:
             raise ServerOverloadedError("the server is shutting down")
         background = kind == "task" or request.background
         self._admit(request, background)
-        turns = await history(self.store, owner, request.previous_response_id, request.conversation_id)
+        turns: list[dict[str, Any]] = []
+        if request.previous_response_id is not None or request.conversation is not None:
+            turns = await history(self.store, owner, request.previous_response_id, request.conversation_id)
+        # Stored as sent: the supervisor reads it back as a TaskRequest (a superset).
         encoded = msgspec.json.encode(request)
         if len(encoded) < _INLINE_CHECK_BYTES and not turns:
             self._check(request, turns)  # small: cheaper than a thread hop
@@ -153,7 +156,7 @@ class Core:
         if request.background and 0 in (limits.background_max_jobs, limits.store_max_entries, limits.store_max_bytes):
             raise InvalidRequestError("background mode is disabled by the response store settings", param="background")
 
-    def _check(self, request: s.TaskRequest, turns: list[dict[str, Any]]) -> None:
+    def _check(self, request: s.ResponseRequest, turns: list[dict[str, Any]]) -> None:
         """Runs in a worker thread: rendering a large prompt must not stall the event loop."""
         model = self.registry.resolve_local(request.model or self.config.default_model)
         sampling = request.sampling()

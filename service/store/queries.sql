@@ -1,8 +1,10 @@
 -- Named queries: each starts with "-- name: <name>" and runs as one statement.
 
--- name: count_queued_and_active
-SELECT coalesce(sum(n) FILTER (WHERE status = 'queued'), 0), coalesce(sum(n), 0)
-FROM task_counts WHERE status IN {ACTIVE};
+-- name: count_queued
+SELECT coalesce((SELECT n FROM task_counts WHERE status = 'queued'), 0);
+
+-- name: count_active
+SELECT coalesce(sum(n), 0) FROM task_counts WHERE status IN {ACTIVE};
 
 -- name: insert_task
 INSERT INTO tasks (id, owner, status, on_restart, request, response_id, next_seq, created_at, updated_at,

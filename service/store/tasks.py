@@ -179,8 +179,7 @@ class TaskStore:
                             "this Idempotency-Key was used with a different request body", param="Idempotency-Key"
                         )
                     return _get(conn, row["task_id"]), True
-            queued, active = conn.execute(q("count_queued_and_active")).fetchone()
-            if queued >= self.max_queued:
+            if conn.execute(q("count_queued")).fetchone()[0] >= self.max_queued:
                 raise QueueFullError(f"the task queue is full ({self.max_queued} queued)")
             fields = response or ResponseFields(kind="task")
             limited = fields.background and max_background is not None
@@ -209,7 +208,9 @@ class TaskStore:
                         "now": now,
                     },
                 )
-            events = [first_event] if waiting_event is None or active < slots else [first_event, waiting_event]
+            events = [first_event]
+            if waiting_event is not None and conn.execute(q("count_active")).fetchone()[0] > slots:
+                events.append(waiting_event)  # counted after the insert: this task included
             return _append(conn, _get(conn, task_id), events), False
 
         return await self.db.writer.submit(job)

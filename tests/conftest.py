@@ -13,10 +13,13 @@ import shutil
 import subprocess
 import sys
 import zipfile
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
+from service.config import EngineConfig
+from service.engine.client import EngineClient
 from service.models.catalog import BUILTIN_MODELS
 from service.models.pull import pull_builtin
 from service.models.registry import ResolvedModel
@@ -143,3 +146,12 @@ def tiny_long(tmp_path_factory: pytest.TempPathFactory, smol_dir: Path) -> Resol
     """The tiny model with a 4096-token context, for generations long enough to interrupt."""
     path = make_tiny_model(tmp_path_factory.mktemp("tiny_long") / "tiny_long", smol_dir, seed=0, context=4096)
     return ResolvedModel(name="tiny_long", path=path)
+
+
+@pytest.fixture
+async def engine() -> AsyncIterator[EngineClient]:
+    """A fresh engine process (tests may kill it), closed after the test."""
+    client = EngineClient(EngineConfig(weight_dtype="quantized", max_concurrency=4))
+    await client.start()
+    yield client
+    await client.close()

@@ -6,7 +6,6 @@ import asyncio
 import os
 import signal
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -25,14 +24,6 @@ from service.models.registry import ResolvedModel
 
 GREEDY = p.SamplingParams(temperature=0.0)
 PROMPTS = ["Tell me a story.", "What is 2 + 2?", "List three colours, please, in order.", "Hi"]
-
-
-@pytest.fixture
-async def engine() -> AsyncIterator[EngineClient]:
-    client = EngineClient(EngineConfig(weight_dtype="quantized", max_concurrency=4))
-    await client.start()
-    yield client
-    await client.close()
 
 
 def request(model: ResolvedModel, prompt: str, max_tokens: int = 24, **kw: Any) -> p.Generate:

@@ -3,27 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import msgspec
 import pytest
 from test_engine import PROMPTS, collect, request
 
-from service.config import EngineConfig
 from service.engine import protocol as p
 from service.engine.client import EngineClient
 from service.engine.worker import LOGPROB_FLOOR, TokenPieces, top_logprobs
 from service.errors import InvalidRequestError
 from service.generation import tokenizer_for
 from service.models.registry import ResolvedModel
-
-
-@pytest.fixture
-async def engine() -> AsyncIterator[EngineClient]:
-    client = EngineClient(EngineConfig(weight_dtype="quantized", max_concurrency=4))
-    await client.start()
-    yield client
-    await client.close()
 
 
 def with_logprobs(cmd: p.Generate, k: int | None) -> p.Generate:

@@ -60,6 +60,14 @@ def newest_response_id(server: Server) -> str:
     return str(rows(server, "SELECT response_id FROM tasks ORDER BY id DESC LIMIT 1")[0][0])
 
 
+def wait_forgotten(server: Server, response_id: str, why: str, timeout: float = 60) -> None:
+    """Until the response's row is gone (abandoned store:false work is deleted once it ends)."""
+    deadline = time.monotonic() + timeout
+    while rows(server, f"SELECT status FROM tasks WHERE response_id = '{response_id}'"):
+        assert time.monotonic() < deadline, why
+        time.sleep(0.05)
+
+
 def test_sdk_stream_break_cancels_the_response(server: Server, client: openai.OpenAI) -> None:
     stream = client.responses.create(**LONG, stream=True)  # type: ignore[call-overload]
     response_id = None
@@ -80,11 +88,7 @@ def test_raw_stream_disconnect_cancels_and_forgets_store_false(server: Server) -
         for line in r.iter_lines():
             if "response.output_text.delta" in line:
                 break
-    response_id = newest_response_id(server)
-    deadline = time.monotonic() + 60
-    while rows(server, f"SELECT status FROM tasks WHERE response_id = '{response_id}'"):
-        assert time.monotonic() < deadline, "the store:false row of a disconnected stream stayed"
-        time.sleep(0.05)
+    wait_forgotten(server, newest_response_id(server), "the store:false row of a disconnected stream stayed")
 
 
 def test_sync_disconnect_cancels(server: Server) -> None:
@@ -245,11 +249,7 @@ def test_chat_stream_disconnect_cancels(server: Server) -> None:
         for line in r.iter_lines():
             if '"content":"' in line and '"content":""' not in line:
                 break
-    response_id = newest_response_id(server)
-    deadline = time.monotonic() + 60
-    while rows(server, f"SELECT status FROM tasks WHERE response_id = '{response_id}'"):
-        assert time.monotonic() < deadline, "the disconnected chat completion was not abandoned"
-        time.sleep(0.05)
+    wait_forgotten(server, newest_response_id(server), "the disconnected chat completion was not abandoned")
 
 
 @pytest.mark.parametrize("use_responses_api", [False, True])

@@ -155,9 +155,7 @@ async def _janitor(config: Config, store: TaskStore) -> None:
                 idempotency_retention_secs=s.idempotency_retention_secs,
             )
             evicted = await store.enforce_response_limits(config.responses)
-            # Foreground store:false responses whose request ended without releasing them.
-            unstored = await store.delete_finished_unstored()
-            log.info("retention purge: %s; response store evictions: %d; unstored: %d", counts, evicted, unstored)
+            log.info("retention purge: %s; response store evictions: %d", counts, evicted)
         except Exception:
             log.exception("retention purge failed")
 
@@ -182,7 +180,9 @@ def create_app(config: Config, engine: EngineClient | None = None, shutdown: asy
         registry = ModelRegistry(config)
         supervisor = Supervisor(config, store, engine or EngineClient(config.engine), hub, registry)
         await supervisor.start()  # recovers unfinished tasks before any request is served
-        await store.delete_finished_unstored()  # left by a crash between a request's end and its release
+        # Foreground store:false responses a crash left between their end and their release. Only
+        # at start: while serving, a slow reader may still be streaming a finished one.
+        await store.delete_finished_unstored()
         core = Core(config, store, hub, supervisor, registry)
         app.state.lmsp = AppState(config, core, Authenticator(config.server.tokens))
         await asyncio.to_thread(_warm_up, config, registry)

@@ -75,6 +75,8 @@ class Generate(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     # None: no logprobs. k in 0..MAX_TOP_LOGPROBS: each generated token's logprob and the
     # k most likely tokens at its position (what OpenAI's top_logprobs=k returns).
     logprobs: int | None = None
+    # A llguidance (lark) grammar the output must match; None: free text.
+    grammar: str | None = None
 
 
 class Cancel(msgspec.Struct, tag=True, frozen=True):

@@ -22,6 +22,7 @@ from typing import Any
 import msgspec
 
 from service.engine import protocol as p
+from service.engine.constraint import GrammarError, GrammarMask, Grammars
 from service.errors import LmspdError
 from service.models.registry import context_length_of
 from service.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -184,11 +185,17 @@ class LoadedModel:
     weight_dtype: str
     requests: dict[int, Request] = field(default_factory=dict)
     pieces: TokenPieces | None = None  # built on the first request that asks for logprobs
+    grammars: Grammars | None = None  # built on the first constrained request
 
     def token_pieces(self) -> TokenPieces:
         if self.pieces is None:
             self.pieces = TokenPieces(Path(self.path))
         return self.pieces
+
+    def grammar_mask(self, grammar: str, generated: list[int]) -> GrammarMask:
+        if self.grammars is None:
+            self.grammars = Grammars(Path(self.path), self.tokenizer.eos_token_ids, self.vocab_size)
+        return self.grammars.mask(grammar, generated)
 
 
 class Engine:
@@ -388,10 +395,16 @@ class Engine:
                 )
             )
             return None
-        self._insert(lm, cmd, tokens, remaining)
+        try:
+            processors = [lm.grammar_mask(cmd.grammar, cmd.generated)] if cmd.grammar else []
+        except GrammarError as exc:
+            return self._fail(cmd, "invalid_request", f"the output grammar cannot be used: {exc}", "text.format")
+        self._insert(lm, cmd, tokens, remaining, processors)
         return None
 
-    def _insert(self, lm: LoadedModel, cmd: p.Generate, tokens: list[int], remaining: int) -> None:
+    def _insert(
+        self, lm: LoadedModel, cmd: p.Generate, tokens: list[int], remaining: int, processors: list[GrammarMask]
+    ) -> None:
         from mlx_lm.generate import StopSequences
         from mlx_lm.sample_utils import make_sampler
 
@@ -404,7 +417,13 @@ class Engine:
                 temp=s.temperature, top_p=s.top_p if s.top_p < 1.0 else 0.0, top_k=s.top_k, min_p=s.min_p
             )
         stops = StopSequences([[t] for t in cmd.stop_token_ids] or None)
-        (uid,) = lm.batch.insert([tokens], max_tokens=[remaining], samplers=[sampler], stop_sequences=[stops])
+        (uid,) = lm.batch.insert(
+            [tokens],
+            max_tokens=[remaining],
+            samplers=[sampler],
+            logits_processors=[list(processors)],
+            stop_sequences=[stops],
+        )
         req = Request(cmd, uid, IncrementalDetokenizer(lm.tokenizer, cmd.generated), len(cmd.generated))
         lm.requests[uid] = req
         self.by_id[cmd.request_id] = (lm, req)

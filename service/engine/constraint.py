@@ -1,0 +1,91 @@
+"""Constrained decoding in the engine: a llguidance matcher per request, as a logits mask.
+
+A grammar is compiled once per (model, grammar) and kept in a bounded LRU; each
+request decodes with a copy of the compiled matcher. The mask is a logits processor
+of mlx-lm's BatchGenerator, so constrained and free requests share one batch.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+GRAMMAR_CACHE_SIZE = 64
+
+
+class GrammarError(Exception):
+    """The grammar does not compile, or the tokens already generated do not fit it."""
+
+
+class Grammars:
+    """One model's tokenizer as llguidance sees it, and its compiled grammars."""
+
+    def __init__(self, model_dir: Path, eos_token_ids: list[int], vocab_size: int) -> None:
+        from llguidance import LLTokenizer
+
+        text = (model_dir / "tokenizer.json").read_text()
+        self.tokenizer = LLTokenizer(text, n_vocab=vocab_size, eos_token=eos_token_ids or None)
+        self.vocab_size = vocab_size
+        self.stop_ids = eos_token_ids
+        self._compiled: OrderedDict[str, Any] = OrderedDict()
+
+    def matcher(self, lark: str) -> Any:
+        """A fresh matcher for this grammar (compiled on first use, copied after)."""
+        from llguidance import LLMatcher
+
+        template = self._compiled.get(lark)
+        if template is None:
+            template = LLMatcher(self.tokenizer, LLMatcher.grammar_from_lark(lark), log_level=0)
+            if template.is_error():
+                raise GrammarError(template.get_error())
+            self._compiled[lark] = template
+            while len(self._compiled) > GRAMMAR_CACHE_SIZE:
+                self._compiled.popitem(last=False)
+        else:
+            self._compiled.move_to_end(lark)
+        return template.deep_copy()
+
+    def mask(self, lark: str, generated: list[int]) -> GrammarMask:
+        matcher = self.matcher(lark)
+        # A resumed request: the grammar state after the tokens it already has.
+        if generated and not matcher.consume_tokens(generated):
+            raise GrammarError(f"the generated tokens do not fit the grammar: {matcher.get_error()}")
+        return GrammarMask(matcher, self.vocab_size, self.stop_ids)
+
+
+class GrammarMask:
+    """mlx-lm logits processor: ``(tokens, logits) -> logits`` with disallowed tokens at -inf.
+
+    mlx-lm samples a token one step before it reports it, and hands each processor
+    the sequence so far: the matcher consumes the tokens it has not yet seen from
+    there (none on the first call, which follows the prompt)."""
+
+    def __init__(self, matcher: Any, vocab_size: int, stop_ids: list[int]) -> None:
+        from llguidance.numpy import allocate_token_bitmask
+
+        self.matcher = matcher
+        self.vocab_size = vocab_size
+        self.bitmask = allocate_token_bitmask(1, vocab_size)
+        self.seen: int | None = None
+        self.stop_ids = stop_ids
+
+    def __call__(self, tokens: Any, logits: Any) -> Any:
+        import mlx.core as mx
+        from llguidance.numpy import fill_next_token_bitmask
+
+        length = int(tokens.shape[-1])
+        if self.seen is not None and length > self.seen:
+            new = [int(t) for t in tokens[self.seen :].tolist()]
+            self.matcher.consume_tokens(new)
+        self.seen = length
+        fill_next_token_bitmask(self.matcher, self.bitmask)
+        allowed = np.unpackbits(self.bitmask.view(np.uint8), bitorder="little")[: self.vocab_size]
+        if not allowed.any():  # the matcher failed (it logs why): end the output cleanly
+            allowed[[i for i in self.stop_ids if i < self.vocab_size]] = 1
+        width = logits.shape[-1]
+        if width > self.vocab_size:  # embedding rows past the tokenizer are never text
+            allowed = np.concatenate([allowed, np.zeros(width - self.vocab_size, dtype=np.uint8)])
+        return mx.where(mx.array(allowed[:width].astype(np.bool_)), logits, mx.array(-float("inf"), logits.dtype))

@@ -1,0 +1,160 @@
+"""Grammars (llguidance) that keep structured output and tool calls valid.
+
+The server builds the grammar text at intake, so a schema the grammar cannot
+enforce answers 400 before anything is stored; the engine compiles it (once per
+distinct grammar) and masks the logits of that request with it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from service.errors import InvalidRequestError
+from service.responses.tools import FunctionTool, JsonObjectFormat, JsonSchemaFormat, TextFormatParam, ToolOptions
+
+# One canonical spacing: what json.dumps writes and chat templates show models, and a
+# bounded choice at every separator (free whitespace lets a weak model ramble).
+_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_UNIMPLEMENTED = re.compile(r'Unimplemented keys: \["([^"]+)"')
+
+
+@dataclass(frozen=True)
+class CallSyntax:
+    """How one model family spells a tool call, as grammar pieces."""
+
+    start: str  # marker that opens a call ("" when a call is bare JSON)
+    end: str
+    body: Callable[[FunctionTool], str]  # lark for one call of this tool, between the markers
+    separator: str = "\n"
+
+
+def _with_layout(schema: Mapping[str, Any]) -> dict[str, Any]:
+    return {**schema, "x-guidance": {**_LAYOUT, **schema.get("x-guidance", {})}}
+
+
+def _params(tool: FunctionTool) -> dict[str, Any]:
+    # A function declared without parameters takes none.
+    return dict(tool.parameters) if tool.parameters is not None else {"type": "object", "additionalProperties": False}
+
+
+def _json_call(key: str) -> Callable[[FunctionTool], str]:
+    def body(tool: FunctionTool) -> str:
+        head = json.dumps({"name": tool.name})[:-1] + f', "{key}": '
+        return f"{json.dumps(head)} %json {json.dumps(_with_layout(_params(tool)))} " + '"}"'
+
+    return body
+
+
+def _xml_call(tool: FunctionTool) -> str:
+    # Qwen3-Coder writes parameters as XML elements; names are fixed, values are text.
+    props = list(_params(tool).get("properties", {}))
+    param = " | ".join(json.dumps(f"<parameter={p}>\n") for p in props) or '"<parameter=" /[a-zA-Z0-9_-]+/ ">\\n"'
+    return f'"\\n<function={tool.name}>\\n" (({param}) /[^<]*/ "\\n</parameter>\\n")* "</function>\\n"'
+
+
+def _mistral_call(tool: FunctionTool) -> str:
+    return f'"{tool.name}" <[ARGS]> %json {json.dumps(_with_layout(_params(tool)))}'
+
+
+SYNTAXES: dict[str, CallSyntax] = {
+    "json_tools": CallSyntax("<tool_call>", "</tool_call>", lambda t: f'"\\n" {_json_call("arguments")(t)} "\\n"'),
+    "qwen3_coder": CallSyntax("<tool_call>", "</tool_call>", _xml_call),
+    "llama3_json": CallSyntax("", "", _json_call("parameters"), separator="; "),
+    "mistral": CallSyntax("[TOOL_CALLS]", "", _mistral_call, separator=""),
+}
+
+
+def _marker(text: str, special: Mapping[str, int]) -> str:
+    """A marker as lark: the special token when the vocabulary has one, else the text."""
+    if not text:
+        return ""
+    return f"<[{special[text]}]>" if text in special else json.dumps(text)
+
+
+def json_schema_grammar(schema: Mapping[str, Any]) -> str:
+    from llguidance import LLMatcher
+
+    return str(LLMatcher.grammar_from_json_schema(_with_layout(schema)))
+
+
+def check(grammar: str, param: str) -> None:
+    """400 naming the schema keyword (or the reason) the grammar cannot enforce."""
+    from llguidance import LLMatcher
+
+    error = LLMatcher.validate_grammar(grammar)
+    if error:
+        found = _UNIMPLEMENTED.search(error)
+        where = f"{param}.{found.group(1)}" if found else param
+        what = f"keyword '{found.group(1)}' cannot be enforced" if found else error.strip().splitlines()[0]
+        raise InvalidRequestError(f"{param}: {what} by constrained decoding", param=where)
+
+
+def _calls(syntax: CallSyntax, tools: list[FunctionTool], special: Mapping[str, int], limit: int | None, lazy: bool) -> str:
+    """Rules ``calls`` (one or more calls, at most ``limit``) and ``call``.
+
+    ``lazy``: free text comes first, and the first call's marker ends it (a lazy
+    lexeme), so only what follows the marker is constrained."""
+    bodies = " | ".join(f"({syntax.body(t)})" for t in tools)
+    rest = f"({bodies}) {_marker(syntax.end, special)}"
+    opener = _marker(syntax.start, special)
+    rules = f"call: {opener} {rest}\n"
+    first = "call"
+    if lazy:
+        rules += f"first: lead {rest}\nlead[lazy]: TEXT {opener}\nTEXT: /(.|\\n)*/\n"
+        first = "first"
+    sep = json.dumps(syntax.separator) if syntax.separator else ""
+    more = "" if limit == 1 else f" ({sep} call)" + ("*" if limit is None else f"{{0,{limit - 1}}}")
+    return rules + f"calls: {first}{more}\n"
+
+
+def build(
+    *,
+    text_format: TextFormatParam | None,
+    tools: ToolOptions,
+    tool_format: str | None,
+    special: Mapping[str, int],
+    think_end: str | None = None,
+) -> str | None:
+    """The grammar (lark) for one request, or None when its output is free text.
+
+    ``think_end``: the prompt opened a reasoning block; the grammar lets it run until
+    this marker and constrains what follows."""
+    answer: str | None = None
+    if isinstance(text_format, JsonSchemaFormat):
+        answer = f"%json {json.dumps(_with_layout(text_format.schema))}"
+    elif isinstance(text_format, JsonObjectFormat):
+        answer = f"%json {json.dumps(_with_layout({'type': 'object'}))}"
+    syntax = SYNTAXES.get(tool_format or "")
+    rules = ""
+    if tools.constrained and syntax is not None:
+        free_text = tools.choice == "auto" and answer is None
+        if free_text and not syntax.start:
+            return None  # a bare-JSON call has no marker to wait for: it stays free text
+        rules = _calls(syntax, tools.callable, special, tools.call_limit, lazy=free_text)
+        if tools.choice != "auto":
+            top = "calls"
+        elif answer is not None:
+            top = "answer | calls"  # a JSON answer starts with "{", a call with its marker
+        else:
+            top = "TEXT | calls"
+    elif answer is not None:
+        top = "answer"
+    else:
+        return None
+    if answer is not None:
+        rules += f"answer: {answer}\n"
+    if think_end:
+        rules += f"think[lazy]: THOUGHT {_marker(think_end, special)}\nTHOUGHT: /(.|\\n)*/\n"
+        top = f"think /[ \\n]*/ ({top})"
+    return f"%llguidance {{}}\nstart: {top}\n{rules}"
+
+
+def grammar_param(text_format: TextFormatParam | None, tools: ToolOptions) -> str:
+    """The request field a grammar error is reported against."""
+    if isinstance(text_format, JsonSchemaFormat | JsonObjectFormat):
+        return "text.format.schema"
+    return "tools"

@@ -1,12 +1,16 @@
-"""Turn chat messages into an engine ``Generate`` command, checking limits first."""
+"""Turn a prompt (or plain chat messages) into an engine ``Generate`` command, checking limits first."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from service import grammar
 from service.engine import protocol as p
 from service.errors import ContextLengthExceededError, InvalidRequestError
 from service.models.registry import ResolvedModel
+from service.prompt import Prompt, build_prompt
+from service.responses.inputs import Item
+from service.responses.schema import ResponseRequest
 from service.tokenizer import Tokenizer
 
 _TOKENIZERS: dict[str, Tokenizer] = {}
@@ -25,9 +29,17 @@ def _too_long(tokens: int, model: ResolvedModel) -> ContextLengthExceededError:
     )
 
 
+def prompt_for(model: ResolvedModel, request: ResponseRequest, history: list[Item]) -> Prompt:
+    return build_prompt(tokenizer_for(model), request, history)
+
+
+def _text(tok: Tokenizer, prompt: Prompt | list[dict[str, Any]], template_kwargs: dict[str, Any] | None) -> str:
+    return prompt.text if isinstance(prompt, Prompt) else tok.render_chat(prompt, **(template_kwargs or {}))
+
+
 def check_request(
     model: ResolvedModel,
-    messages: list[dict[str, Any]],
+    prompt: Prompt | list[dict[str, Any]],
     sampling: p.SamplingParams,
     template_kwargs: dict[str, Any] | None = None,
 ) -> int | None:
@@ -38,8 +50,10 @@ def check_request(
     the token count when it was computed.
     """
     sampling.validate()
+    if isinstance(prompt, Prompt) and prompt.grammar is not None:
+        grammar.check_lark(prompt.grammar, prompt.grammar_param)
     tok = tokenizer_for(model)
-    rendered = tok.render_chat(messages, **(template_kwargs or {}))
+    rendered = _text(tok, prompt, template_kwargs)
     if len(rendered.encode()) + 8 < model.context_length:
         return None
     if (tokens := len(tok.encode(rendered))) >= model.context_length:
@@ -49,7 +63,7 @@ def check_request(
 
 def build_generate(
     model: ResolvedModel,
-    messages: list[dict[str, Any]],
+    prompt: Prompt | list[dict[str, Any]],
     *,
     request_id: str,
     max_tokens: int,
@@ -64,18 +78,19 @@ def build_generate(
     if max_tokens < 1:
         raise InvalidRequestError(f"max_output_tokens must be >= 1, got {max_tokens}", param="max_output_tokens")
     tok = tokenizer_for(model)
-    prompt = tok.encode_chat(messages, **(template_kwargs or {}))
-    if len(prompt) >= model.context_length:
-        raise _too_long(len(prompt), model)
+    ids = tok.encode(_text(tok, prompt, template_kwargs))
+    if len(ids) >= model.context_length:
+        raise _too_long(len(ids), model)
     return p.Generate(
         request_id=request_id,
         model=model.name,
         path=str(model.path),
-        prompt=prompt,
+        prompt=ids,
         generated=generated or [],
         max_tokens=max_tokens,
         sampling=sampling,
         stop_token_ids=tok.eos_token_ids,
         stop=stop or [],
         logprobs=logprobs,
+        grammar=prompt.grammar if isinstance(prompt, Prompt) else None,
     )

@@ -28,7 +28,7 @@ class CallSyntax:
 
     start: str  # marker that opens a call ("" when a call is bare JSON)
     end: str
-    body: Callable[[FunctionTool], str]  # lark for one call of this tool, between the markers
+    body: Callable[[FunctionTool, Mapping[str, int]], str]  # one call of this tool, between the markers
     separator: str = "\n"
 
 
@@ -41,27 +41,50 @@ def _params(tool: FunctionTool) -> dict[str, Any]:
     return dict(tool.parameters) if tool.parameters is not None else {"type": "object", "additionalProperties": False}
 
 
-def _json_call(key: str) -> Callable[[FunctionTool], str]:
-    def body(tool: FunctionTool) -> str:
+def _json_call(key: str) -> Callable[[FunctionTool, Mapping[str, int]], str]:
+    def body(tool: FunctionTool, special: Mapping[str, int]) -> str:
         head = json.dumps({"name": tool.name})[:-1] + f', "{key}": '
         return f"{json.dumps(head)} %json {json.dumps(_with_layout(_params(tool)))} " + '"}"'
 
     return body
 
 
-def _xml_call(tool: FunctionTool) -> str:
-    # Qwen3-Coder writes parameters as XML elements; names are fixed, values are text.
-    props = list(_params(tool).get("properties", {}))
-    param = " | ".join(json.dumps(f"<parameter={p}>\n") for p in props) or '"<parameter=" /[a-zA-Z0-9_-]+/ ">\\n"'
-    return f'"\\n<function={tool.name}>\\n" (({param}) /[^<]*/ "\\n</parameter>\\n")* "</function>\\n"'
+def _xml_value(schema: Mapping[str, Any]) -> str:
+    """A Qwen3-Coder parameter value as text: typed where the schema says how."""
+    if "enum" in schema:
+        return " | ".join(json.dumps(v if isinstance(v, str) else json.dumps(v)) for v in schema["enum"])
+    kind = schema.get("type")
+    if kind == "boolean":
+        return '"true" | "false"'
+    if kind == "integer":
+        return "/-?[0-9]{1,12}/"
+    if kind == "number":
+        return "/-?[0-9]{1,12}(\\.[0-9]{1,12})?/"
+    if kind in ("object", "array"):
+        return f"%json {json.dumps(_with_layout(schema))}"
+    length = schema.get("maxLength", 256)
+    return f"/[^<]{{{schema.get('minLength', 0)},{length}}}/"
 
 
-def _mistral_call(tool: FunctionTool) -> str:
-    return f'"{tool.name}" <[ARGS]> %json {json.dumps(_with_layout(_params(tool)))}'
+def _xml_call(tool: FunctionTool, special: Mapping[str, int]) -> str:
+    # Qwen3-Coder writes each parameter as an XML element holding its value as text.
+    params = _params(tool)
+    required = set(params.get("required", []))
+    parts = []
+    for name, schema in params.get("properties", {}).items():
+        element = f'"<parameter={name}>\\n" ({_xml_value(schema)}) "\\n</parameter>\\n"'
+        parts.append(f"({element})" if name in required else f"({element})?")
+    return f'"\\n<function={tool.name}>\\n" {" ".join(parts)} "</function>\\n"'
+
+
+def _mistral_call(tool: FunctionTool, special: Mapping[str, int]) -> str:
+    return f'"{tool.name}" {_marker("[ARGS]", special)} %json {json.dumps(_with_layout(_params(tool)))}'
 
 
 SYNTAXES: dict[str, CallSyntax] = {
-    "json_tools": CallSyntax("<tool_call>", "</tool_call>", lambda t: f'"\\n" {_json_call("arguments")(t)} "\\n"'),
+    "json_tools": CallSyntax(
+        "<tool_call>", "</tool_call>", lambda t, special: f'"\\n" {_json_call("arguments")(t, special)} "\\n"'
+    ),
     "qwen3_coder": CallSyntax("<tool_call>", "</tool_call>", _xml_call),
     "llama3_json": CallSyntax("", "", _json_call("parameters"), separator="; "),
     "mistral": CallSyntax("[TOOL_CALLS]", "", _mistral_call, separator=""),
@@ -93,12 +116,20 @@ def check(grammar: str, param: str) -> None:
         raise InvalidRequestError(f"{param}: {what} by constrained decoding", param=where)
 
 
-def _calls(syntax: CallSyntax, tools: list[FunctionTool], special: Mapping[str, int], limit: int | None, lazy: bool) -> str:
+def check_lark(lark: str, param: str) -> None:
+    from llguidance import LLMatcher
+
+    check(str(LLMatcher.grammar_from_lark(lark)), param)
+
+
+def _calls(
+    syntax: CallSyntax, tools: list[FunctionTool], special: Mapping[str, int], limit: int | None, lazy: bool
+) -> str:
     """Rules ``calls`` (one or more calls, at most ``limit``) and ``call``.
 
     ``lazy``: free text comes first, and the first call's marker ends it (a lazy
     lexeme), so only what follows the marker is constrained."""
-    bodies = " | ".join(f"({syntax.body(t)})" for t in tools)
+    bodies = " | ".join(f"({syntax.body(t, special)})" for t in tools)
     rest = f"({bodies}) {_marker(syntax.end, special)}"
     opener = _marker(syntax.start, special)
     rules = f"call: {opener} {rest}\n"

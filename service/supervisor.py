@@ -19,7 +19,7 @@ from service.config import Config
 from service.engine import protocol as p
 from service.engine.client import EngineClient
 from service.errors import EngineCrashedError, LmspdError, error_for
-from service.generation import build_generate
+from service.generation import build_generate, prompt_for, tokenizer_for
 from service.hub import Hub
 from service.models.registry import ModelRegistry
 from service.responses import schema as s
@@ -207,16 +207,18 @@ class Supervisor:
             history = await history_for(
                 self.store, task.owner, task.previous_response_id, task.conversation, before=task.id
             )
+            prompt = await asyncio.to_thread(prompt_for, model, request, history)
+            # A resumed task: the parser catches up with the text already generated.
+            state.outputs.attach(prompt.parser(), tokenizer_for(model).decode(state.tokens))
             cmd = build_generate(
                 model,
-                request.messages(history),
+                prompt,
                 request_id=task_id,
                 max_tokens=request.max_output_tokens or self.config.server.default_max_output_tokens,
                 sampling=request.sampling(),
                 generated=state.tokens,
                 stop=request.stop,
                 logprobs=request.logprobs,
-                template_kwargs=request.chat_template_kwargs,
             )
             finished = await self._generate(task_id, state, cmd)
         except EngineCrashedError as exc:
@@ -261,8 +263,8 @@ class Supervisor:
                         text += item.text
                         tokens += item.token_ids
                         logprobs += [s.LogProb.of(entry) for entry in item.logprobs or []]
-                if text or tokens:
-                    await self._commit(task_id, state.delta(text, tokens, logprobs))
+                if (text or tokens) and (events := state.delta(text, tokens, logprobs)):
+                    await self._commit(task_id, events)
                 if end is not None:
                     return end
         finally:

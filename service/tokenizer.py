@@ -14,6 +14,27 @@ from typing import Any
 
 from service.errors import ModelError
 
+# Special tokens that carry structure the server parses (reasoning blocks, tool calls):
+# detokenized text keeps them, while other special tokens (turn ends, padding) are hidden.
+MARKERS = frozenset(
+    {
+        "<think>",
+        "</think>",
+        "<tool_call>",
+        "</tool_call>",
+        "[TOOL_CALLS]",
+        "[ARGS]",
+        "[CALL_ID]",
+        "<|python_tag|>",
+        "<|tool_call_start|>",
+        "<|tool_call_end|>",
+        "<|tool_list_start|>",
+        "<|tool_list_end|>",
+        "<longcat_think>",
+        "</longcat_think>",
+    }
+)
+
 
 class Tokenizer:
     def __init__(self, model_dir: Path) -> None:
@@ -31,6 +52,10 @@ class Tokenizer:
             template = template_file.read_text()
         self.chat_template: str | None = template if isinstance(template, str) else None
         self.eos_token_ids = self._eos_ids(model_dir)
+        added = {i: t for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+        # Special tokens by text: a grammar names them by id, the output parser by text.
+        self.special_tokens: dict[str, int] = {t.content: i for i, t in added.items()}
+        self._hidden = frozenset(i for i, t in added.items() if t.content not in MARKERS)
 
     def _eos_ids(self, model_dir: Path) -> list[int]:
         ids: list[int] = []
@@ -55,7 +80,12 @@ class Tokenizer:
         return list(self._tok.encode(text, add_special_tokens=False).ids)
 
     def decode(self, ids: Sequence[int]) -> str:
-        return str(self._tok.decode(list(ids), skip_special_tokens=True))
+        kept = [i for i in ids if i not in self._hidden]
+        return str(self._tok.decode(kept, skip_special_tokens=False))
+
+    @cached_property
+    def vocab(self) -> dict[str, int]:
+        return dict(self._tok.get_vocab(with_added_tokens=True))
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)

@@ -88,6 +88,11 @@ def make_tiny_model(out: Path, tokenizer_from: Path, seed: int = 0, context: int
     import mlx.nn as nn
     from mlx.utils import tree_flatten
     from mlx_lm.models.llama import Model, ModelArgs
+    from tokenizers import Tokenizer
+
+    # One embedding row per token, added (special) tokens included, rounded up to the
+    # quantization group as real checkpoints pad theirs.
+    vocab = Tokenizer.from_file(str(tokenizer_from / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
 
     config = {
         "model_type": "llama",
@@ -97,7 +102,7 @@ def make_tiny_model(out: Path, tokenizer_from: Path, seed: int = 0, context: int
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
         "head_dim": 16,
-        "vocab_size": 49152,
+        "vocab_size": -(-vocab // 32) * 32,
         "max_position_embeddings": context,
         "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0,

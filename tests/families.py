@@ -56,7 +56,10 @@ _HERMES_THINK = (
     "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
     "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
     "{%- endif %}{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n<think>\\n' }}"
+    # Qwen3's switch: with enable_thinking false the block comes pre-closed.
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
 )
 
 _MISTRAL = (

@@ -23,6 +23,14 @@ EVENT_SCHEMAS = {
     "response.content_part.done": "ResponseContentPartDoneStreamingEvent",
     "response.output_text.delta": "ResponseOutputTextDeltaStreamingEvent",
     "response.output_text.done": "ResponseOutputTextDoneStreamingEvent",
+    "response.function_call_arguments.delta": "ResponseFunctionCallArgumentsDeltaStreamingEvent",
+    "response.function_call_arguments.done": "ResponseFunctionCallArgumentsDoneStreamingEvent",
+}
+# SPEC 3 names reasoning events as OpenAI does (``response.reasoning_text.*``); Open Responses
+# calls the same shape ``response.reasoning.*``.
+RENAMED_EVENTS = {
+    "response.reasoning_text.delta": ("response.reasoning.delta", "ResponseReasoningDeltaStreamingEvent"),
+    "response.reasoning_text.done": ("response.reasoning.done", "ResponseReasoningDoneStreamingEvent"),
 }
 
 
@@ -41,6 +49,9 @@ def validate_event(event: dict[str, Any]) -> None:
     etype = event["type"]
     if etype in EVENT_SCHEMAS:
         validate(EVENT_SCHEMAS[etype], event)
+    elif etype in RENAMED_EVENTS:
+        their_name, schema = RENAMED_EVENTS[etype]
+        validate(schema, {**event, "type": their_name})
     elif etype == "response.cancelled":  # LMSP 6.3: {type, sequence_number, response}
         assert set(event) == {"type", "sequence_number", "response"}
         validate("ResponseResource", event["response"])

@@ -159,12 +159,14 @@ def test_an_unknown_field_names_itself() -> None:
         ({"frequency_penalty": 0.5}, "frequency_penalty"),
         ({"presence_penalty": -1}, "presence_penalty"),
         ({"logit_bias": {"50256": -100}}, "logit_bias"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"tools": [{"type": "code_interpreter"}]}, "tools[0]"),
+        ({"tools": [{"type": "function", "name": "f"}]}, "tools[0]"),
+        ({"tool_choice": "required"}, "tool_choice"),
         ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+        ({"tool_choice": {"type": "function", "name": "f"}}, "tool_choice"),
         ({"functions": [{"name": "f"}]}, "functions"),
         ({"function_call": "auto"}, "function_call"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "yaml"}}, "response_format"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
         ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
         ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
@@ -288,11 +290,13 @@ def test_a_multi_turn_conversation_becomes_items_the_core_renders() -> None:
         {"role": "assistant", "content": [{"type": "output_text", "text": "20C."}]},
         {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't."}]},
     ]
-    rendered = to_messages(parse_items(rr.input if isinstance(rr.input, list) else []))
-    assert [(m["role"], m["content"]) for m in rendered if "tool_calls" not in m] == [
+    items = parse_items(rr.input if isinstance(rr.input, list) else [])
+    rendered = to_messages(items, native_tools=True)
+    assert [(m["role"], m["content"]) for m in rendered] == [
         ("system", "Be brief."),
         ("system", "Use metric."),
         ("user", "Weather in Paris?"),
+        ("assistant", ""),
         ("tool", "18C"),
         ("tool", "noon"),
         ("assistant", "18C at noon."),
@@ -302,13 +306,18 @@ def test_a_multi_turn_conversation_becomes_items_the_core_renders() -> None:
         ("assistant", "20C."),
         ("assistant", "I can't."),
     ]
-    calls = [m["tool_calls"][0] for m in rendered if "tool_calls" in m]
-    assert [(c["id"], c["function"]["name"]) for c in calls] == [
-        ("call_1", "weather"),
-        ("call_2", "time"),
-        ("call_3", "weather"),
-    ]
-    assert rr.messages()[0] == {"role": "system", "content": "Be brief."}  # not moved into instructions
+    calls = [[(c["id"], c["function"]["name"]) for c in m["tool_calls"]] for m in rendered if "tool_calls" in m]
+    assert calls == [[("call_1", "weather"), ("call_2", "time")], [("call_3", "weather")]]
+    # A template that ignores tools reads calls and results in the Hermes format lmspd teaches it.
+    hermes = to_messages(items)
+    assert hermes[3]["content"] == (
+        '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "time", "arguments": {}}\n</tool_call>'
+    )
+    assert hermes[4] == {
+        "role": "user",
+        "content": "<tool_response>\n18C\n</tool_response>\n<tool_response>\nnoon\n</tool_response>",
+    }
 
 
 def test_an_empty_assistant_turn_stays_a_message() -> None:

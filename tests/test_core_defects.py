@@ -20,7 +20,7 @@ from service.core import Core
 from service.hub import Hub
 from service.models.registry import ModelRegistry, ResolvedModel
 from service.responses.builder import ResponseState, initial_response
-from service.responses.schema import Response, TaskRequest
+from service.responses.schema import OutputMessage, Response, TaskRequest
 from service.store.db import Database
 from service.store.tasks import TaskStore
 
@@ -192,5 +192,7 @@ async def test_cancel_of_a_resumed_task_keeps_its_streamed_output(tmp_path: Path
     done = await core.cancel(task.id, "")
     assert done.status == "cancelled"
     final = msgspec.json.decode(await core.snapshot(done), type=Response)
-    assert final.status == "cancelled" and final.output[0].content[0].text == "Once upon a time"
+    (message,) = final.output
+    assert isinstance(message, OutputMessage)
+    assert final.status == "cancelled" and message.content[0].text == "Once upon a time"
     await db.close()

@@ -13,8 +13,8 @@ import pytest
 from test_engine import PROMPTS, collect, request
 
 from service import grammar
-from service.errors import InvalidRequestError
 from service.engine.client import EngineClient
+from service.errors import InvalidRequestError
 from service.models.registry import ResolvedModel
 from service.responses.tools import JsonSchemaFormat, tool_options
 
@@ -50,7 +50,7 @@ async def test_random_weights_give_valid_json_under_a_schema(engine: EngineClien
 
 async def test_resume_continues_under_the_grammar(engine: EngineClient, tiny: ResolvedModel) -> None:
     cmd = msgspec.structs.replace(request(tiny, PROMPTS[1], max_tokens=64), grammar=schema_grammar(SCHEMA))
-    ids, text, _ = await collect(engine, cmd)
+    ids, _, _ = await collect(engine, cmd)
     cut = len(ids) // 2
     resumed = msgspec.structs.replace(cmd, request_id="resumed", generated=ids[:cut])
     rest, _, fin = await collect(engine, resumed)
@@ -67,7 +67,9 @@ async def test_tool_call_required_is_a_valid_call(engine: EngineClient, tiny: Re
     )
     lark = grammar.build(text_format=None, tools=tools, tool_format="json_tools", special={})
     assert lark is not None
-    _, text, fin = await collect(engine, msgspec.structs.replace(request(tiny, PROMPTS[2], max_tokens=96), grammar=lark))
+    _, text, fin = await collect(
+        engine, msgspec.structs.replace(request(tiny, PROMPTS[2], max_tokens=96), grammar=lark)
+    )
     assert fin.reason == "stop", text
     assert text.startswith("<tool_call>\n") and text.endswith("\n</tool_call>")
     call = json.loads(text.removeprefix("<tool_call>\n").removesuffix("\n</tool_call>"))
@@ -77,7 +79,9 @@ async def test_tool_call_required_is_a_valid_call(engine: EngineClient, tiny: Re
         assert call["name"] == "other" and isinstance(call["arguments"], dict)
 
 
-async def test_a_grammar_that_does_not_compile_fails_only_its_request(engine: EngineClient, tiny: ResolvedModel) -> None:
+async def test_a_grammar_that_does_not_compile_fails_only_its_request(
+    engine: EngineClient, tiny: ResolvedModel
+) -> None:
     bad = msgspec.structs.replace(request(tiny, PROMPTS[0], max_tokens=8), grammar="start: nope")
     with pytest.raises(InvalidRequestError, match="grammar"):
         await collect(engine, bad)

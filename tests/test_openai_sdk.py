@@ -199,7 +199,7 @@ def test_unfinished_previous_response(client: openai.OpenAI) -> None:
         ({"temperature": 3}, "temperature"),
         ({"top_p": 0}, "top_p"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
-        ({"reasoning": {"effort": "low"}}, "reasoning"),
+        ({"reasoning": {"effort": "extreme"}}, "reasoning"),
         ({"conversation": "conv_1", "previous_response_id": "resp_x"}, "conversation"),
         ({"frobnicate": 1}, "frobnicate"),
         ({"model": "ghost"}, "model"),

@@ -16,6 +16,7 @@ import msgspec
 
 from service.errors import InvalidRequestError
 from service.responses.schema import ResponseRequest
+from service.responses.tools import text_param
 
 MAX_STOP = 4
 MAX_TOP_LOGPROBS = 20
@@ -274,16 +275,10 @@ class ChatCompletionRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=
             yield "presence_penalty", "presence_penalty is not supported"
         if self.logit_bias:
             yield "logit_bias", "logit_bias is not supported"
-        if self.tools:
-            yield "tools", "tools are not supported yet"
-        if self.tool_choice not in (None, "none"):
-            yield "tool_choice", "tool_choice needs tools, which are not supported yet"
         if self.functions:
-            yield "functions", "functions are not supported yet"
+            yield "functions", "functions (deprecated) are not supported: send tools"
         if self.function_call not in (None, "none"):
-            yield "function_call", "function_call needs functions, which are not supported yet"
-        if self.response_format not in (None, {"type": "text"}):
-            yield "response_format", "only response_format {'type': 'text'} is supported yet"
+            yield "function_call", "function_call (deprecated) is not supported: send tool_choice"
         if self.modalities not in (None, ["text"]):
             yield "modalities", "only modalities ['text'] is supported"
         for param, value in (
@@ -325,6 +320,52 @@ class ChatCompletionRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=
     def items(self) -> list[dict[str, Any]]:
         return [item for message in self.messages for item in message.items()]
 
+    def _tools(self) -> list[dict[str, Any]] | None:
+        """Chat's ``{"type": "function", "function": {...}}`` as a Responses function tool;
+        Chat tools are not strict unless they say so."""
+        if self.tools is None:
+            return None
+        out: list[dict[str, Any]] = []
+        for i, tool in enumerate(self.tools):
+            function = tool.get("function")
+            if tool.get("type") != "function" or not isinstance(function, dict) or set(tool) - {"type", "function"}:
+                raise InvalidRequestError("a tool is {'type': 'function', 'function': {...}}", param=f"tools[{i}]")
+            out.append({"type": "function", "strict": False, **function})
+        return out
+
+    def _tool_choice(self) -> str | dict[str, Any] | None:
+        choice = self.tool_choice
+        if isinstance(choice, dict):
+            function = choice.get("function")
+            if choice.get("type") != "function" or not isinstance(function, dict) or "name" not in function:
+                raise InvalidRequestError(
+                    "tool_choice is 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}",
+                    param="tool_choice",
+                )
+            return {"type": "function", "name": function["name"]}
+        return choice
+
+    def _text(self) -> dict[str, Any] | None:
+        """``response_format`` as Responses' ``text.format`` (Chat nests the json_schema)."""
+        fmt = self.response_format
+        if fmt is None:
+            return None
+        text = {"format": fmt}
+        if fmt.get("type") == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or set(fmt) - {"type", "json_schema"}:
+                raise InvalidRequestError(
+                    "response_format json_schema needs a json_schema object", param="response_format.json_schema"
+                )
+            text = {"format": {"type": "json_schema", **spec}}
+        try:
+            text_param(text)
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(
+                exc.message.replace("text.format", "response_format"), param="response_format"
+            ) from exc
+        return text
+
     def to_response_request(self) -> tuple[ResponseRequest, ChatExtras]:
         """Validate, then translate. System and developer messages stay messages, in
         place, rather than becoming ``instructions``: their order is the client's."""
@@ -339,7 +380,9 @@ class ChatCompletionRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=
             store=False,
             stream=self.stream,
             parallel_tool_calls=self.parallel_tool_calls,
-            tool_choice=self.tool_choice,
+            tools=self._tools(),
+            tool_choice=self._tool_choice(),
+            text=self._text(),
             safety_identifier=self.safety_identifier,
             prompt_cache_key=self.prompt_cache_key,
         )

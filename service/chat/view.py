@@ -15,7 +15,7 @@ import msgspec
 from service.responses import schema as s
 from service.store.tasks import Event
 
-FinishReason = Literal["stop", "length", "content_filter"]
+FinishReason = Literal["stop", "length", "content_filter", "tool_calls"]
 
 # --- objects --------------------------------------------------------------------------------
 
@@ -38,11 +38,31 @@ class ChoiceLogprobs(msgspec.Struct, kw_only=True):
     refusal: list[TokenLogprob] | None = None
 
 
+class CalledFunction(msgspec.Struct, kw_only=True, omit_defaults=True):
+    name: str | None = None
+    arguments: str = ""
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+class ToolCallDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: CalledFunction
+
+
 class ChatMessage(msgspec.Struct, kw_only=True):
     role: Literal["assistant"] = "assistant"
     content: str | None
     refusal: str | None = None
     annotations: list[dict[str, Any]] = []
+    # UNSET: no key when no tool was called, as OpenAI answers.
+    tool_calls: list[ToolCall] | msgspec.UnsetType = msgspec.UNSET
 
 
 class Choice(msgspec.Struct, kw_only=True):
@@ -82,6 +102,7 @@ class ChatCompletion(msgspec.Struct, kw_only=True):
 class Delta(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChunkChoice(msgspec.Struct, kw_only=True):
@@ -122,7 +143,10 @@ _encoder = msgspec.json.Encoder()
 
 
 def finish_reason(response: s.Response) -> FinishReason:
-    """``length`` when the token budget ran out; a cancelled response simply stopped."""
+    """``length`` when the token budget ran out; ``tool_calls`` when it ended calling
+    tools; a cancelled response simply stopped."""
+    if response.status == "completed" and any(isinstance(i, s.FunctionCall) for i in response.output):
+        return "tool_calls"
     if response.status == "incomplete" and response.incomplete_details is not None:
         reason = response.incomplete_details.reason
         if reason == "content_filter":
@@ -162,9 +186,15 @@ def failure(response: s.Response) -> ChatError:
 def completion(response: s.Response, *, completion_id: str, created: int) -> ChatCompletion:
     """A finished (completed, incomplete or cancelled) response as a chat completion.
     A failed one has no completion: answer it with :func:`failure`."""
-    parts = [part for item in response.output for part in item.content]
+    parts = [part for item in response.output if isinstance(item, s.OutputMessage) for part in item.content]
+    calls = [
+        ToolCall(id=item.call_id, function=CalledFunction(name=item.name, arguments=item.arguments))
+        for item in response.output
+        if isinstance(item, s.FunctionCall)
+    ]
+    text = "".join(p.text for p in parts)
     choice = Choice(
-        message=ChatMessage(content="".join(p.text for p in parts)),
+        message=ChatMessage(content=text if text or not calls else None, tool_calls=calls if calls else msgspec.UNSET),
         finish_reason=finish_reason(response),
         logprobs=logprobs([lp for p in parts for lp in p.logprobs]),
     )
@@ -181,7 +211,17 @@ def _frame(obj: msgspec.Struct) -> bytes:
     return b"data: " + _encoder.encode(obj) + b"\n\n"
 
 
-_HANDLED = frozenset({"response.output_text.delta", "lmsp.attempt.restarted"}) | s.FINAL_EVENTS
+_HANDLED = (
+    frozenset(
+        {
+            "response.output_text.delta",
+            "response.output_item.added",
+            "response.function_call_arguments.delta",
+            "lmsp.attempt.restarted",
+        }
+    )
+    | s.FINAL_EVENTS
+)
 
 
 class ChunkStream:
@@ -207,6 +247,7 @@ class ChunkStream:
         self.started = False
         self.sent_text = False
         self.finished = False
+        self.calls: dict[str, int] = {}  # function call item id -> tool_calls index
 
     def frames(self, events: Sequence[Event]) -> bytes:
         out: list[bytes] = []
@@ -228,6 +269,19 @@ class ChunkStream:
             self.sent_text = self.sent_text or bool(event.delta)
             delta = Delta(content=event.delta)
             return [self._chunk([ChunkChoice(delta=delta, logprobs=logprobs(event.logprobs))])]
+        if isinstance(event, s.OutputItemAdded) and isinstance(event.item, s.FunctionCall):
+            self.calls[event.item.id] = len(self.calls)
+            self.sent_text = True
+            call = ToolCallDelta(
+                index=self.calls[event.item.id],
+                id=event.item.call_id,
+                type="function",
+                function=CalledFunction(name=event.item.name),
+            )
+            return [self._chunk([ChunkChoice(delta=Delta(tool_calls=[call]))])]
+        if isinstance(event, s.FunctionCallArgumentsDelta) and event.item_id in self.calls:
+            call = ToolCallDelta(index=self.calls[event.item_id], function=CalledFunction(arguments=event.delta))
+            return [self._chunk([ChunkChoice(delta=Delta(tool_calls=[call]))])]
         if isinstance(event, s.AttemptRestarted):
             return self._restarted(event)
         if isinstance(event, s.ResponseCompleted | s.ResponseIncomplete | s.ResponseCancelled):

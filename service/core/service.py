@@ -26,12 +26,13 @@ from service.errors import (
     ServerOverloadedError,
     TaskNotCancelableError,
 )
-from service.generation import check_request, tokenizer_for
+from service.generation import check_request, prompt_for, tokenizer_for
 from service.hub import Hub
 from service.models.registry import ModelInfo, ModelRegistry
 from service.responses import schema as s
 from service.responses.builder import ResponseState, initial_response
 from service.responses.history import history
+from service.responses.inputs import Item
 from service.store.status import ACTIVE, TERMINAL, OnRestart
 from service.store.tasks import Event, NewEvent, ResponseFields, TaskRecord, TaskStore
 from service.supervisor import Supervisor
@@ -87,7 +88,7 @@ class Core:
             raise ServerOverloadedError("the server is shutting down")
         background = kind == "task" or request.background
         self._admit(request, background)
-        turns: list[dict[str, Any]] = []
+        turns: list[Item] = []
         if request.previous_response_id is not None or request.conversation is not None:
             turns = await history(self.store, owner, request.previous_response_id, request.conversation_id)
         # Stored as sent: the supervisor reads it back as a TaskRequest (a superset).
@@ -156,22 +157,21 @@ class Core:
         if request.background and 0 in (limits.background_max_jobs, limits.store_max_entries, limits.store_max_bytes):
             raise InvalidRequestError("background mode is disabled by the response store settings", param="background")
 
-    def _check(self, request: s.ResponseRequest, turns: list[dict[str, Any]]) -> None:
+    def _check(self, request: s.ResponseRequest, turns: list[Item]) -> None:
         """Runs in a worker thread: rendering a large prompt must not stall the event loop."""
         model = self.registry.resolve_local(request.model or self.config.default_model)
         sampling = request.sampling()
         if model is None:  # fetched when the task runs
             sampling.validate()
         else:
-            check_request(model, request.messages(turns), sampling, request.chat_template_kwargs)
+            check_request(model, prompt_for(model, request, turns), sampling)
 
     async def input_tokens(self, owner: str, request: s.ResponseRequest) -> int:
         turns = await history(self.store, owner, request.previous_response_id, request.conversation_id)
 
         def count() -> int:
             model = self.registry.resolve(request.model or self.config.default_model)
-            tok = tokenizer_for(model)
-            return len(tok.encode_chat(request.messages(turns), **(request.chat_template_kwargs or {})))
+            return len(tokenizer_for(model).encode(prompt_for(model, request, turns).text))
 
         return await asyncio.to_thread(count)
 

@@ -1,22 +1,21 @@
 """Turn a generation's progress into Responses streaming events (SPEC 6.3).
 
-The state of a response in progress (its message item, text so far, generated
-token ids) is derived from its event log, so after a restart a ``resume`` task
-rebuilds it with :meth:`ResponseState.from_events` and carries on where it was.
+The state of a response in progress (its output items so far, generated token ids)
+is derived from its event log, so after a restart a ``resume`` task rebuilds it
+with :meth:`ResponseState.from_events` and carries on where it was.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import msgspec
-import ulid
 
 from service.responses import schema as s
+from service.responses.outputs import EventFactory, OutputItems, Status
+from service.responses.tools import JsonObjectFormat, JsonSchemaFormat, NamedFunction, reasoning_param
 from service.store.tasks import Event, EventBuilder, NewEvent, TaskRecord
-
-EventFactory = Callable[[int], s._Event]
 
 
 def to_builder(factory: EventFactory, tokens: list[int] | None = None) -> EventBuilder:
@@ -27,15 +26,38 @@ def to_builder(factory: EventFactory, tokens: list[int] | None = None) -> EventB
     return build
 
 
+def _echoed_text(request: s.ResponseRequest) -> s.TextField:
+    fmt = request.text_format()
+    verbosity = (request.text or {}).get("verbosity")
+    if isinstance(fmt, JsonSchemaFormat):
+        echoed = s.EchoedJsonSchema(name=fmt.name, description=fmt.description, strict=bool(fmt.strict))
+        return s.TextField(format=echoed, verbosity=verbosity)
+    if isinstance(fmt, JsonObjectFormat):
+        return s.TextField(format=fmt, verbosity=verbosity)
+    return s.TextField(verbosity=verbosity)
+
+
+def _echoed_reasoning(request: s.ResponseRequest) -> s.ReasoningConfig | None:
+    param = reasoning_param(request.reasoning)
+    return None if param is None else s.ReasoningConfig(param.effort, param.summary or param.generate_summary)
+
+
 def initial_response(
     request: s.ResponseRequest, *, response_id: str, model: str, created_at: int, background: bool = True
 ) -> s.Response:
+    options = request.tool_options()
+    choice: str | NamedFunction = options.choice
+    if choice not in ("none", "auto", "required"):
+        choice = NamedFunction(type="function", name=options.choice)
     return s.Response(
         background=background,
         store=request.store,
         previous_response_id=request.previous_response_id,
-        parallel_tool_calls=True if request.parallel_tool_calls is None else request.parallel_tool_calls,
-        tool_choice=request.tool_choice if isinstance(request.tool_choice, str) else "auto",
+        parallel_tool_calls=options.parallel,
+        tools=options.tools,
+        tool_choice=choice,
+        text=_echoed_text(request),
+        reasoning=_echoed_reasoning(request),
         safety_identifier=request.safety_identifier,
         prompt_cache_key=request.prompt_cache_key,
         id=response_id,
@@ -56,10 +78,11 @@ def initial_response(
 class ResponseState:
     def __init__(self, response: s.Response) -> None:
         self.response = response
-        self.item_id: str | None = None
-        self.text = ""
+        self.outputs = OutputItems()
         self.tokens: list[int] = []
-        self.logprobs: list[s.LogProb] = []
+        # Generated tokens whose text produced no event yet (the parser holds it back):
+        # they are stored with the next event. Lost in a crash, they are generated again.
+        self._unsaved: list[int] = []
 
     @classmethod
     def from_events(cls, events: Sequence[Event]) -> ResponseState:
@@ -83,13 +106,11 @@ class ResponseState:
                 | s.ResponseCancelled,
             ):
                 state.response = ev.response
-            elif isinstance(ev, s.OutputItemAdded):
-                state.item_id = ev.item.id
-            elif isinstance(ev, s.OutputTextDelta):
-                state.text += ev.delta
-                state.logprobs += ev.logprobs
             elif isinstance(ev, s.AttemptRestarted):
-                state.item_id, state.text, state.tokens, state.logprobs = None, "", [], []
+                state.outputs.reset()
+                state.tokens = []
+            else:
+                state.outputs.replay(ev)
             if row.tokens:
                 state.tokens.extend(row.tokens)
         return state
@@ -98,13 +119,12 @@ class ResponseState:
         self.response = msgspec.structs.replace(self.response, **changes)
         return self.response
 
-    def _message(self, status: str) -> s.OutputMessage:
-        assert self.item_id is not None
-        content = [self._part()] if status != "in_progress" else []
-        return s.OutputMessage(id=self.item_id, status=status, content=content)  # type: ignore[arg-type]
-
-    def _part(self) -> s.OutputText:
-        return s.OutputText(self.text, logprobs=list(self.logprobs))
+    def _events(self, factories: list[EventFactory]) -> list[EventBuilder]:
+        """Builders for ``factories``; the first carries the tokens not stored yet."""
+        if not factories:
+            return []
+        tokens, self._unsaved = self._unsaved, []
+        return [to_builder(f, tokens if i == 0 and tokens else None) for i, f in enumerate(factories)]
 
     def created(self) -> list[EventBuilder]:
         return [to_builder(lambda seq: s.ResponseCreated(sequence_number=seq, response=self.response))]
@@ -119,93 +139,40 @@ class ResponseState:
         return [to_builder(lambda seq: s.ResponseInProgress(sequence_number=seq, response=response))]
 
     def delta(self, text: str, tokens: list[int], logprobs: list[s.LogProb] | None = None) -> list[EventBuilder]:
-        out: list[EventBuilder] = []
-        if self.item_id is None:
-            self.item_id = f"msg_{ulid.new()}"
-            item = self._message("in_progress")
-            out.append(to_builder(lambda seq: s.OutputItemAdded(sequence_number=seq, output_index=0, item=item)))
-            out.append(
-                to_builder(
-                    lambda seq: s.ContentPartAdded(
-                        sequence_number=seq, item_id=item.id, output_index=0, content_index=0, part=s.OutputText("")
-                    )
-                )
-            )
-        item_id = self.item_id
-        self.text += text
         self.tokens.extend(tokens)
-        new_logprobs = logprobs or []
-        self.logprobs += new_logprobs
-        out.append(
-            to_builder(
-                lambda seq: s.OutputTextDelta(
-                    sequence_number=seq,
-                    item_id=item_id,
-                    output_index=0,
-                    content_index=0,
-                    delta=text,
-                    logprobs=new_logprobs,
-                ),
-                tokens,
-            )
-        )
-        return out
+        self._unsaved.extend(tokens)
+        return self._events(self.outputs.feed(text, logprobs or []))
 
     def finish(self, reason: str, prompt_tokens: int) -> list[EventBuilder]:
         """The closing events; ``reason`` is the engine's ("stop" or "length")."""
-        out = self.delta("", []) if self.item_id is None else []
         complete = reason == "stop"
-        output, done = self._close_item("completed" if complete else "incomplete")
+        status: Status = "completed" if complete else "incomplete"
+        factories = self.outputs.finish()
+        factories += self.outputs.close(status)
+        if not self.outputs.items:  # an empty answer is still a message
+            factories += self.outputs.open_message() + self.outputs.close(status)
         usage = s.Usage(
             input_tokens=prompt_tokens, output_tokens=len(self.tokens), total_tokens=prompt_tokens + len(self.tokens)
         )
         response = self._snapshot(
-            status="completed" if complete else "incomplete",
+            status=status,
             completed_at=int(time.time()) if complete else None,
             incomplete_details=None if complete else s.IncompleteDetails("max_output_tokens"),
-            output=output,
+            output=self.outputs.output(),
             usage=usage,
         )
         final = s.ResponseCompleted if complete else s.ResponseIncomplete
-        return [*out, *done, to_builder(lambda seq: final(sequence_number=seq, response=response))]
-
-    def _close_item(self, status: str = "incomplete") -> tuple[list[s.OutputMessage], list[EventBuilder]]:
-        """Close the open message item, if any. A stream that ends early (failed,
-        cancelled) still gets its ``.done`` events, as clients' accumulators expect."""
-        if self.item_id is None:
-            return [], []
-        item_id = self.item_id
-        item = self._message(status)
-        part = self._part()
-        events = [
-            to_builder(
-                lambda seq: s.OutputTextDone(
-                    sequence_number=seq,
-                    item_id=item_id,
-                    output_index=0,
-                    content_index=0,
-                    text=part.text,
-                    logprobs=part.logprobs,
-                )
-            ),
-            to_builder(
-                lambda seq: s.ContentPartDone(
-                    sequence_number=seq, item_id=item_id, output_index=0, content_index=0, part=part
-                )
-            ),
-            to_builder(lambda seq: s.OutputItemDone(sequence_number=seq, output_index=0, item=item)),
-        ]
-        return [item], events
+        return self._events([*factories, lambda seq: final(sequence_number=seq, response=response)])
 
     def failed(self, code: str, message: str) -> list[EventBuilder]:
-        output, events = self._close_item()
-        response = self._snapshot(status="failed", error=s.ResponseError(code, message), output=output)
-        return [*events, to_builder(lambda seq: s.ResponseFailed(sequence_number=seq, response=response))]
+        factories = self.outputs.close("incomplete")
+        response = self._snapshot(status="failed", error=s.ResponseError(code, message), output=self.outputs.output())
+        return self._events([*factories, lambda seq: s.ResponseFailed(sequence_number=seq, response=response)])
 
     def cancelled(self) -> list[EventBuilder]:
-        output, events = self._close_item()
-        response = self._snapshot(status="cancelled", output=output)
-        return [*events, to_builder(lambda seq: s.ResponseCancelled(sequence_number=seq, response=response))]
+        factories = self.outputs.close("incomplete")
+        response = self._snapshot(status="cancelled", output=self.outputs.output())
+        return self._events([*factories, lambda seq: s.ResponseCancelled(sequence_number=seq, response=response)])
 
     def encoded(self) -> bytes:
         """The response object as it stands (the final one once a closing method ran)."""
@@ -213,6 +180,7 @@ class ResponseState:
 
     def restarted(self, attempt: int, reason: str) -> list[EventBuilder]:
         """A ``retry`` starts over: clients discard what they accumulated."""
-        self.item_id, self.text, self.tokens, self.logprobs = None, "", [], []
+        self.outputs.reset()
+        self.tokens, self._unsaved = [], []
         self._snapshot(status="queued", output=[], usage=None)
         return [to_builder(lambda seq: s.AttemptRestarted(sequence_number=seq, attempt=attempt, reason=reason))]

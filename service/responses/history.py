@@ -2,26 +2,25 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import msgspec
 
 from service.errors import InvalidRequestError
 from service.responses import schema as s
-from service.responses.inputs import to_messages
+from service.responses.inputs import Item, parse_items
 from service.store.status import TERMINAL
 from service.store.tasks import TaskStore
 
 MAX_CHAIN = 256
 
 
-def _turn(request_json: bytes, response_json: bytes | None) -> list[dict[str, Any]]:
+def _turn(request_json: bytes, response_json: bytes | None) -> list[Item]:
+    """A turn's input items, then its output items read back as input (as a client
+    sending ``response.output`` back would)."""
     request = msgspec.json.decode(request_json, type=s.TaskRequest)
-    turn = to_messages(request.items())
+    turn = request.items()
     if response_json:
         response = msgspec.json.decode(response_json, type=s.Response)
-        text = "".join(part.text for item in response.output for part in item.content)
-        turn.append({"role": "assistant", "content": text})
+        turn += parse_items(msgspec.to_builtins(response.output), "output")
     return turn
 
 
@@ -31,11 +30,11 @@ async def history(
     previous_response_id: str | None,
     conversation: str | None,
     before: str | None = None,
-) -> list[dict[str, Any]]:
-    """The messages before this turn: a previous_response_id chain or a conversation transcript."""
+) -> list[Item]:
+    """The items before this turn: a previous_response_id chain or a conversation transcript."""
     if conversation is None:
         return await chain_messages(store, owner, previous_response_id)
-    messages: list[dict[str, Any]] = []
+    messages: list[Item] = []
     for task in await store.conversation(owner, conversation):
         if before is not None and task.id >= before:
             break
@@ -47,10 +46,10 @@ async def history(
     return messages
 
 
-async def chain_messages(store: TaskStore, owner: str, previous_response_id: str | None) -> list[dict[str, Any]]:
-    """Messages of every earlier turn, oldest first: each turn's input, then its output.
+async def chain_messages(store: TaskStore, owner: str, previous_response_id: str | None) -> list[Item]:
+    """Items of every earlier turn, oldest first: each turn's input, then its output.
     Instructions are not inherited. Unknown, unstored or unfinished responses are 400s."""
-    turns: list[list[dict[str, Any]]] = []
+    turns: list[list[Item]] = []
     current = previous_response_id
     while current is not None:
         if len(turns) >= MAX_CHAIN:

@@ -53,8 +53,25 @@ class FunctionCallOutputItem(msgspec.Struct, kw_only=True, forbid_unknown_fields
     status: str | None = None
 
 
-Item = MessageItem | FunctionCallItem | FunctionCallOutputItem
-_LATER = {"reasoning", "compaction", "input_image", "input_file", "input_audio"}
+class ReasoningItem(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A reasoning item sent back: its text (``content``, else ``summary``) is rendered
+    as the next assistant turn's reasoning."""
+
+    type: Literal["reasoning"]
+    summary: list[dict[str, Any]] = []
+    content: list[dict[str, Any]] | None = None
+    encrypted_content: str | None = None
+    id: str | None = None
+    status: str | None = None
+
+    @property
+    def text(self) -> str:
+        parts = self.content or self.summary
+        return "\n".join(str(p.get("text", "")) for p in parts)
+
+
+Item = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
+_LATER = {"compaction", "input_image", "input_file", "input_audio"}
 
 
 def _convert(obj: Any, kind: type[Any], param: str) -> Any:
@@ -93,6 +110,8 @@ def parse_items(raw: list[Any], param: str = "input") -> list[Item]:
             item = _convert(obj, FunctionCallItem, where)
         elif itype == "function_call_output":
             item = _convert(obj, FunctionCallOutputItem, where)
+        elif itype == "reasoning":
+            item = _convert(obj, ReasoningItem, where)
         elif itype in _LATER:
             raise InvalidRequestError(f"{where}: item type '{itype}' is not supported yet", param=f"{where}.type")
         else:
@@ -101,24 +120,68 @@ def parse_items(raw: list[Any], param: str = "input") -> list[Item]:
     return items
 
 
-def to_messages(items: list[Item]) -> list[dict[str, Any]]:
-    """Chat-template messages; function calls travel as the assistant's tool_calls."""
+def _text(item: MessageItem) -> str:
+    return item.content if isinstance(item.content, str) else "".join(_part_text(p, "input") for p in item.content)
+
+
+def hermes_call(name: str, arguments: str) -> str:
+    """A call in the Hermes ``<tool_call>`` format lmspd teaches templates that ignore tools."""
+    try:
+        args: Any = json.loads(arguments)
+    except ValueError:
+        args = arguments
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": args}, ensure_ascii=False) + "\n</tool_call>"
+
+
+def to_messages(
+    items: list[Item], *, native_tools: bool = False, think: tuple[str, str] | None = None
+) -> list[dict[str, Any]]:
+    """Chat-template messages.
+
+    ``native_tools``: the template renders ``tool_calls`` and ``tool`` messages itself;
+    otherwise calls and results are written out in the Hermes format it was taught.
+    Calls join the assistant turn before them (its text, earlier calls); a reasoning item goes with the next
+    assistant turn (as ``reasoning_content``, and inline when the model has think markers
+    and the template cannot place it)."""
     out: list[dict[str, Any]] = []
+    reasoning: str | None = None
+
+    def assistant(joins: bool) -> dict[str, Any]:
+        nonlocal reasoning
+        last = out[-1] if out else None
+        if joins and last is not None and last["role"] == "assistant" and reasoning is None:
+            return last
+        message: dict[str, Any] = {"role": "assistant", "content": ""}
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
+            if think is not None:
+                message["content"] = f"{think[0]}\n{reasoning}\n{think[1]}\n\n"
+            reasoning = None
+        out.append(message)
+        return message
+
     for item in items:
-        if isinstance(item, MessageItem):
-            text = (
-                item.content if isinstance(item.content, str) else "".join(_part_text(p, "input") for p in item.content)
-            )
-            out.append({"role": "system" if item.role == "developer" else item.role, "content": text})
+        if isinstance(item, ReasoningItem):
+            reasoning = item.text
+        elif isinstance(item, MessageItem):
+            if item.role == "assistant":
+                message = assistant(joins=False)
+                message["content"] += _text(item)
+            else:
+                out.append({"role": "system" if item.role == "developer" else item.role, "content": _text(item)})
         elif isinstance(item, FunctionCallItem):
+            message = assistant(joins=True)  # a call joins the turn's text and earlier calls
             call = {"name": item.name, "arguments": item.arguments}
-            out.append(
-                {
-                    "role": "assistant",
-                    "content": f"<tool_call>\n{json.dumps(call)}\n</tool_call>",
-                    "tool_calls": [{"id": item.call_id, "type": "function", "function": call}],
-                }
-            )
-        else:
+            message.setdefault("tool_calls", []).append({"id": item.call_id, "type": "function", "function": call})
+            if not native_tools:
+                message["content"] += ("\n" if message["content"] else "") + hermes_call(item.name, item.arguments)
+        elif native_tools:
             out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+        else:
+            response = f"<tool_response>\n{item.output}\n</tool_response>"
+            last = out[-1] if out else None
+            if last is not None and last["role"] == "user" and last["content"].startswith("<tool_response>"):
+                last["content"] += "\n" + response
+            else:
+                out.append({"role": "user", "content": response})
     return out

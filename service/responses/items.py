@@ -11,7 +11,7 @@ from typing import Any, Literal
 import msgspec
 
 from service.errors import InvalidRequestError
-from service.responses.inputs import FunctionCallItem, FunctionCallOutputItem, Item, MessageItem
+from service.responses.inputs import FunctionCallItem, FunctionCallOutputItem, Item, MessageItem, ReasoningItem
 
 # OpenAI's documented ``include`` values; none changes what is listed here.
 INCLUDABLE = frozenset(
@@ -65,6 +65,11 @@ def resource(response_id: str, index: int, item: Item) -> dict[str, Any]:
             "arguments": item.arguments,
             "status": item.status or "completed",
         }
+    if isinstance(item, ReasoningItem):
+        listed: dict[str, Any] = {"id": item.id or f"rs_{suffix}", "type": "reasoning", "summary": item.summary}
+        if item.content is not None:
+            listed["content"] = item.content
+        return listed
     assert isinstance(item, FunctionCallOutputItem)
     return {
         "id": item.id or f"fco_{suffix}",

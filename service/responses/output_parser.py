@@ -9,7 +9,6 @@ how a restarted generation rebuilds its parser from the text so far.
 
 from __future__ import annotations
 
-import importlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -38,6 +37,7 @@ from service.responses.call_formats import (
     json_value,
     parse_llama3_json,
 )
+from service.responses.mlx_parsers import infer_mlx_thinking, infer_mlx_tool_parser, parser_module
 from service.responses.qwen3_coder_call import Qwen3Coder
 
 
@@ -77,25 +77,9 @@ STREAMING_FORMATS = frozenset({"json_tools", "mistral", "llama3_json", "qwen3_co
 LLAMA3_JSON = "llama3_json"
 
 
-class _Probe:
-    """Just enough of a tokenizer for mlx_lm's inference helpers."""
-
-    def __init__(self, chat_template: str | None, vocab: Mapping[str, int]) -> None:
-        self.chat_template = chat_template
-        self._vocab = vocab
-
-    def get_vocab(self) -> dict[str, int]:
-        return dict(self._vocab)
-
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return []  # only the marker strings are used, never their ids
-
-
 def infer_tool_format(chat_template: str | None, vocab: Mapping[str, int]) -> str | None:
     """mlx_lm's own choice of tool parser, plus Llama 3.x's JSON calls (which mlx_lm does not parse)."""
-    from mlx_lm.tokenizer_utils import _infer_tool_parser
-
-    found: str | None = _infer_tool_parser(_Probe(chat_template, vocab))
+    found = infer_mlx_tool_parser(chat_template, vocab)
     if found is not None or not chat_template:
         return found
     llama = "<|eot_id|>" in chat_template or "<|start_header_id|>" in chat_template
@@ -105,10 +89,7 @@ def infer_tool_format(chat_template: str | None, vocab: Mapping[str, int]) -> st
 
 
 def think_markers(vocab: Mapping[str, int]) -> tuple[str, str] | None:
-    from mlx_lm.tokenizer_utils import _infer_thinking
-
-    start, end, _, _ = _infer_thinking(_Probe(None, vocab))
-    return (start, end) if isinstance(start, str) and isinstance(end, str) else None
+    return infer_mlx_thinking(vocab)
 
 
 @dataclass
@@ -140,7 +121,7 @@ class OutputParser:
         self._format = tool_format
         self._module: ModuleType | None = None
         if tool_format is not None and tool_format != LLAMA3_JSON:
-            self._module = importlib.import_module(f"mlx_lm.tool_parsers.{tool_format}")
+            self._module = parser_module(tool_format)
         self._tools = chat_tools(tools) if tools is not None else None
         self._names = {t["function"]["name"] for t in self._tools} if self._tools is not None else None
         if reasoning and think is None:

@@ -13,25 +13,22 @@ import msgspec
 
 from service.engine.protocol import SamplingParams, TokenLogprob, validate_top_logprobs
 from service.errors import InvalidRequestError
+from service.responses.tools import (
+    FunctionTool,
+    JsonObjectFormat,
+    JsonSchemaFormat,
+    NamedFunction,
+    TextFormatPlain,
+    ToolOptions,
+    reasoning_param,
+    text_param,
+    tool_options,
+)
 
 # --- requests -------------------------------------------------------------------------------
 
 
 LOGPROBS = "message.output_text.logprobs"
-_BUILTIN_TOOLS = {
-    "web_search",
-    "web_search_preview",
-    "file_search",
-    "computer_use_preview",
-    "computer_use",
-    "code_interpreter",
-    "image_generation",
-    "mcp",
-    "custom",
-    "apply_patch",
-    "function_shell",
-    "local_shell",
-}
 
 
 class ResponseRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
@@ -99,21 +96,7 @@ class ResponseRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, 
                     )
         if self.truncation not in (None, "disabled"):
             raise InvalidRequestError("truncation must be 'disabled'", param="truncation")
-        for i, tool in enumerate(self.tools or []):
-            kind = tool.get("type")
-            if kind in _BUILTIN_TOOLS:
-                raise InvalidRequestError(
-                    f"built-in tool type '{kind}' is not supported: lmspd runs no hosted tools",
-                    param=f"tools[{i}].type",
-                )
-            raise InvalidRequestError(f"tools of type {kind!r} are not supported yet", param=f"tools[{i}]")
-        if self.tool_choice not in (None, "auto", "none"):
-            raise InvalidRequestError("tool_choice needs tools, which are not supported yet", param="tool_choice")
-        fmt = (self.text or {}).get("format", {"type": "text"})
-        if self.text is not None and (set(self.text) - {"format"} or fmt != {"type": "text"}):
-            raise InvalidRequestError("only text.format {'type': 'text'} is supported yet", param="text.format")
-        if self.reasoning is not None:
-            raise InvalidRequestError("reasoning is not supported yet", param="reasoning")
+        self.check_structure()
         validate_top_logprobs(self.top_logprobs)
         for i, value in enumerate(self.include or []):
             if value != LOGPROBS:
@@ -148,6 +131,26 @@ class ResponseRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, 
         if self.background and self.stream:
             raise InvalidRequestError("background and stream cannot be combined", param="stream")
 
+    def tool_options(self) -> ToolOptions:
+        return tool_options(self.tools, self.tool_choice, self.parallel_tool_calls, self.max_tool_calls)
+
+    def text_format(self) -> TextFormatPlain | JsonSchemaFormat | JsonObjectFormat | None:
+        return text_param(self.text).format
+
+    def check_structure(self) -> None:
+        """tools, tool_choice, text and reasoning: shapes, and schemas the grammar can enforce."""
+        from service.grammar import check, json_schema_grammar
+
+        options = self.tool_options()
+        fmt = self.text_format()
+        reasoning_param(self.reasoning)
+        if isinstance(fmt, JsonSchemaFormat):
+            check(json_schema_grammar(fmt.schema), "text.format.schema")
+        if options.constrained:
+            for tool in options.callable:
+                if tool.parameters is not None:
+                    check(json_schema_grammar(tool.parameters), f"tools[{options.tools.index(tool)}].parameters")
+
     def sampling(self) -> SamplingParams:
         """The engine's sampling parameters, with OpenAI's defaults."""
         return SamplingParams(
@@ -168,16 +171,6 @@ class ResponseRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, 
         if isinstance(self.input, str):
             return parse_items([{"role": "user", "content": self.input}])
         return parse_items(self.input)
-
-    def messages(self, history: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
-        """Chat messages for the template: instructions first (never inherited), then the
-        history of a previous_response_id chain, then this input."""
-        from service.responses.inputs import to_messages
-
-        out: list[dict[str, Any]] = []
-        if self.instructions:
-            out.append({"role": "system", "content": self.instructions})
-        return out + (history or []) + to_messages(self.items())
 
 
 class TaskRequest(ResponseRequest, kw_only=True, omit_defaults=True):
@@ -240,6 +233,30 @@ class OutputMessage(msgspec.Struct, tag="message", tag_field="type", kw_only=Tru
     content: list[OutputText] = []
 
 
+class FunctionCall(msgspec.Struct, tag="function_call", tag_field="type", kw_only=True):
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
+class ReasoningText(msgspec.Struct, tag="reasoning_text", tag_field="type"):
+    text: str
+
+
+class Reasoning(msgspec.Struct, tag="reasoning", tag_field="type", kw_only=True):
+    id: str
+    summary: list[dict[str, Any]] = []
+    content: list[ReasoningText] = []
+    # Open Responses' reasoning item has no status; OpenAI's carries one, and clients
+    # echo it back as input.
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
+OutputItem = OutputMessage | FunctionCall | Reasoning
+
+
 class InputTokensDetails(msgspec.Struct):
     cached_tokens: int = 0
 
@@ -265,12 +282,26 @@ class IncompleteDetails(msgspec.Struct):
     reason: str
 
 
-class TextFormat(msgspec.Struct):
-    type: str = "text"
+class EchoedJsonSchema(msgspec.Struct, tag="json_schema", tag_field="type", kw_only=True, omit_defaults=False):
+    """text.format as Open Responses' ``JsonSchemaResponseFormat`` echoes it: its
+    ``schema`` is typed null there, so the schema itself is not repeated."""
+
+    name: str
+    description: str | None = None
+    schema: None = None
+    strict: bool = False
 
 
-class TextField(msgspec.Struct):
-    format: TextFormat = msgspec.field(default_factory=TextFormat)
+class TextField(msgspec.Struct, omit_defaults=True):
+    format: TextFormatPlain | JsonObjectFormat | EchoedJsonSchema = msgspec.field(default_factory=TextFormatPlain)
+    verbosity: str | None = None
+
+
+class ReasoningConfig(msgspec.Struct, omit_defaults=False):
+    """Open Responses ``Reasoning``: the request's reasoning settings, echoed."""
+
+    effort: str | None = None
+    summary: str | None = None
 
 
 ResponseStatus = Literal["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]
@@ -288,10 +319,10 @@ class Response(msgspec.Struct, kw_only=True, omit_defaults=False):
     model: str
     previous_response_id: str | None = None
     instructions: str | None = None
-    output: list[OutputMessage] = []
+    output: list[OutputItem] = []
     error: ResponseError | None = None
-    tools: list[dict[str, Any]] = []
-    tool_choice: str = "auto"
+    tools: list[FunctionTool] = []
+    tool_choice: str | NamedFunction = "auto"
     truncation: str = "disabled"
     parallel_tool_calls: bool = True
     text: TextField = msgspec.field(default_factory=TextField)
@@ -300,7 +331,7 @@ class Response(msgspec.Struct, kw_only=True, omit_defaults=False):
     frequency_penalty: float = 0.0
     top_logprobs: int = 0
     temperature: float = 1.0
-    reasoning: None = None
+    reasoning: ReasoningConfig | None = None
     usage: Usage | None = None
     max_output_tokens: int | None = None
     max_tool_calls: int | None = None
@@ -349,12 +380,38 @@ class ResponseCancelled(_Event, tag="response.cancelled"):
 
 class OutputItemAdded(_Event, tag="response.output_item.added"):
     output_index: int
-    item: OutputMessage
+    item: OutputItem
 
 
 class OutputItemDone(_Event, tag="response.output_item.done"):
     output_index: int
-    item: OutputMessage
+    item: OutputItem
+
+
+class FunctionCallArgumentsDelta(_Event, tag="response.function_call_arguments.delta"):
+    item_id: str
+    output_index: int
+    delta: str
+
+
+class FunctionCallArgumentsDone(_Event, tag="response.function_call_arguments.done"):
+    item_id: str
+    output_index: int
+    arguments: str
+
+
+class ReasoningTextDelta(_Event, tag="response.reasoning_text.delta"):
+    item_id: str
+    output_index: int
+    content_index: int
+    delta: str
+
+
+class ReasoningTextDone(_Event, tag="response.reasoning_text.done"):
+    item_id: str
+    output_index: int
+    content_index: int
+    text: str
 
 
 class ContentPartAdded(_Event, tag="response.content_part.added"):
@@ -406,6 +463,10 @@ ResponseEvent = (
     | ContentPartDone
     | OutputTextDelta
     | OutputTextDone
+    | FunctionCallArgumentsDelta
+    | FunctionCallArgumentsDone
+    | ReasoningTextDelta
+    | ReasoningTextDone
     | AttemptRestarted
 )
 FINAL_EVENTS = frozenset({"response.completed", "response.incomplete", "response.failed", "response.cancelled"})

@@ -166,11 +166,10 @@ def tool_options(
 def text_param(raw: dict[str, Any] | None) -> TextParam:
     param: TextParam = _convert(raw or {}, TextParam, "text")
     fmt = param.format
-    if isinstance(fmt, JsonSchemaFormat):
-        if not _NAME.match(fmt.name):
-            raise InvalidRequestError(
-                "text.format.name is 1-64 characters of a-z, A-Z, 0-9, '_' and '-'", param="text.format.name"
-            )
+    if isinstance(fmt, JsonSchemaFormat) and not _NAME.match(fmt.name):
+        raise InvalidRequestError(
+            "text.format.name is 1-64 characters of a-z, A-Z, 0-9, '_' and '-'", param="text.format.name"
+        )
     return param
 
 

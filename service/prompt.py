@@ -1,0 +1,106 @@
+"""A request's prompt for one model: the rendered text, and how to read and constrain the output.
+
+Tools go through the model's own chat template when it renders them; a template that
+ignores tools (the bundled SmolLM2's) gets a Hermes-style tool block in the system
+prompt, and the output is parsed in that format. The same inputs always give the
+same ``Prompt``, so a resumed task rebuilds exactly what its first attempt used.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+from service import grammar
+from service.responses.inputs import Item, to_messages
+from service.responses.output_parser import OutputParser, infer_tool_format, think_markers
+from service.responses.schema import ResponseRequest
+from service.responses.tools import FunctionTool, ToolOptions
+from service.tokenizer import Tokenizer
+
+HERMES_FORMAT = "json_tools"
+
+
+def _hermes_block(tools: list[FunctionTool]) -> str:
+    # The wording of Qwen2.5 / Hermes templates, which small instruct models have seen.
+    lines = "\n".join(json.dumps(_chat_tool(t), ensure_ascii=False) for t in tools)
+    return (
+        "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+        "You are provided with function signatures within <tools></tools> XML tags:\n"
+        f"<tools>\n{lines}\n</tools>\n\n"
+        "For each function call, return a json object with function name and arguments within "
+        "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+        '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+    )
+
+
+def _chat_tool(tool: FunctionTool) -> dict[str, Any]:
+    """A tool as chat templates (and mlx-lm's parsers) expect it."""
+    function: dict[str, Any] = {"name": tool.name, "description": tool.description or ""}
+    function["parameters"] = tool.parameters if tool.parameters is not None else {"type": "object", "properties": {}}
+    return {"type": "function", "function": function}
+
+
+@dataclass(frozen=True)
+class Prompt:
+    text: str
+    tool_format: str | None  # how calls in the output are read; None: they are not
+    tools: ToolOptions
+    think: tuple[str, str] | None
+    reasoning_open: bool  # the prompt ends inside a reasoning block
+    grammar: str | None
+    grammar_param: str  # the request field a grammar error is reported against
+
+    def parser(self) -> OutputParser:
+        return OutputParser(
+            tool_format=self.tool_format,
+            tools=[{"type": "function", "name": t.name, "parameters": t.parameters} for t in self.tools.tools],
+            reasoning=self.reasoning_open,
+            think=self.think,
+            max_calls=self.tools.call_limit,
+        )
+
+
+@dataclass(frozen=True)
+class Traits:
+    think: tuple[str, str] | None
+    native_tools: bool  # the template renders tools itself
+    tool_format: str
+
+
+@lru_cache(maxsize=16)
+def traits(tok: Tokenizer) -> Traits:
+    """What a model's template and vocabulary say about reasoning and tool calls."""
+    native = tok.chat_template is not None and "tools" in tok.chat_template
+    tool_format = (infer_tool_format(tok.chat_template, tok.vocab) if native else None) or HERMES_FORMAT
+    return Traits(think_markers(tok.vocab), native, tool_format)
+
+
+def build_prompt(tok: Tokenizer, request: ResponseRequest, history: list[Item]) -> Prompt:
+    options = request.tool_options()
+    model = traits(tok)
+    think, native, tool_format = model.think, model.native_tools, model.tool_format
+    messages = to_messages([*history, *request.items()], native_tools=native, think=think)
+    kwargs = dict(request.chat_template_kwargs or {})
+    system = request.instructions
+    if options.active:
+        if native:
+            kwargs["tools"] = [_chat_tool(t) for t in options.tools]
+        else:
+            system = f"{system}\n\n{_hermes_block(options.tools)}" if system else _hermes_block(options.tools)
+    if system:
+        messages = [{"role": "system", "content": system}, *messages]
+    text = tok.render_chat(messages, **kwargs)
+    reasoning_open = think is not None and text.rstrip().endswith(think[0])
+    parse_format = tool_format if options.active else None
+    lark = grammar.build(
+        text_format=request.text_format(),
+        tools=options,
+        tool_format=parse_format,
+        special=tok.special_tokens,
+        think_end=think[1] if think is not None and reasoning_open else None,
+    )
+    param = grammar.grammar_param(request.text_format(), options)
+    return Prompt(text, parse_format, options, think, reasoning_open, lark, param)

@@ -1,0 +1,252 @@
+"""The output items of a response in progress, and the streaming events that build them.
+
+Pieces from the output parser (message text, reasoning text, function calls) become
+items in output order: a reasoning item, a message, function calls. Each item is
+announced (``output_item.added``), grows by deltas and is closed (``.done`` events)
+before the next one opens, as SPEC 3.1 orders them. The state is rebuilt from the
+event log with :meth:`OutputItems.replay`, so a resumed task carries on the same items.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import ulid
+
+from service.responses import schema as s
+from service.responses.output_parser import (
+    ArgumentsDelta,
+    CallDone,
+    CallStarted,
+    OutputParser,
+    Piece,
+    ReasoningDelta,
+    TextDelta,
+)
+
+EventFactory = Callable[[int], s._Event]
+Kind = Literal["message", "function_call", "reasoning"]
+Status = Literal["in_progress", "completed", "incomplete"]
+
+
+@dataclass
+class Item:
+    kind: Kind
+    id: str
+    text: str = ""  # message text, reasoning text or call arguments so far
+    logprobs: list[s.LogProb] = field(default_factory=list)
+    call_id: str = ""
+    name: str = ""
+    status: Status = "in_progress"
+    calls: int = -1  # a call's ordinal from the parser
+
+    def wire(self) -> s.OutputItem:
+        if self.kind == "message":
+            content = [] if self.status == "in_progress" else [s.OutputText(self.text, logprobs=list(self.logprobs))]
+            return s.OutputMessage(id=self.id, status=self.status, content=content)
+        if self.kind == "function_call":
+            arguments = "" if self.status == "in_progress" else self.text
+            return s.FunctionCall(
+                id=self.id, call_id=self.call_id, name=self.name, arguments=arguments, status=self.status
+            )
+        reasoning = [] if self.status == "in_progress" else [s.ReasoningText(self.text)]
+        return s.Reasoning(id=self.id, content=reasoning)
+
+
+class OutputItems:
+    def __init__(self) -> None:
+        self.items: list[Item] = []
+        self.parser: OutputParser | None = None
+        self._pending_logprobs: list[s.LogProb] = []
+
+    # --- rebuilding -------------------------------------------------------------------------
+
+    def attach(self, parser: OutputParser, generated_text: str) -> None:
+        """Read the output from here on with ``parser``, which first catches up with the
+        text generated so far (its pieces are already in the log)."""
+        parser.feed(generated_text)
+        self.parser = parser
+
+    def replay(self, event: s._Event) -> None:
+        if isinstance(event, s.OutputItemAdded):
+            item = event.item
+            if isinstance(item, s.FunctionCall):
+                calls = sum(1 for i in self.items if i.kind == "function_call")
+                self.items.append(Item("function_call", item.id, call_id=item.call_id, name=item.name, calls=calls))
+            else:
+                self.items.append(Item("message" if isinstance(item, s.OutputMessage) else "reasoning", item.id))
+        elif isinstance(event, s.OutputTextDelta):
+            self.items[event.output_index].text += event.delta
+            self.items[event.output_index].logprobs += event.logprobs
+        elif isinstance(event, s.ReasoningTextDelta | s.FunctionCallArgumentsDelta):
+            self.items[event.output_index].text += event.delta
+        elif isinstance(event, s.FunctionCallArgumentsDone):
+            self.items[event.output_index].text = event.arguments
+        elif isinstance(event, s.OutputItemDone):
+            self.items[event.output_index].status = event.item.status or "completed"
+
+    # --- streaming --------------------------------------------------------------------------
+
+    @property
+    def open(self) -> Item | None:
+        last = self.items[-1] if self.items else None
+        return last if last is not None and last.status == "in_progress" else None
+
+    def feed(self, text: str, logprobs: list[s.LogProb]) -> list[EventFactory]:
+        self._pending_logprobs += logprobs
+        pieces: list[Piece] = self.parser.feed(text) if self.parser else [TextDelta(text)] if text else []
+        return self.apply(pieces)
+
+    def finish(self) -> list[EventFactory]:
+        return self.apply(self.parser.finish()) if self.parser else []
+
+    def apply(self, pieces: list[Piece]) -> list[EventFactory]:
+        out: list[EventFactory] = []
+        for piece in pieces:
+            if isinstance(piece, TextDelta):
+                out += self._text(piece.text)
+            elif isinstance(piece, ReasoningDelta):
+                out += self._reasoning(piece.text)
+            elif isinstance(piece, CallStarted):
+                out += self._open("function_call", name=piece.name, calls=piece.index)
+            elif isinstance(piece, ArgumentsDelta):
+                out += self._arguments(piece.index, piece.delta)
+            else:
+                out += self._call_done(piece)
+        return out
+
+    def _open(self, kind: Kind, *, name: str = "", calls: int = -1) -> list[EventFactory]:
+        out = self.close("completed")
+        prefix = {"message": "msg", "function_call": "fc", "reasoning": "rs"}[kind]
+        item = Item(kind, f"{prefix}_{ulid.new()}", name=name, calls=calls)
+        if kind == "function_call":
+            item.call_id = f"call_{ulid.new()}"
+        self.items.append(item)
+        index, added = len(self.items) - 1, item.wire()
+        out.append(lambda seq: s.OutputItemAdded(sequence_number=seq, output_index=index, item=added))
+        if kind == "message":
+            out.append(
+                lambda seq: s.ContentPartAdded(
+                    sequence_number=seq, item_id=item.id, output_index=index, content_index=0, part=s.OutputText("")
+                )
+            )
+        return out
+
+    def open_message(self) -> list[EventFactory]:
+        return self._open("message")
+
+    def _text(self, text: str) -> list[EventFactory]:
+        out: list[EventFactory] = []
+        if self.open is None or self.open.kind != "message":
+            text = text.lstrip()  # whitespace between items belongs to none of them
+            if not text:
+                return []
+            out += self._open("message")
+        item, index = self.items[-1], len(self.items) - 1
+        logprobs, self._pending_logprobs = self._pending_logprobs, []
+        item.text += text
+        item.logprobs += logprobs
+        out.append(
+            lambda seq: s.OutputTextDelta(
+                sequence_number=seq, item_id=item.id, output_index=index, content_index=0, delta=text, logprobs=logprobs
+            )
+        )
+        return out
+
+    def _reasoning(self, text: str) -> list[EventFactory]:
+        out: list[EventFactory] = []
+        self._pending_logprobs = []  # logprobs report message text only
+        if self.open is None or self.open.kind != "reasoning":
+            out += self._open("reasoning")
+        item, index = self.items[-1], len(self.items) - 1
+        item.text += text
+        out.append(
+            lambda seq: s.ReasoningTextDelta(
+                sequence_number=seq, item_id=item.id, output_index=index, content_index=0, delta=text
+            )
+        )
+        return out
+
+    def _call(self, ordinal: int) -> tuple[int, Item] | None:
+        for index, item in enumerate(self.items):
+            if item.kind == "function_call" and item.calls == ordinal:
+                return index, item
+        return None
+
+    def _arguments(self, ordinal: int, delta: str) -> list[EventFactory]:
+        self._pending_logprobs = []
+        found = self._call(ordinal)
+        if found is None or not delta:
+            return []
+        index, item = found
+        item.text += delta
+        return [
+            lambda seq: s.FunctionCallArgumentsDelta(
+                sequence_number=seq, item_id=item.id, output_index=index, delta=delta
+            )
+        ]
+
+    def _call_done(self, done: CallDone) -> list[EventFactory]:
+        found = self._call(done.index)
+        if found is None:
+            return []
+        # The parse at the end is authoritative: the streamed call receives what it lacks.
+        out = (
+            self._arguments(done.index, done.arguments[len(found[1].text) :])
+            if done.arguments.startswith(found[1].text)
+            else []
+        )
+        found[1].text = done.arguments
+        return out + self._close_item(*found, "completed" if done.valid else "incomplete")
+
+    def _close_item(self, index: int, item: Item, status: Status) -> list[EventFactory]:
+        item.status = status
+        final = item.wire()
+        out: list[EventFactory] = []
+        if isinstance(final, s.OutputMessage):
+            part = final.content[0]
+            out += [
+                lambda seq: s.OutputTextDone(
+                    sequence_number=seq,
+                    item_id=item.id,
+                    output_index=index,
+                    content_index=0,
+                    text=part.text,
+                    logprobs=part.logprobs,
+                ),
+                lambda seq: s.ContentPartDone(
+                    sequence_number=seq, item_id=item.id, output_index=index, content_index=0, part=part
+                ),
+            ]
+        elif isinstance(final, s.FunctionCall):
+            out.append(
+                lambda seq: s.FunctionCallArgumentsDone(
+                    sequence_number=seq, item_id=item.id, output_index=index, arguments=final.arguments
+                )
+            )
+        else:
+            out.append(
+                lambda seq: s.ReasoningTextDone(
+                    sequence_number=seq, item_id=item.id, output_index=index, content_index=0, text=item.text
+                )
+            )
+        out.append(lambda seq: s.OutputItemDone(sequence_number=seq, output_index=index, item=final))
+        return out
+
+    def close(self, status: Status) -> list[EventFactory]:
+        """Close the open item, if any. A stream that ends early (failed, cancelled)
+        still gets its ``.done`` events, as clients' accumulators expect."""
+        item = self.open
+        if item is None:
+            return []
+        return self._close_item(len(self.items) - 1, item, status)
+
+    def output(self) -> list[s.OutputItem]:
+        return [item.wire() for item in self.items]
+
+    def reset(self) -> None:
+        self.items = []
+        self._pending_logprobs = []
+        self.parser = None

@@ -50,20 +50,14 @@ def _json_call(key: str) -> Callable[[FunctionTool, Mapping[str, int]], str]:
 
 
 def _xml_value(schema: Mapping[str, Any]) -> str:
-    """A Qwen3-Coder parameter value as text: typed where the schema says how."""
-    if "enum" in schema:
-        return " | ".join(json.dumps(v if isinstance(v, str) else json.dumps(v)) for v in schema["enum"])
-    kind = schema.get("type")
-    if kind == "boolean":
-        return '"true" | "false"'
-    if kind == "integer":
-        return "/-?[0-9]{1,12}/"
-    if kind == "number":
-        return "/-?[0-9]{1,12}(\\.[0-9]{1,12})?/"
-    if kind in ("object", "array"):
-        return f"%json {json.dumps(_with_layout(schema))}"
-    length = schema.get("maxLength", 256)
-    return f"/[^<]{{{schema.get('minLength', 0)},{length}}}/"
+    """A Qwen3-Coder parameter value as text. Numbers, booleans, objects and arrays are
+    written as JSON, so JSON's grammar enforces their bounds; strings are bare text."""
+    enum = schema.get("enum")
+    if enum is not None and all(isinstance(v, str) for v in enum):
+        return " | ".join(json.dumps(v) for v in enum)
+    if schema.get("type") == "string":
+        return f"/[^<]{{{schema.get('minLength', 0)},{schema.get('maxLength', 256)}}}/"
+    return f"%json {json.dumps(_with_layout(schema))}"
 
 
 def _xml_call(tool: FunctionTool, special: Mapping[str, int]) -> str:
@@ -135,7 +129,11 @@ def _calls(
     rules = f"call: {opener} {rest}\n"
     first = "call"
     if lazy:
-        rules += f"first: lead {rest}\nlead[lazy]: TEXT {opener}\nTEXT: /(.|\\n)*/\n"
+        rules += "TEXT: /(.|\\n)*/\n"
+        if syntax.start in special:  # text cannot contain a special token: it ends there
+            rules += f"first: TEXT {opener} {rest}\n"
+        else:  # a lazy lexeme ends the text at the marker's first appearance
+            rules += f"first: lead {rest}\nlead[lazy]: TEXT {opener}\n"
         first = "first"
     sep = json.dumps(syntax.separator) if syntax.separator else ""
     more = "" if limit == 1 else f" ({sep} call)" + ("*" if limit is None else f"{{0,{limit - 1}}}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,6 +11,7 @@ from typing import Any
 import httpx
 import msgspec
 import openai
+import pydantic
 import pytest
 from openresponses import validate, validate_event
 from test_acceptance_restart import Server, tiny_server
@@ -268,3 +270,78 @@ def test_every_kind_of_response_object_matches_the_schema(server: Server, client
     validate("ResponseResource", raw(server, "GET", f"/v1/responses/{finished.id}").json())
     stored = raw(server, "POST", "/v1/responses", json={"input": "Hi", "max_output_tokens": 3}).json()
     validate("ResponseResource", stored)
+
+
+# --- tools and structured output on the bundled model (real weights) ------------------------
+
+WEATHER: Any = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "Current weather in a city",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 24}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+}
+
+
+class City(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=24)
+    country: str = pydantic.Field(max_length=24)
+    population: int = pydantic.Field(ge=0, le=10**9)
+
+
+@pytest.mark.real_model
+def test_function_call_loop_on_the_real_model(client: openai.OpenAI) -> None:
+    kw: dict[str, Any] = {"model": "smol", "tools": [WEATHER], "temperature": 0}
+    first = client.responses.create(
+        input="What's the weather in Paris?", tool_choice="required", max_output_tokens=40, **kw
+    )
+    call = next(item for item in first.output if item.type == "function_call")
+    assert call.name == "get_weather" and isinstance(json.loads(call.arguments)["city"], str)
+    answer = client.responses.create(
+        previous_response_id=first.id,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": '{"temp_c": 18}'}],
+        max_output_tokens=16,
+        **kw,
+    )
+    assert answer.output_text and answer.output[-1].type == "message"
+
+
+@pytest.mark.real_model
+def test_streamed_arguments_and_parse_on_the_real_model(client: openai.OpenAI) -> None:
+    with client.responses.stream(
+        model="smol",
+        input="Weather in Oslo?",
+        tools=[WEATHER],
+        tool_choice={"type": "function", "name": "get_weather"},
+        temperature=0,
+        max_output_tokens=40,
+    ) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.function_call_arguments.delta"]
+        final = stream.get_final_response()
+    call = next(item for item in final.output if item.type == "function_call")
+    assert len(deltas) > 1 and "".join(deltas) == call.arguments
+    parsed = client.responses.parse(
+        model="smol", input="Describe Paris as JSON.", text_format=City, temperature=0, max_output_tokens=60
+    )
+    assert isinstance(parsed.output_parsed, City)
+
+
+@pytest.mark.real_model
+@pytest.mark.slow  # kills the module's server and starts it again
+def test_background_structured_output_survives_kill_9(server: Server, client: openai.OpenAI) -> None:
+    fmt: Any = {"type": "json_schema", "name": "city", "schema": City.model_json_schema(), "strict": True}
+    queued = client.responses.create(
+        model="smol", input="Oslo as JSON.", text={"format": fmt}, background=True, max_output_tokens=60
+    )
+    done = wait(client, queued.id)
+    assert done.status == "completed"
+    server.kill9()
+    server.start()
+    again = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+    read_back = again.responses.retrieve(queued.id)
+    assert read_back.model_dump() == done.model_dump()
+    City.model_validate_json(read_back.output_text)

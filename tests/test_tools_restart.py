@@ -29,6 +29,7 @@ REQUEST = {
     "input": "Plan the route.",
     "tools": [{"type": "function", "name": "route", "parameters": PARAMS}],
     "tool_choice": "required",
+    "parallel_tool_calls": False,
     "temperature": 0,
     "max_output_tokens": 400,
 }

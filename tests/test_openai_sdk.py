@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,8 +37,8 @@ def raw(server: Server, method: str, path: str, **kw: Any) -> httpx.Response:
     return httpx.request(method, f"{server.url}{path}", timeout=60, **kw)
 
 
-def wait(client: openai.OpenAI, response_id: str) -> Any:
-    deadline = time.monotonic() + 60
+def wait(client: openai.OpenAI, response_id: str, timeout: float = 60) -> Any:
+    deadline = time.monotonic() + timeout
     while (r := client.responses.retrieve(response_id)).status in ("queued", "in_progress"):
         assert time.monotonic() < deadline
         time.sleep(0.05)
@@ -293,11 +294,27 @@ class City(pydantic.BaseModel):
     population: int = pydantic.Field(ge=0, le=10**9)
 
 
+# The bundled model prefills ~6 tokens/s on this CPU, and a tool block is a few hundred tokens:
+# these run in the full real-model pass (LMSPD_SCHEMA_MATRIX=full, as the 60-schema matrix),
+# not in the suite's five minutes. The suite keeps the SDK's parse on real weights.
+FULL = os.environ.get("LMSPD_SCHEMA_MATRIX") == "full"
+full_only = pytest.mark.skipif(not FULL, reason="full real-model pass only (LMSPD_SCHEMA_MATRIX=full)")
+
+
+@pytest.mark.real_model
+def test_sdk_parse_on_the_real_model(client: openai.OpenAI) -> None:
+    parsed = client.responses.parse(
+        model="smol", input="Paris as JSON.", text_format=City, temperature=0, max_output_tokens=80
+    )
+    assert parsed.status == "completed" and isinstance(parsed.output_parsed, City)
+
+
+@full_only
 @pytest.mark.real_model
 def test_function_call_loop_on_the_real_model(client: openai.OpenAI) -> None:
     kw: dict[str, Any] = {"model": "smol", "tools": [WEATHER], "temperature": 0}
     first = client.responses.create(
-        input="What's the weather in Paris?", tool_choice="required", max_output_tokens=40, **kw
+        input="What's the weather in Paris?", tool_choice="required", max_output_tokens=60, **kw
     )
     call = next(item for item in first.output if item.type == "function_call")
     assert call.name == "get_weather" and isinstance(json.loads(call.arguments)["city"], str)
@@ -310,34 +327,32 @@ def test_function_call_loop_on_the_real_model(client: openai.OpenAI) -> None:
     assert answer.output_text and answer.output[-1].type == "message"
 
 
+@full_only
 @pytest.mark.real_model
-def test_streamed_arguments_and_parse_on_the_real_model(client: openai.OpenAI) -> None:
+def test_streamed_arguments_on_the_real_model(client: openai.OpenAI) -> None:
     with client.responses.stream(
         model="smol",
         input="Weather in Oslo?",
         tools=[WEATHER],
         tool_choice={"type": "function", "name": "get_weather"},
         temperature=0,
-        max_output_tokens=40,
+        max_output_tokens=60,
     ) as stream:
         deltas = [e.delta for e in stream if e.type == "response.function_call_arguments.delta"]
         final = stream.get_final_response()
     call = next(item for item in final.output if item.type == "function_call")
     assert len(deltas) > 1 and "".join(deltas) == call.arguments
-    parsed = client.responses.parse(
-        model="smol", input="Describe Paris as JSON.", text_format=City, temperature=0, max_output_tokens=60
-    )
-    assert isinstance(parsed.output_parsed, City)
 
 
+@full_only
 @pytest.mark.real_model
 @pytest.mark.slow  # kills the module's server and starts it again
 def test_background_structured_output_survives_kill_9(server: Server, client: openai.OpenAI) -> None:
     fmt: Any = {"type": "json_schema", "name": "city", "schema": City.model_json_schema(), "strict": True}
     queued = client.responses.create(
-        model="smol", input="Oslo as JSON.", text={"format": fmt}, background=True, max_output_tokens=60
+        model="smol", input="Oslo as JSON.", text={"format": fmt}, background=True, max_output_tokens=120
     )
-    done = wait(client, queued.id)
+    done = wait(client, queued.id, timeout=300)
     assert done.status == "completed"
     server.kill9()
     server.start()

@@ -110,7 +110,10 @@ class ToolOptions(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def call_limit(self) -> int | None:
-        limits = [n for n in (self.max_calls, None if self.parallel else 1) if n is not None]
+        # A named function is called once: a forced call that may repeat, repeats (small
+        # models call it again and again until the token budget runs out).
+        once = not self.parallel or self.choice not in ("none", "auto", "required")
+        limits = [n for n in (self.max_calls, 1 if once else None) if n is not None]
         return min(limits) if limits else None
 
 

@@ -3,9 +3,9 @@
 Every schema x two prompts, greedy, batched 8 at a time through one engine: on the tiny
 random model, whose arbitrary token choices leave the grammar alone to keep the output
 valid and make it end; and on the real bundled model, whose own choices meet the
-grammar. On the real model a sample runs by default: this CPU processes ~6 tokens/s
-whether prefilling or decoding, batched or not, so the 60 requests take ~7.5 minutes;
-``LMSPD_SCHEMA_MATRIX=full`` runs all 60 there.
+grammar. This CPU processes ~6 tokens/s whether prefilling or decoding, batched or not,
+so the 60 requests on the real model take ~7.5 minutes: they run in the full real-model
+pass (``LMSPD_SCHEMA_MATRIX=full``), not in the suite's five minutes.
 """
 
 from __future__ import annotations
@@ -170,7 +170,6 @@ def problem(schema: dict[str, Any], out: str, fin: p.Finished) -> str | None:
 
 
 # The real model's default cases: each ~45 prompt + output tokens (~8 s of CPU here).
-BUNDLED_SAMPLE = [("nested", PROMPTS[0])]
 
 
 @pytest.fixture(scope="module")
@@ -213,13 +212,15 @@ FULL = os.environ.get("LMSPD_SCHEMA_MATRIX") == "full"
 
 def test_thirty_enforceable_shapes() -> None:
     assert len(SCHEMAS) == 30
-    assert all(name in SCHEMAS for name, _ in BUNDLED_SAMPLE)
 
 
 async def test_all_schemas_on_random_weights(batch_engine: EngineClient, tiny: ResolvedModel) -> None:
     await run_cases(batch_engine, tiny, ALL_CASES)
 
 
-@pytest.mark.timeout(1800 if FULL else 300)
+# ~7.5 minutes of CPU here: the full real-model pass runs it (60/60 when last run). The
+# suite's real-weights structured output is the SDK's parse (test_openai_sdk.py).
+@pytest.mark.skipif(not FULL, reason="full real-model pass only (LMSPD_SCHEMA_MATRIX=full)")
+@pytest.mark.timeout(1800)
 async def test_the_bundled_model_under_the_schemas(batch_engine: EngineClient, smol: ResolvedModel) -> None:
-    await run_cases(batch_engine, smol, ALL_CASES if FULL else BUNDLED_SAMPLE)
+    await run_cases(batch_engine, smol, ALL_CASES)

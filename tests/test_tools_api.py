@@ -155,10 +155,12 @@ def test_sdk_parse_returns_the_pydantic_object(client: openai.OpenAI) -> None:
 
 def test_json_object_output_is_an_object(client: openai.OpenAI) -> None:
     response = client.responses.create(
-        model="tiny", input="JSON please", text={"format": {"type": "json_object"}}, max_output_tokens=300
+        model="tiny", input="JSON please", text={"format": {"type": "json_object"}}, max_output_tokens=100
     )
-    if response.status == "completed":  # an object may be longer than the budget: then incomplete
+    if response.status == "completed":
         assert isinstance(json.loads(response.output_text), dict)
+    else:  # a free-form object from random weights may outgrow the budget; it is still one
+        assert response.status == "incomplete" and response.output_text.startswith("{")
 
 
 def test_background_call_is_replayed_after_any_event(server: Server, client: openai.OpenAI) -> None:

@@ -14,6 +14,7 @@ from functools import lru_cache
 from typing import Any
 
 from service import grammar
+from service.errors import InvalidRequestError
 from service.responses.inputs import Item, to_messages
 from service.responses.output_parser import OutputParser, infer_tool_format, think_markers
 from service.responses.schema import ResponseRequest
@@ -95,6 +96,13 @@ def build_prompt(tok: Tokenizer, request: ResponseRequest, history: list[Item]) 
     text = tok.render_chat(messages, **kwargs)
     reasoning_open = think is not None and text.rstrip().endswith(think[0])
     parse_format = tool_format if options.active else None
+    if options.active and options.choice != "auto" and tool_format not in grammar.SYNTAXES:
+        # Forcing a call needs its syntax as a grammar; never answer as if it were enforced.
+        raise InvalidRequestError(
+            f"tool_choice {options.choice!r} cannot be enforced for this model's tool-call format "
+            f"({tool_format}); use 'auto'",
+            param="tool_choice",
+        )
     lark = grammar.build(
         text_format=request.text_format(),
         tools=options,

@@ -4,6 +4,7 @@ event valid, and a state rebuilt from the event log continuing exactly as if nev
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -133,3 +134,20 @@ def test_a_state_rebuilt_from_its_log_continues_the_same_items(cut: int) -> None
     # Items opened before the cut keep their ids.
     before = {e["item"]["id"] for e in ours[: len(log.rows)] if e["type"] == "response.output_item.added"}
     assert before <= {item["id"] for item in final["output"]}
+
+
+def test_a_forced_call_in_a_format_without_a_grammar_is_a_400(smol_dir: Path, tmp_path: Path) -> None:
+    from service.errors import InvalidRequestError
+    from service.prompt import build_prompt
+    from service.tokenizer import Tokenizer
+
+    (tmp_path / "tokenizer.json").write_bytes((smol_dir / "tokenizer.json").read_bytes())
+    config = json.loads((smol_dir / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% for m in messages %}{{ m.content }}{% endfor %}{{ tools }}<|tool_call_start|>"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = Tokenizer(tmp_path)  # a pythonic-format template: calls are parsed, not constrained
+    auto = build_prompt(tok, s.ResponseRequest(input="hi", tools=TOOLS), [])
+    assert auto.tool_format == "pythonic" and auto.grammar is None
+    with pytest.raises(InvalidRequestError) as info:
+        build_prompt(tok, s.ResponseRequest(input="hi", tools=TOOLS, tool_choice="required"), [])
+    assert info.value.param == "tool_choice"

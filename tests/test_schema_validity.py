@@ -169,9 +169,6 @@ def problem(schema: dict[str, Any], out: str, fin: p.Finished) -> str | None:
     return None
 
 
-# The real model's default cases: each ~45 prompt + output tokens (~8 s of CPU here).
-
-
 @pytest.fixture(scope="module")
 async def batch_engine() -> AsyncIterator[EngineClient]:
     client = EngineClient(EngineConfig(weight_dtype="quantized", max_concurrency=8, max_loaded_models=2))

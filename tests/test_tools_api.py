@@ -214,3 +214,36 @@ def test_reasoning_is_echoed(client: openai.OpenAI) -> None:
     body = response.model_dump(mode="json", exclude_unset=True)
     validate("ResponseResource", body)
     assert body["reasoning"] == {"effort": "low", "summary": "auto"}
+
+
+def test_chat_completions_tools_and_response_format(client: openai.OpenAI) -> None:
+    chat_tool: Any = {"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}
+    messages: Any = [{"role": "user", "content": "Weather in Lima?"}]
+    done = client.chat.completions.create(
+        model="tiny", messages=messages, tools=[chat_tool], tool_choice="required", max_tokens=200
+    )
+    choice = done.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), CITY)
+
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        tools=[chat_tool],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=200,
+        stream=True,
+    )
+    pieces, finish = [], None
+    for chunk in stream:
+        for c in chunk.choices:
+            pieces += [tc.function.arguments or "" for tc in c.delta.tool_calls or [] if tc.function]
+            finish = c.finish_reason or finish
+    assert finish == "tool_calls" and len(pieces) > 1
+    jsonschema.validate(json.loads("".join(pieces)), CITY)
+
+    fmt: Any = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER, "strict": True}}
+    answer = client.chat.completions.create(model="tiny", messages=messages, response_format=fmt, max_tokens=200)
+    jsonschema.validate(json.loads(answer.choices[0].message.content or ""), ANSWER)

@@ -57,7 +57,7 @@ class Prompt:
     def parser(self) -> OutputParser:
         return OutputParser(
             tool_format=self.tool_format,
-            tools=[{"type": "function", "name": t.name, "parameters": t.parameters} for t in self.tools.tools],
+            tools=[_chat_tool(t) for t in self.tools.tools],
             reasoning=self.reasoning_open,
             think=self.think,
             max_calls=self.tools.call_limit,

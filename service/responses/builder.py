@@ -14,7 +14,7 @@ import msgspec
 
 from service.responses import schema as s
 from service.responses.outputs import EventFactory, OutputItems, Status
-from service.responses.tools import JsonObjectFormat, JsonSchemaFormat, NamedFunction, reasoning_param
+from service.responses.tools import JsonObjectFormat, JsonSchemaFormat, NamedFunction, reasoning_param, text_param
 from service.store.tasks import Event, EventBuilder, NewEvent, TaskRecord
 
 
@@ -27,8 +27,8 @@ def to_builder(factory: EventFactory, tokens: list[int] | None = None) -> EventB
 
 
 def _echoed_text(request: s.ResponseRequest) -> s.TextField:
-    fmt = request.text_format()
-    verbosity = (request.text or {}).get("verbosity")
+    param = text_param(request.text)
+    fmt, verbosity = param.format, param.verbosity
     if isinstance(fmt, JsonSchemaFormat):
         echoed = s.EchoedJsonSchema(name=fmt.name, description=fmt.description, strict=bool(fmt.strict))
         return s.TextField(format=echoed, verbosity=verbosity)

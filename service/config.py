@@ -24,8 +24,15 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_loaded_models: int = 1
     weight_dtype: WeightDtype = "auto"
     prefill_step_size: int = 512
+    # KV caches of earlier prompts kept for reuse, in bytes (0 turns the prompt cache off).
+    prompt_cache_max_bytes: int = 2 * 1024**3
+    # The hottest of them kept in the data directory across restarts (0: none).
+    prompt_cache_disk_max_bytes: int = 2 * 1024**3
 
     def __post_init__(self) -> None:
+        for key in ("prompt_cache_max_bytes", "prompt_cache_disk_max_bytes"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"engine.{key} must be >= 0", param=f"engine.{key}")
         _positive("engine.max_concurrency", self.max_concurrency)
         _positive("engine.max_loaded_models", self.max_loaded_models)
         _positive("engine.prefill_step_size", self.prefill_step_size)
@@ -69,6 +76,11 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         base = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
         return Path(base) / "lmspd" / "lmspd.db"
 
+    @property
+    def prompt_cache_dir(self) -> Path:
+        """Where the engine keeps prompt caches across restarts, next to the database."""
+        return self.database_path.parent / "prompt-cache"
+
 
 class ResponsesConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """The seed's store flags (``--responses-store-max-entries`` is ``store_max_entries`` here)."""
@@ -81,6 +93,9 @@ class ResponsesConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     conversation_store_max_entries: int = 256  # 0 disables conversations
     conversation_store_max_bytes: int = 67108864  # 0 evicts transcripts at once
     conversation_store_ttl_secs: int = 3600  # 0 disables the TTL
+    # Reasoning items remembered per assistant turn so a turn sent back without one renders
+    # as generated (the seed's MLXCEL_REASONING_ECHO_MAX_BYTES; 0 disables; needs the prompt cache).
+    reasoning_echo_max_bytes: int = 16 * 1024**2
 
     def __post_init__(self) -> None:
         for key in self.__struct_fields__:
@@ -102,6 +117,7 @@ RESPONSES_FLAGS = {
     "--conversation-store-max-entries": ("conversation_store_max_entries", "LLAMA_ARG_CONVERSATION_STORE_MAX_ENTRIES"),
     "--conversation-store-max-bytes": ("conversation_store_max_bytes", "MLXCEL_CONVERSATION_STORE_MAX_BYTES"),
     "--conversation-store-ttl-secs": ("conversation_store_ttl_secs", "LLAMA_ARG_CONVERSATION_STORE_TTL_SECS"),
+    "--reasoning-echo-max-bytes": ("reasoning_echo_max_bytes", "MLXCEL_REASONING_ECHO_MAX_BYTES"),
 }
 
 
@@ -138,6 +154,8 @@ ENV_VARS = {
     "LMSPD_MAX_CONCURRENCY": "engine.max_concurrency",
     "LMSPD_MAX_LOADED_MODELS": "engine.max_loaded_models",
     "LMSPD_WEIGHT_DTYPE": "engine.weight_dtype",
+    "LMSPD_PROMPT_CACHE_MAX_BYTES": "engine.prompt_cache_max_bytes",
+    "LMSPD_PROMPT_CACHE_DISK_MAX_BYTES": "engine.prompt_cache_disk_max_bytes",
     "LMSPD_HOST": "server.host",
     "LMSPD_PORT": "server.port",
     "LMSPD_DATA_DIR": "server.data_dir",

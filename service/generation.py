@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from service import grammar
@@ -21,6 +22,14 @@ def tokenizer_for(model: ResolvedModel) -> Tokenizer:
     if key not in _TOKENIZERS:
         _TOKENIZERS[key] = Tokenizer(model.path)
     return _TOKENIZERS[key]
+
+
+def cache_key(owner: str, prompt_cache_key: str | None) -> str:
+    """The engine prompt cache's namespace: cached prefixes are shared within one client, and
+    within it by ``prompt_cache_key`` when one is given (OpenAI's hint for which requests share
+    a prefix). Never across clients: a cache hit is faster, so sharing would let one client
+    time another's prompts."""
+    return json.dumps([owner, prompt_cache_key or ""])
 
 
 def _too_long(tokens: int, model: ResolvedModel) -> ContextLengthExceededError:
@@ -72,6 +81,7 @@ def build_generate(
     stop: list[str] | None = None,
     template_kwargs: dict[str, Any] | None = None,
     logprobs: int | None = None,
+    cache_key: str = "",
 ) -> p.Generate:
     """Validate, render and tokenize; raise before any generation on bad input."""
     sampling.validate()
@@ -93,4 +103,5 @@ def build_generate(
         stop=stop or [],
         logprobs=logprobs,
         grammar=prompt.grammar if isinstance(prompt, Prompt) else None,
+        cache_key=cache_key,
     )

@@ -19,7 +19,7 @@ from service.config import Config
 from service.engine import protocol as p
 from service.engine.client import EngineClient
 from service.errors import EngineCrashedError, LmspdError, error_for
-from service.generation import build_generate, prompt_for, tokenizer_for
+from service.generation import build_generate, cache_key, prompt_for, tokenizer_for
 from service.hub import Hub
 from service.models.registry import ModelRegistry
 from service.responses import schema as s
@@ -219,6 +219,7 @@ class Supervisor:
                 generated=state.tokens,
                 stop=request.stop,
                 logprobs=request.logprobs,
+                cache_key=cache_key(task.owner, request.prompt_cache_key),
             )
             finished = await self._generate(task_id, state, cmd)
         except EngineCrashedError as exc:
@@ -230,7 +231,7 @@ class Supervisor:
             return await self._fail(task_id, state, exc.code, exc.message)
         if finished.reason == "cancelled":
             return await self._settle_cancel(task_id, state)
-        events = state.finish(finished.reason, finished.prompt_tokens)
+        events = state.finish(finished.reason, finished.prompt_tokens, finished.cached_tokens)
         if not await self._final(task_id, "succeeded", events, state):
             await self._settle_cancel(task_id, state)
 

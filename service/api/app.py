@@ -178,7 +178,8 @@ def create_app(config: Config, engine: EngineClient | None = None, shutdown: asy
         store = TaskStore(db, max_queued=config.server.max_queued_tasks)
         hub = Hub()
         registry = ModelRegistry(config)
-        supervisor = Supervisor(config, store, engine or EngineClient(config.engine), hub, registry)
+        runner = engine or EngineClient(config.engine, config.server.prompt_cache_dir)
+        supervisor = Supervisor(config, store, runner, hub, registry)
         await supervisor.start()  # recovers unfinished tasks before any request is served
         # Foreground store:false responses a crash left between their end and their release. Only
         # at start: while serving, a slow reader may still be streaming a finished one.

@@ -19,6 +19,7 @@ from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as mp_wait
+from pathlib import Path
 from typing import Any
 
 from service.config import EngineConfig
@@ -45,8 +46,9 @@ class EngineClient:
     """One engine process. It belongs to the event loop that started it: its reader thread
     hands every reply to that loop, so share a client only among users of that loop."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, cache_dir: Path | None = None) -> None:
         self.config = config
+        self.cache_dir = cache_dir  # where the prompt cache persists; None: memory only
         self.process: mp.process.BaseProcess | None = None
         self.info: p.Ready | None = None
         self._conn: Connection | None = None
@@ -75,10 +77,8 @@ class EngineClient:
             target=worker_main,
             args=(
                 child,
-                c.max_concurrency,
-                c.max_loaded_models,
-                c.weight_dtype,
-                c.prefill_step_size,
+                c,
+                str(self.cache_dir) if self.cache_dir is not None else None,
                 logging.getLogger().getEffectiveLevel(),
             ),
             name="lmspd-engine",

@@ -77,6 +77,10 @@ class Generate(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     logprobs: int | None = None
     # A llguidance (lark) grammar the output must match; None: free text.
     grammar: str | None = None
+    # The prompt cache's namespace within the model: requests share cached prefixes only
+    # with requests of the same key (the server keys by client, so no client can time
+    # another's prompts).
+    cache_key: str = ""
 
 
 class Cancel(msgspec.Struct, tag=True, frozen=True):
@@ -154,6 +158,7 @@ class Finished(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     prompt_tokens: int
     completion_tokens: int
     text: str = ""  # text held back until the end (an incomplete UTF-8 tail)
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prompt cache
 
 
 class Failed(msgspec.Struct, tag=True, frozen=True, kw_only=True):

@@ -21,6 +21,7 @@ from typing import Any
 
 import msgspec
 
+from service.config import EngineConfig
 from service.engine import protocol as p
 from service.engine.constraint import GrammarError, GrammarMask, Grammars
 from service.errors import LmspdError
@@ -170,6 +171,7 @@ class Request:
     uid: int
     detok: IncrementalDetokenizer
     completion_tokens: int
+    cached_tokens: int = 0  # leading prompt tokens whose KV came from the prompt cache
     held: str = ""  # text withheld because it may be the start of a stop string
 
 
@@ -183,6 +185,7 @@ class LoadedModel:
     context_length: int
     vocab_size: int
     weight_dtype: str
+    fingerprint: str  # the prompt cache's namespace for these weights
     requests: dict[int, Request] = field(default_factory=dict)
     pieces: TokenPieces | None = None  # built on the first request that asks for logprobs
     grammars: Grammars | None = None  # built on the first constrained request
@@ -199,14 +202,15 @@ class LoadedModel:
 
 
 class Engine:
-    def __init__(
-        self, conn: Connection, max_concurrency: int, max_loaded_models: int, weight_dtype: str, prefill_step_size: int
-    ) -> None:
+    def __init__(self, conn: Connection, config: EngineConfig, cache_dir: Path | None = None) -> None:
+        from service.engine.prompt_cache import PromptCache
+
         self.conn = conn
-        self.max_concurrency = max_concurrency
-        self.max_loaded_models = max_loaded_models
-        self.weight_dtype = weight_dtype
-        self.prefill_step_size = prefill_step_size
+        self.max_concurrency = config.max_concurrency
+        self.max_loaded_models = config.max_loaded_models
+        self.weight_dtype = config.weight_dtype
+        self.prefill_step_size = config.prefill_step_size
+        self.prompt_cache = PromptCache(config.prompt_cache_max_bytes, cache_dir, config.prompt_cache_disk_max_bytes)
         self.models: OrderedDict[str, LoadedModel] = OrderedDict()  # least recently used first
         self.waiting: deque[p.Generate] = deque()  # requests for a model that cannot load yet
         self.by_id: dict[str, tuple[LoadedModel, Request]] = {}
@@ -249,6 +253,7 @@ class Engine:
             for reply in self.finished:
                 self.send(reply)
             self.finished.clear()
+            self.prompt_cache.flush(idle=not self.by_id and not self.waiting)
 
     def _handle_safely(self, data: bytes) -> None:
         """One bad command fails alone; it never takes the engine down."""
@@ -301,6 +306,7 @@ class Engine:
         from mlx_lm.generate import BatchGenerator
         from mlx_lm.utils import load_model
 
+        from service.engine.prompt_cache import model_fingerprint
         from service.engine.weights import apply_weight_dtype
 
         self._evict_for_one()
@@ -317,8 +323,10 @@ class Engine:
         )
         ctx = context_length_of(config)
         vocab = int(config.get("vocab_size") or model.model.embed_tokens.weight.shape[0])
-        lm = LoadedModel(name, path, model, Tokenizer(Path(path)), batch, ctx, vocab, dtype)
+        fingerprint = model_fingerprint(Path(path))
+        lm = LoadedModel(name, path, model, Tokenizer(Path(path)), batch, ctx, vocab, dtype, fingerprint)
         self.models[name] = lm
+        self.prompt_cache.load(fingerprint)
         self.send(p.ModelLoaded(model=name, weight_dtype=dtype, seconds=time.perf_counter() - start))
         return lm
 
@@ -417,14 +425,20 @@ class Engine:
                 temp=s.temperature, top_p=s.top_p if s.top_p < 1.0 else 0.0, top_k=s.top_k, min_p=s.min_p
             )
         stops = StopSequences([[t] for t in cmd.stop_token_ids] or None)
+        hit = self.prompt_cache.fetch((lm.fingerprint, cmd.cache_key), tokens)
         (uid,) = lm.batch.insert(
-            [tokens],
+            [tokens[hit.cached :]],
             max_tokens=[remaining],
+            caches=[hit.cache] if hit.cache is not None else None,
+            # What the cache already holds: the batch reports it back with the finished cache.
+            all_tokens=[tokens[: hit.cached]],
             samplers=[sampler],
             logits_processors=[list(processors)],
             stop_sequences=[stops],
         )
         req = Request(cmd, uid, IncrementalDetokenizer(lm.tokenizer, cmd.generated), len(cmd.generated))
+        # A resumed request's cached tokens are counted against its prompt only.
+        req.cached_tokens = min(hit.cached, len(cmd.prompt))
         lm.requests[uid] = req
         self.by_id[cmd.request_id] = (lm, req)
 
@@ -445,7 +459,7 @@ class Engine:
         if found is None:
             return  # already finished: its Finished reply is on its way
         lm, req = found
-        lm.batch.remove([req.uid])
+        self._remove(lm, req)
         self._finish(lm, req, "cancelled")
 
     def _finish(self, lm: LoadedModel, req: Request, reason: p.FinishReason, text: str = "") -> None:
@@ -457,6 +471,7 @@ class Engine:
                 reason=reason,
                 prompt_tokens=len(req.cmd.prompt),
                 completion_tokens=req.completion_tokens,
+                cached_tokens=req.cached_tokens,
                 text=text,
             )
         )
@@ -479,6 +494,8 @@ class Engine:
             live = [(r, req) for r, req in live if req.cmd.logprobs is None]
             scored = {}
         for r, req in live:
+            if r.finish_reason is not None and r.prompt_cache is not None:
+                self.prompt_cache.store((lm.fingerprint, req.cmd.cache_key), r.all_tokens, r.prompt_cache)
             self._on_token(lm, req, r.token, r.finish_reason, deltas, scored.get(r.uid))
 
     @staticmethod
@@ -522,7 +539,8 @@ class Engine:
             logprobs = None if req.cmd.logprobs is None else ([logprob] if ids and logprob else [])
             deltas.append(p.Delta(req.cmd.request_id, ids, text, logprobs))
         if hit:
-            lm.batch.remove([req.uid])  # a no-op when the batch already finished it
+            if finish is None:
+                self._remove(lm, req)
             self._finish(lm, req, "stop")
         elif finish is not None:
             # No stop string matched after all: the held-back text is output.
@@ -543,6 +561,14 @@ class Engine:
         req.held = pending[len(pending) - keep :] if keep else ""
         return pending[: len(pending) - keep], False
 
+    def _remove(self, lm: LoadedModel, req: Request) -> None:
+        """Take a request out of the batch, keeping what its KV cache holds for later prompts."""
+        found = lm.batch.remove([req.uid], return_prompt_caches=self.prompt_cache.enabled)
+        if req.uid in found:
+            cache, tokens = found[req.uid]
+            if tokens and len(tokens) > req.cached_tokens:  # only a cache that learnt something
+                self.prompt_cache.store((lm.fingerprint, req.cmd.cache_key), tokens, cache)
+
     def _drop(self, lm: LoadedModel, req: Request, message: str) -> None:
         lm.batch.remove([req.uid])
         del lm.requests[req.uid]
@@ -558,14 +584,7 @@ class Engine:
         lm.batch.close()
 
 
-def main(
-    conn: Connection,
-    max_concurrency: int,
-    max_loaded_models: int,
-    weight_dtype: str,
-    prefill_step_size: int,
-    log_level: int = logging.INFO,
-) -> None:
+def main(conn: Connection, config: EngineConfig, cache_dir: str | None, log_level: int = logging.INFO) -> None:
     """Entry point of the spawned engine process."""
     logging.basicConfig(level=log_level, format="%(asctime)s engine %(levelname)s %(message)s")
-    Engine(conn, max_concurrency, max_loaded_models, weight_dtype, prefill_step_size).run()
+    Engine(conn, config, Path(cache_dir) if cache_dir else None).run()

@@ -143,8 +143,9 @@ class ResponseState:
         self._unsaved.extend(tokens)
         return self._events(self.outputs.feed(text, logprobs or []))
 
-    def finish(self, reason: str, prompt_tokens: int) -> list[EventBuilder]:
-        """The closing events; ``reason`` is the engine's ("stop" or "length")."""
+    def finish(self, reason: str, prompt_tokens: int, cached_tokens: int = 0) -> list[EventBuilder]:
+        """The closing events; ``reason`` is the engine's ("stop" or "length"); ``cached_tokens``
+        of the prompt came from the prompt cache."""
         complete = reason == "stop"
         status: Status = "completed" if complete else "incomplete"
         factories = self.outputs.finish()
@@ -152,7 +153,10 @@ class ResponseState:
         if not self.outputs.items:  # an empty answer is still a message
             factories += self.outputs.open_message() + self.outputs.close(status)
         usage = s.Usage(
-            input_tokens=prompt_tokens, output_tokens=len(self.tokens), total_tokens=prompt_tokens + len(self.tokens)
+            input_tokens=prompt_tokens,
+            output_tokens=len(self.tokens),
+            total_tokens=prompt_tokens + len(self.tokens),
+            input_tokens_details=s.InputTokensDetails(cached_tokens),
         )
         response = self._snapshot(
             status=status,

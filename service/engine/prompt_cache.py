@@ -1,0 +1,224 @@
+"""The prompt (prefix) cache: KV caches of earlier sequences, reused by requests that start
+with the same tokens, so the next turn of a conversation prefills only its new part.
+
+The cache itself is mlx-lm's ``LRUPromptCache`` (a token trie, LRU, bounded by bytes;
+a longer entry is trimmed to the common prefix when that is the best match). This module
+adds what a long-lived service needs around it: one namespace per model and client (a
+shared prefix answers faster, which is a timing side channel between clients), at least one
+token always left to prefill (the model must produce the next logits), and a disk copy of the
+hottest entries that survives restarts and engine crashes. Disk files are written atomically
+and named by their SHA-256, so a torn, corrupt or foreign file is detected and ignored.
+
+Only the engine process imports this module (it imports MLX).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mlx_lm.models.cache import (
+    LRUPromptCache,
+    can_trim_prompt_cache,
+    load_prompt_cache,
+    save_prompt_cache,
+    trim_prompt_cache,
+)
+
+log = logging.getLogger("lmspd.engine.cache")
+
+FORMAT = "lmspd-prompt-cache-1"
+SUFFIX = ".safetensors"
+# Entries, at most, whatever their size: the trie and the LRU bookkeeping stay small.
+MAX_ENTRIES = 1024
+# Written while the engine is busy only when this long has passed since the last write.
+BUSY_FLUSH_SECS = 30.0
+
+Namespace = tuple[str, str]  # (model fingerprint, client cache key)
+Key = tuple[Namespace, tuple[int, ...]]
+
+
+@dataclass
+class Hit:
+    cache: list[Any] | None  # the KV cache to continue from; None: start from scratch
+    cached: int  # leading tokens whose KV comes from the cache
+
+
+def model_fingerprint(model_dir: Path) -> str:
+    """Identifies a model's weights: cached KV is only valid for exactly these."""
+    h = hashlib.sha256(str(model_dir.resolve()).encode())
+    with contextlib.suppress(OSError):
+        h.update((model_dir / "config.json").read_bytes())
+    for f in sorted(model_dir.glob("*.safetensors")):
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:32]
+
+
+class PromptCache:
+    def __init__(self, max_bytes: int, directory: Path | None = None, disk_max_bytes: int = 0) -> None:
+        self.enabled = max_bytes > 0
+        self.lru = LRUPromptCache(max_size=MAX_ENTRIES, max_bytes=max_bytes)
+        self.disk = DiskCache(directory, disk_max_bytes) if directory is not None and disk_max_bytes > 0 else None
+        self.dirty: OrderedDict[Key, None] = OrderedDict()
+        self.flushed_at = time.monotonic()
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.lru.nbytes)
+
+    def fetch(self, namespace: Namespace, tokens: list[int]) -> Hit:
+        """The longest cached prefix of ``tokens`` (a copy), leaving at least one token to run."""
+        if not self.enabled or len(tokens) < 2:
+            return Hit(None, 0)
+        cache, rest = self.lru.fetch_nearest_cache(namespace, tokens)
+        if cache is None:
+            return Hit(None, 0)
+        if not rest:  # the whole sequence is cached, but its last token must still give logits
+            if not can_trim_prompt_cache(cache):
+                return Hit(None, 0)
+            trim_prompt_cache(cache, 1)
+            rest = tokens[-1:]
+        return Hit(cache, len(tokens) - len(rest))
+
+    def store(self, namespace: Namespace, tokens: list[int], cache: list[Any]) -> None:
+        """Keep the KV of ``tokens`` (every token the model has seen, in order)."""
+        if not self.enabled or not tokens or not cache:
+            return
+        self.lru.insert_cache(namespace, list(tokens), cache)
+        key = (namespace, tuple(tokens))
+        self.dirty[key] = None
+        self.dirty.move_to_end(key)
+
+    def _entry(self, key: Key) -> Any | None:
+        # mlx-lm exposes no lookup by exact key; its trie is the one source of truth.
+        try:
+            return self.lru._trie.get(key[0], list(key[1]))
+        except KeyError:
+            return None
+
+    # --- disk -----------------------------------------------------------------------------------
+
+    def load(self, fingerprint: str) -> int:
+        """Bring a model's disk entries into memory (oldest first, so the newest stay hottest)."""
+        if self.disk is None or not self.enabled:
+            return 0
+        loaded = 0
+        for key, cache in self.disk.load(fingerprint):
+            self.lru.insert_cache(key[0], list(key[1]), cache)
+            loaded += 1
+        return loaded
+
+    def flush(self, idle: bool) -> None:
+        """Write new entries to disk: whenever the engine is idle, and while it is busy at most
+        every BUSY_FLUSH_SECS (a write stalls decoding for as long as it takes)."""
+        if self.disk is None or not self.dirty:
+            return
+        if not idle and time.monotonic() - self.flushed_at < BUSY_FLUSH_SECS:
+            return
+        self.flushed_at = time.monotonic()
+        dirty, self.dirty = self.dirty, OrderedDict()
+        for key in dirty:
+            entry = self._entry(key)
+            if entry is not None:  # evicted or superseded by a longer entry since: skip
+                self.disk.write(key, entry.prompt_cache)
+        self.disk.prune(keep=lambda key: self._entry(key) is not None)
+
+
+class DiskCache:
+    """``<dir>/<model fingerprint>/<sha256 of the file>.safetensors``, newest kept within bytes."""
+
+    def __init__(self, directory: Path, max_bytes: int) -> None:
+        self.directory = directory
+        self.max_bytes = max_bytes
+        self.files: dict[Key, Path] = {}
+
+    def write(self, key: Key, cache: list[Any]) -> None:
+        namespace, tokens = key
+        folder = self.directory / namespace[0]
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            tmp = folder / f".tmp-{os.getpid()}{SUFFIX}"
+            metadata = {"format": FORMAT, "model": namespace[0], "namespace": namespace[1]}
+            metadata["tokens"] = json.dumps(tokens)
+            save_prompt_cache(str(tmp), cache, metadata)
+            digest = _sha256(tmp)
+            with tmp.open("rb") as f:
+                os.fsync(f.fileno())
+            final = folder / f"{digest}{SUFFIX}"
+            os.replace(tmp, final)  # atomic: a reader sees the whole file or none
+            old = self.files.pop(key, None)
+            if old is not None and old != final:
+                old.unlink(missing_ok=True)
+            self.files[key] = final
+        except OSError as exc:
+            log.warning("prompt cache not written to %s: %s", folder, exc)
+
+    def prune(self, keep: Any) -> None:
+        """Drop files whose entries left memory, then the oldest beyond the byte budget."""
+        for key, path in list(self.files.items()):
+            if not keep(key):
+                path.unlink(missing_ok=True)
+                del self.files[key]
+        sized = []
+        for key, path in self.files.items():
+            with contextlib.suppress(OSError):
+                st = path.stat()
+                sized.append((st.st_mtime_ns, st.st_size, key, path))
+        total = 0
+        for _, size, key, path in sorted(sized, reverse=True):  # newest first
+            total += size
+            if total > self.max_bytes:
+                path.unlink(missing_ok=True)
+                del self.files[key]
+
+    def load(self, fingerprint: str) -> list[tuple[Key, list[Any]]]:
+        folder = self.directory / fingerprint
+        if not folder.is_dir():
+            return []
+        found = []
+        paths = sorted(folder.glob(f"*{SUFFIX}"), key=lambda f: f.stat().st_mtime_ns)
+        for path in paths:
+            if path.name.startswith(".tmp-"):  # a write that never finished
+                path.unlink(missing_ok=True)
+                continue
+            key = self._read(path, fingerprint)
+            if key is not None:
+                found.append(key)
+        if found:
+            log.info("prompt cache: %d entries loaded from %s", len(found), folder)
+        return found
+
+    def _read(self, path: Path, fingerprint: str) -> tuple[Key, list[Any]] | None:
+        try:
+            if _sha256(path) != path.name.removesuffix(SUFFIX):
+                raise ValueError("its checksum does not match its contents")
+            cache, metadata = load_prompt_cache(str(path), return_metadata=True)
+            if metadata.get("format") != FORMAT or metadata.get("model") != fingerprint:
+                raise ValueError("it was not written by lmspd for this model")
+            tokens = json.loads(metadata["tokens"])
+            if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+                raise ValueError("its token list is malformed")
+            key: Key = ((fingerprint, str(metadata.get("namespace", ""))), tuple(tokens))
+        except Exception as exc:  # never trusted: any failure means the file is not used
+            log.warning("prompt cache file %s ignored and removed: %s", path, exc)
+            path.unlink(missing_ok=True)
+            return None
+        self.files[key] = path
+        return key, cache
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()

@@ -237,6 +237,32 @@ def test_stored_responses_survive_kill_and_restart(server: Server, client: opena
     assert interrupted.status == "failed" and interrupted.error.code == "server_restarted"  # type: ignore[union-attr]
 
 
+def cache_files(server: Server) -> set[Path]:
+    folder = server.config.parent / "data" / "prompt-cache"
+    return {f for f in folder.rglob("*.safetensors") if not f.name.startswith(".")}  # not mid-write
+
+
+def test_the_next_turn_reuses_the_prompt_cache_even_after_kill_9(server: Server, client: openai.OpenAI) -> None:
+    kw: dict[str, Any] = {"temperature": 0, "max_output_tokens": 8}
+    first = client.responses.create(input="Tell me about rivers.", **kw)
+    assert first.usage is not None and first.usage.input_tokens_details.cached_tokens == 0
+    before = cache_files(server)
+    second = client.responses.create(input="And lakes?", previous_response_id=first.id, **kw)
+    assert second.usage is not None
+    # At least turn 1's prompt comes from the cache (its answer too, where it re-tokenizes the same).
+    assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
+    deadline = time.monotonic() + 60
+    while not cache_files(server) - before:  # written to disk once the engine is idle
+        assert time.monotonic() < deadline, "the prompt cache was never written"
+        time.sleep(0.05)
+    server.kill9()
+    server.start()
+    again = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+    third = again.responses.create(input="And seas?", previous_response_id=second.id, **kw)
+    assert third.usage is not None
+    assert third.usage.input_tokens_details.cached_tokens >= second.usage.input_tokens
+
+
 def test_many_requests_at_once_all_succeed(client: openai.OpenAI) -> None:
     from concurrent.futures import ThreadPoolExecutor
 

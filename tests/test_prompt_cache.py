@@ -117,6 +117,19 @@ async def test_the_next_turn_prefills_only_its_new_part_and_gives_the_same_token
     assert answer == expected
 
 
+async def test_cached_and_fresh_requests_share_one_batch(
+    warm: EngineClient, cold: EngineClient, tiny: ResolvedModel, key: str
+) -> None:
+    _, two = await two_turns(warm, tiny, key)
+    fresh = [*first_prompt(tiny)[:-3], 42, 43, 44]
+    (hit, hit_fin), (new, new_fin) = await asyncio.gather(
+        run(warm, command(tiny, two, key=key)), run(warm, command(tiny, fresh, key=key + "-fresh"))
+    )
+    assert hit_fin.cached_tokens > 0 and new_fin.cached_tokens == 0
+    assert hit == (await run(cold, command(tiny, two)))[0]
+    assert new == (await run(cold, command(tiny, fresh)))[0]
+
+
 async def test_an_exact_repeat_still_runs_its_last_token(
     warm: EngineClient, cold: EngineClient, tiny: ResolvedModel, key: str
 ) -> None:

@@ -97,6 +97,7 @@ class PromptCache:
         key = (namespace, tuple(tokens))
         self.dirty[key] = None
         self.dirty.move_to_end(key)
+        log.info("prompt cache: %d entries, %d bytes of %d", len(self.lru), self.nbytes, self.lru.max_bytes)
 
     def _entry(self, key: Key) -> Any | None:
         # mlx-lm exposes no lookup by exact key; its trie is the one source of truth.

@@ -146,3 +146,31 @@ def test_the_summary_renders_with_every_template(tmp_path: Path, smol_dir: Path,
     assert "SUMMARY-XYZ" in text and "KEPT-Q" in text and "INSTR" in text
     assert "old question" not in text and "old answer" not in text
     assert text.index("SUMMARY-XYZ") < text.index("KEPT-Q")
+
+
+def test_a_committed_compaction_is_rebuilt_from_the_event_log() -> None:
+    """What a resumed task reads back: the compaction is done, the item is output 0, the
+    answer's items follow it."""
+    from service.responses.builder import ResponseState
+    from service.store.tasks import Event, TaskRecord
+
+    content = compaction_item("S", [user("q")])["encrypted_content"]
+    state = ResponseState(s.Response(id="resp_1", created_at=0, status="in_progress", model="m"))
+    task = TaskRecord(
+        id="task_1", owner="o", type="response", status="running", on_restart="resume", request=b"{}",
+        response_id="resp_1", response=None, error=None, attempt=1, next_seq=0, events_expired=0,
+        created_at=0, updated_at=0, finished_at=None,
+    )  # fmt: skip
+    builders = [*state.created(), *state.compaction_begins(50), *state.compaction_done("cmp_1", content, 50, 20)]
+    log = [Event(seq, ev.type, ev.data) for seq, ev in enumerate(b(task, i) for i, b in enumerate(builders))]
+    assert [e.type for e in log][1:] == [
+        "mlx.compaction.started",
+        "mlx.compaction.completed",
+        "response.output_item.added",
+        "response.output_item.done",
+    ]
+    rebuilt = ResponseState.from_events(log)
+    assert rebuilt.compaction_started == 50 and rebuilt.outputs.compacted
+    assert rebuilt.outputs.items[0].text == content and not rebuilt.outputs.answered
+    rebuilt.finish("stop", 20)  # an empty answer is still a message, after the compaction item
+    assert [type(i).__name__ for i in rebuilt.response.output] == ["Compaction", "OutputMessage"]

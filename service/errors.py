@@ -100,6 +100,15 @@ class ContextLengthExceededError(InvalidRequestError):
     openai_code = "context_length_exceeded"
 
 
+class InvalidPromptError(InvalidRequestError):
+    """The prompt could not be made (seed: a failed job's ``invalid_prompt``, e.g. automatic
+    compaction refused the history)."""
+
+    code = "invalid_prompt"
+    title = "Invalid prompt"
+    openai_code = "invalid_prompt"
+
+
 class MethodNotAllowedError(InvalidRequestError):
     status = 405
     title = "Method not allowed"

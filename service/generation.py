@@ -38,8 +38,10 @@ def _too_long(tokens: int, model: ResolvedModel) -> ContextLengthExceededError:
     )
 
 
-def prompt_for(model: ResolvedModel, request: ResponseRequest, history: list[Item]) -> Prompt:
-    return build_prompt(tokenizer_for(model), request, history)
+def prompt_for(
+    model: ResolvedModel, request: ResponseRequest, history: list[Item], after: list[Item] | None = None
+) -> Prompt:
+    return build_prompt(tokenizer_for(model), request, history, after)
 
 
 def _text(tok: Tokenizer, prompt: Prompt | list[dict[str, Any]], template_kwargs: dict[str, Any] | None) -> str:
@@ -51,6 +53,8 @@ def check_request(
     prompt: Prompt | list[dict[str, Any]],
     sampling: p.SamplingParams,
     template_kwargs: dict[str, Any] | None = None,
+    *,
+    check_length: bool = True,
 ) -> int | None:
     """Intake's check: what ``build_generate`` would reject, tokenizing only when needed.
 
@@ -63,7 +67,7 @@ def check_request(
         grammar.check_lark(prompt.grammar, prompt.grammar_param)
     tok = tokenizer_for(model)
     rendered = _text(tok, prompt, template_kwargs)
-    if len(rendered.encode()) + 8 < model.context_length:
+    if not check_length or len(rendered.encode()) + 8 < model.context_length:
         return None
     if (tokens := len(tok.encode(rendered))) >= model.context_length:
         raise _too_long(tokens, model)

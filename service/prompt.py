@@ -15,6 +15,7 @@ from typing import Any
 
 from service import grammar
 from service.errors import InvalidRequestError
+from service.responses.compaction import expand, fold_summary
 from service.responses.inputs import Item, to_messages
 from service.responses.output_parser import OutputParser, infer_tool_format, think_markers
 from service.responses.schema import ResponseRequest
@@ -79,13 +80,17 @@ def traits(tok: Tokenizer) -> Traits:
     return Traits(think_markers(tok.vocab), native, tool_format)
 
 
-def build_prompt(tok: Tokenizer, request: ResponseRequest, history: list[Item]) -> Prompt:
+def build_prompt(
+    tok: Tokenizer, request: ResponseRequest, history: list[Item], after: list[Item] | None = None
+) -> Prompt:
+    """``after``: items that follow the request's own (a compaction item made for this turn)."""
     options = request.tool_options()
     model = traits(tok)
     think, native, tool_format = model.think, model.native_tools, model.tool_format
-    messages = to_messages([*history, *request.items()], native_tools=native, think=think)
+    expanded = expand([*history, *request.items(), *(after or [])])
+    messages = to_messages(expanded.items, native_tools=native, think=think)
     kwargs = dict(request.chat_template_kwargs or {})
-    system = request.instructions
+    system = fold_summary(request.instructions, expanded.summary)
     if options.active:
         if native:
             kwargs["tools"] = [_chat_tool(t) for t in options.tools]

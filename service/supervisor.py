@@ -14,17 +14,21 @@ import contextlib
 import logging
 
 import msgspec
+import ulid
 
+from service import compactor
 from service.config import Config
 from service.engine import protocol as p
 from service.engine.client import EngineClient
-from service.errors import EngineCrashedError, LmspdError, error_for
+from service.errors import ContextLengthExceededError, EngineCrashedError, InvalidPromptError, LmspdError, error_for
 from service.generation import build_generate, cache_key, prompt_for, tokenizer_for
 from service.hub import Hub
-from service.models.registry import ModelRegistry
+from service.models.registry import ModelRegistry, ResolvedModel
 from service.responses import schema as s
 from service.responses.builder import ResponseState
+from service.responses.compaction import default_keep_tokens
 from service.responses.history import history as history_for
+from service.responses.inputs import CompactionItem, Item
 from service.responses.schema import TaskRequest
 from service.store.status import TaskStatus
 from service.store.tasks import Event, EventBuilder, TaskRecord, TaskStore
@@ -142,6 +146,7 @@ class Supervisor:
     async def cancel(self, task_id: str) -> None:
         """The task went to ``cancelling``: stop its generation (it then becomes ``cancelled``)."""
         await self.engine.cancel(task_id)
+        await self.engine.cancel(summary_id(task_id))
         if task_id not in self.running:
             self.wake()
 
@@ -158,6 +163,7 @@ class Supervisor:
         finally:
             self.running.pop(task_id, None)
             self.engine.forget(task_id)  # a cancel that came before a Generate that never went
+            self.engine.forget(summary_id(task_id))
             self.hub.notify(task_id)
             self.wake()
 
@@ -207,14 +213,23 @@ class Supervisor:
             history = await history_for(
                 self.store, task.owner, task.previous_response_id, task.conversation, before=task.id
             )
-            prompt = await asyncio.to_thread(prompt_for, model, request, history)
+            max_tokens = request.max_output_tokens or self.config.server.default_max_output_tokens
+            after: list[Item] = []
+            if (threshold := request.compact_threshold()) is not None:
+                compacted = await self._compaction(task_id, state, model, request, history, threshold)
+                if compacted is None:
+                    return await self._settle_cancel(task_id, state)
+                after, input_tokens = compacted
+                # Generation is capped by the context left after the prompt (length: incomplete).
+                max_tokens = min(max_tokens, model.context_length - input_tokens)
+            prompt = await asyncio.to_thread(prompt_for, model, request, history, after)
             # A resumed task: the parser catches up with the text already generated.
             state.outputs.attach(prompt.parser(), tokenizer_for(model).decode(state.tokens))
             cmd = build_generate(
                 model,
                 prompt,
                 request_id=task_id,
-                max_tokens=request.max_output_tokens or self.config.server.default_max_output_tokens,
+                max_tokens=max_tokens,
                 sampling=request.sampling(),
                 generated=state.tokens,
                 stop=request.stop,
@@ -234,6 +249,56 @@ class Supervisor:
         events = state.finish(finished.reason, finished.prompt_tokens, finished.cached_tokens)
         if not await self._final(task_id, "succeeded", events, state):
             await self._settle_cancel(task_id, state)
+
+    async def _compaction(
+        self,
+        task_id: str,
+        state: ResponseState,
+        model: ResolvedModel,
+        request: TaskRequest,
+        history: list[Item],
+        threshold: int,
+    ) -> tuple[list[Item], int] | None:
+        """``context_management``: compact the history before generating when the rendered
+        input reaches the threshold or leaves no room for output. Returns the items that
+        follow the request's own (the compaction item, or none) and the input's tokens;
+        None if the task was cancelled meanwhile. Durable: once ``mlx.compaction.completed``
+        and the item are committed, a resumed task reuses them."""
+        if state.outputs.compacted:
+            done = state.outputs.items[0]
+            after: list[Item] = [CompactionItem(type="compaction", id=done.id, encrypted_content=done.text)]
+            return after, await asyncio.to_thread(compactor.count, model, request, history, after)
+        before = await asyncio.to_thread(compactor.count, model, request, history)
+        if before < min(threshold, model.context_length - 1):
+            return [], before
+        if state.compaction_started is None:
+            await self._commit(task_id, state.compaction_begins(before))
+        # The verbatim tail and the summary each get at most a quarter of the threshold, so the
+        # compacted input lands well below it and the next turn does not compact again at once.
+        keep = min(default_keep_tokens(model.context_length), max(1, threshold // 4))
+        item_id = f"cmp_{ulid.new()}"
+        try:
+            prepared = await asyncio.to_thread(
+                compactor.prepare,
+                model,
+                request,
+                history,
+                keep_tokens=keep,
+                max_summary_tokens=min(1024, max(1, threshold // 4)),
+                request_id=summary_id(task_id),
+                before=before,
+            )
+            summary, finished = await compactor.summarize(self.engine, model, prepared.generate)
+            if finished.reason == "cancelled":
+                return None
+            item = compactor.item(prepared, summary, item_id)
+            input_tokens = await asyncio.to_thread(compactor.count, model, request, history, [item])
+            compactor.require_shorter(before, input_tokens)
+        except ContextLengthExceededError as exc:
+            # Seed: a job whose automatic compaction refused the request fails invalid_prompt.
+            raise InvalidPromptError(f"compaction failed: {exc.message}", param=exc.param) from exc
+        await self._commit(task_id, state.compaction_done(item_id, item.encrypted_content, before, input_tokens))
+        return [item], input_tokens
 
     async def _generate(self, task_id: str, state: ResponseState, cmd: p.Generate) -> p.Finished:
         """Stream the generation, committing each batch of deltas before it is published."""
@@ -272,3 +337,8 @@ class Supervisor:
             producer.cancel()
             with contextlib.suppress(BaseException):
                 await producer
+
+
+def summary_id(task_id: str) -> str:
+    """The engine request id of a task's compaction summary (cancelled with the task)."""
+    return f"{task_id}.compaction"

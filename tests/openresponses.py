@@ -33,6 +33,12 @@ RENAMED_EVENTS = {
     "response.reasoning_text.done": ("response.reasoning.done", "ResponseReasoningDoneStreamingEvent"),
 }
 
+# Vendor events (seed "압축"), not in the Open Responses schema: their integer fields.
+VENDOR_EVENTS = {
+    "mlx.compaction.started": ("input_tokens",),
+    "mlx.compaction.completed": ("input_tokens_before", "input_tokens_after"),
+}
+
 
 @cache
 def _validator(name: str) -> jsonschema.Draft202012Validator:
@@ -57,5 +63,8 @@ def validate_event(event: dict[str, Any]) -> None:
         validate("ResponseResource", event["response"])
     elif etype == "lmsp.attempt.restarted":
         assert set(event) == {"type", "sequence_number", "attempt", "reason"}
+    elif etype in VENDOR_EVENTS:  # the seed's compaction events: not in Open Responses
+        assert set(event) == {"type", "sequence_number", "response_id", *VENDOR_EVENTS[etype]}
+        assert all(isinstance(event[k], int) and event[k] >= 0 for k in VENDOR_EVENTS[etype])
     else:
         raise AssertionError(f"unexpected event type {etype}")

@@ -4,7 +4,7 @@
 /lmsp/v1/capabilities, /lmsp/v1/models    discovery (LMSP 10)
 /lmsp/v1/tasks[...]                       durable tasks (LMSP 7)  -> service.api.tasks
 /lmsp/v1/tasks/{id}/events                event stream (LMSP 6.4) -> service.api.events
-/v1/responses[...], /lmsp/v1/responses     OpenAI Responses API    -> service.api.responses
+/v1/responses[...], /lmsp/v1/responses[/compact]  OpenAI Responses API -> service.api.responses
 /v1/chat/completions                      Chat Completions view   -> service.api.chat
 Every handler translates HTTP to one call of the service layer, service.core.Core.
 """
@@ -117,6 +117,7 @@ def _openai_routes(prefix: str) -> list[Route]:
     return [
         Route(f"{prefix}/responses", responses.create_response, methods=["POST"]),
         Route(f"{prefix}/responses/input_tokens", responses.input_tokens, methods=["POST"]),
+        Route(f"{prefix}/responses/compact", responses.compact, methods=["POST"]),
         Route(f"{prefix}/responses/{{response_id}}", responses.get_response, methods=["GET"]),
         Route(f"{prefix}/responses/{{response_id}}", responses.delete_response, methods=["DELETE"]),
         Route(f"{prefix}/responses/{{response_id}}/cancel", responses.cancel_response, methods=["POST"]),
@@ -137,6 +138,7 @@ ROUTES = [
     Route("/lmsp/v1/tasks/{task_id}/cancel", tasks.cancel_task, methods=["POST"]),
     Route("/lmsp/v1/tasks/{task_id}/events", events.task_events, methods=["GET"]),
     Route("/lmsp/v1/responses", responses.create_response, methods=["POST"]),
+    Route("/lmsp/v1/responses/compact", responses.compact, methods=["POST"]),
     # OpenAI Responses API, with and without /v1 (errors in OpenAI's envelope)
     *_openai_routes("/v1"),
     *_openai_routes(""),

@@ -16,9 +16,10 @@ from starlette.responses import Response, StreamingResponse
 from service.api.events import SSE_HEADERS, openai_stream, resume_point, unless_disconnected
 from service.api.state import state_of
 from service.api.wire import decode, fingerprint, idempotency_key, read_body
+from service.core import Core
 from service.responses import items as input_items_of
 from service.responses import schema as s
-from service.store.tasks import Event
+from service.store.tasks import Event, TaskRecord
 
 T = TypeVar("T")
 
@@ -46,6 +47,12 @@ async def create_response(request: Request) -> Response:
     task, _ = await app.core.submit(owner, req, kind="response", idempotency=(key, fingerprint(body)) if key else None)
     if req.background:
         return _raw_json(await app.core.snapshot(task))
+    if req.compact_threshold() is not None:
+        # Compaction ends before the stream opens or the answer is awaited: a refusal is a 400.
+        past = await unless_disconnected(request, _past_compaction(app.core, task))
+        if past is None:
+            app.core.abandon(task)
+            return Response(status_code=499)
     if req.stream:
         stream = openai_stream(app.core, task, -1, render, own=True)
         return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
@@ -56,6 +63,23 @@ async def create_response(request: Request) -> Response:
     data = await app.core.snapshot(final)
     await app.core.release(final)
     return _raw_json(data)
+
+
+async def _past_compaction(core: Core, task: TaskRecord) -> bool:
+    await core.past_compaction(task)
+    return True
+
+
+async def compact(request: Request) -> Response:
+    """``POST /v1/responses/compact``: one compaction item for the history sent (nothing stored)."""
+    app = state_of(request)
+    owner = app.auth.owner(request)
+    body = decode(await read_body(request, app.config.server.max_body_bytes), s.CompactRequest)
+    body.validate()
+    result = await unless_disconnected(request, app.core.compact(owner, body))
+    if result is None:
+        return Response(status_code=499)  # nobody is listening; the generation was cancelled
+    return _json(result)
 
 
 def openai_frame(ev: Event) -> bytes:

@@ -17,9 +17,12 @@ from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 import msgspec
+import ulid
 
+from service import compactor
 from service.config import Config
 from service.errors import (
+    ContextLengthExceededError,
     InvalidRequestError,
     LmspdError,
     NotFoundError,
@@ -29,10 +32,12 @@ from service.errors import (
 from service.generation import check_request, prompt_for, tokenizer_for
 from service.hub import Hub
 from service.models.registry import ModelInfo, ModelRegistry
+from service.responses import items as listed
 from service.responses import schema as s
 from service.responses.builder import ResponseState, initial_response
+from service.responses.compaction import default_keep_tokens
 from service.responses.history import history
-from service.responses.inputs import Item
+from service.responses.inputs import Item, item_json
 from service.store.status import ACTIVE, TERMINAL, OnRestart
 from service.store.tasks import Event, NewEvent, ResponseFields, TaskRecord, TaskStore
 from service.supervisor import Supervisor
@@ -54,6 +59,9 @@ class Core:
         self.accepting = True
         self._limits_enforced_at = 0.0
         self._chores: set[asyncio.Task[None]] = set()  # abandoned requests still settling
+        # /responses/compact generations go straight to the engine (nothing durable to keep):
+        # at most as many at once as the engine runs, so they queue here, not in the engine.
+        self._compactions = asyncio.Semaphore(config.engine.max_concurrency)
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -164,7 +172,9 @@ class Core:
         if model is None:  # fetched when the task runs
             sampling.validate()
         else:
-            check_request(model, prompt_for(model, request, turns), sampling)
+            # With context_management, a prompt too long is compacted (or the task fails).
+            check = request.compact_threshold() is None
+            check_request(model, prompt_for(model, request, turns), sampling, check_length=check)
 
     async def input_tokens(self, owner: str, request: s.ResponseRequest) -> int:
         turns = await history(self.store, owner, request.previous_response_id, request.conversation_id)
@@ -177,6 +187,69 @@ class Core:
 
     def models(self) -> list[ModelInfo]:
         return self.registry.list()
+
+    # --- compaction -----------------------------------------------------------------------------
+
+    async def compact(self, owner: str, body: s.CompactRequest) -> dict[str, Any]:
+        """``POST /v1/responses/compact``: summarize the history in ``body.input`` into one
+        compaction item. Stores nothing; the summary is one greedy generation on the engine."""
+        if not self.accepting:
+            raise ServerOverloadedError("the server is shutting down")
+        request = body.request()
+        model_name = body.model or self.config.default_model
+        response_id, item_id = f"resp_{ulid.new()}", f"cmp_{ulid.new()}"
+        created_at = int(time.time())
+
+        def prepare() -> tuple[Any, compactor.Prepared]:
+            model = self.registry.resolve(model_name)
+            keep = body.keep_tokens or default_keep_tokens(model.context_length)
+            prepared = compactor.prepare(
+                model, request, [], keep_tokens=keep, max_summary_tokens=body.max_output_tokens, request_id=item_id
+            )
+            return model, prepared
+
+        model, prepared = await asyncio.to_thread(prepare)
+        async with self._compactions:
+            summary, finished = await compactor.summarize(self.supervisor.engine, model, prepared.generate)
+        if finished.reason == "cancelled":
+            raise ServerOverloadedError("the summarising generation was cancelled")
+        item = compactor.item(prepared, summary, item_id)
+        output: list[Item] = [*prepared.plan.system, *prepared.plan.preserved, item]
+
+        def check() -> None:
+            compacted = s.ResponseRequest(input=[item_json(i) for i in output], instructions=body.instructions)
+            compactor.require_shorter(prepared.before, compactor.count(model, compacted, []))
+
+        await asyncio.to_thread(check)
+        usage = s.Usage(
+            input_tokens=finished.prompt_tokens,
+            output_tokens=finished.completion_tokens,
+            total_tokens=finished.prompt_tokens + finished.completion_tokens,
+        )
+        return {
+            "id": response_id,
+            "object": "response.compaction",
+            "created_at": created_at,
+            "model": model_name,
+            "output": [listed.resource(response_id, i, it) for i, it in enumerate(output)],
+            "usage": msgspec.to_builtins(usage),
+        }
+
+    async def past_compaction(self, task: TaskRecord) -> None:
+        """A foreground request with ``context_management``: wait until its task is past
+        compaction, so a refusal is an HTTP error (seed: compaction ends before the stream
+        opens). A refused task is deleted: the client never learns its id."""
+        async for batch in self.follow(task.id, -1):
+            for ev in batch:
+                if ev.type in ("response.created", "response.queued", "response.in_progress", "mlx.compaction.started"):
+                    continue
+                if ev.type == "response.failed":
+                    final = await self.store.get(task.id)
+                    problem = msgspec.json.decode(final.error) if final.error else {}
+                    if problem.get("code") == "invalid_prompt":
+                        await self.store.delete(task.id)
+                        raise ContextLengthExceededError(str(problem.get("detail")), param="input")
+                return
 
     # --- reading --------------------------------------------------------------------------------
 

@@ -83,6 +83,8 @@ class ResponseState:
         # Generated tokens whose text produced no event yet (the parser holds it back):
         # they are stored with the next event. Lost in a crash, they are generated again.
         self._unsaved: list[int] = []
+        # Input tokens when this attempt's compaction started (its event is in the log).
+        self.compaction_started: int | None = None
 
     @classmethod
     def from_events(cls, events: Sequence[Event]) -> ResponseState:
@@ -109,6 +111,9 @@ class ResponseState:
             elif isinstance(ev, s.AttemptRestarted):
                 state.outputs.reset()
                 state.tokens = []
+                state.compaction_started = None
+            elif isinstance(ev, s.CompactionStarted):
+                state.compaction_started = ev.input_tokens
             else:
                 state.outputs.replay(ev)
             if row.tokens:
@@ -138,6 +143,21 @@ class ResponseState:
         response = self._snapshot(status="in_progress")
         return [to_builder(lambda seq: s.ResponseInProgress(sequence_number=seq, response=response))]
 
+    def compaction_begins(self, input_tokens: int) -> list[EventBuilder]:
+        self.compaction_started = input_tokens
+        response_id = self.response.id
+        return self._events(
+            [lambda seq: s.CompactionStarted(sequence_number=seq, response_id=response_id, input_tokens=input_tokens)]
+        )
+
+    def compaction_done(self, item_id: str, encrypted_content: str, before: int, after: int) -> list[EventBuilder]:
+        """``mlx.compaction.completed`` and the compaction item, committed together."""
+        response_id = self.response.id
+        completed: EventFactory = lambda seq: s.CompactionCompleted(  # noqa: E731
+            sequence_number=seq, response_id=response_id, input_tokens_before=before, input_tokens_after=after
+        )
+        return self._events([completed, *self.outputs.add_compaction(item_id, encrypted_content)])
+
     def delta(self, text: str, tokens: list[int], logprobs: list[s.LogProb] | None = None) -> list[EventBuilder]:
         self.tokens.extend(tokens)
         self._unsaved.extend(tokens)
@@ -150,7 +170,7 @@ class ResponseState:
         status: Status = "completed" if complete else "incomplete"
         factories = self.outputs.finish()
         factories += self.outputs.close(status)
-        if not self.outputs.items:  # an empty answer is still a message
+        if not self.outputs.answered:  # an empty answer is still a message
             factories += self.outputs.open_message() + self.outputs.close(status)
         usage = s.Usage(
             input_tokens=prompt_tokens,
@@ -186,5 +206,6 @@ class ResponseState:
         """A ``retry`` starts over: clients discard what they accumulated."""
         self.outputs.reset()
         self.tokens, self._unsaved = [], []
+        self.compaction_started = None
         self._snapshot(status="queued", output=[], usage=None)
         return [to_builder(lambda seq: s.AttemptRestarted(sequence_number=seq, attempt=attempt, reason=reason))]

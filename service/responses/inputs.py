@@ -7,6 +7,8 @@ An item with a ``role`` and no ``type`` is a message; assistant messages accept
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 from typing import Any, Literal
 
@@ -70,8 +72,53 @@ class ReasoningItem(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         return "\n".join(str(p.get("text", "")) for p in parts)
 
 
-Item = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
-_LATER = {"compaction", "input_image", "input_file", "input_audio"}
+class CompactionItem(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
+    """A ``compaction`` item (from ``/v1/responses/compact`` or ``context_management``): its
+    ``encrypted_content`` is base64url JSON ``{"summary": str, "items": [input items]}``, not
+    encrypted. It stands for every earlier item but the system and developer messages."""
+
+    type: Literal["compaction"]
+    encrypted_content: str
+    id: str | None = None
+    created_by: str | None = None
+
+    def payload(self) -> tuple[str, list[Item]]:
+        """The summary and the preserved items (checked when the item was parsed)."""
+        return decode_payload(self.encrypted_content, "encrypted_content")
+
+
+Item = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem | CompactionItem
+_LATER = {"input_image", "input_file", "input_audio"}
+
+
+class _Payload(msgspec.Struct, forbid_unknown_fields=True):
+    summary: str
+    items: list[Any]
+
+
+def encode_payload(summary: str, items: list[Item]) -> str:
+    """base64url (unpadded) JSON of the summary and the preserved items as input items."""
+    raw = {"summary": summary, "items": [item_json(i) for i in items]}
+    return base64.urlsafe_b64encode(msgspec.json.encode(raw)).decode().rstrip("=")
+
+
+def decode_payload(content: str, param: str) -> tuple[str, list[Item]]:
+    """The inverse of :func:`encode_payload`; any malformation is a 400 naming ``param``."""
+    try:
+        raw = base64.urlsafe_b64decode(content + "=" * (-len(content) % 4))
+        payload = msgspec.json.decode(raw, type=_Payload)
+        items = parse_items(payload.items, f"{param}.items")
+    except (binascii.Error, ValueError, msgspec.DecodeError, InvalidRequestError) as exc:
+        detail = exc.message if isinstance(exc, InvalidRequestError) else str(exc)
+        raise InvalidRequestError(f"{param} is not a compaction payload: {detail}", param=param) from None
+    if any(isinstance(i, CompactionItem) for i in items):
+        raise InvalidRequestError(f"{param}: a compaction payload cannot hold a compaction item", param=param)
+    return payload.summary, items
+
+
+def item_json(item: Item) -> dict[str, Any]:
+    """An item as input-item JSON, without the fields it does not set."""
+    return {k: v for k, v in msgspec.to_builtins(item).items() if v is not None}
 
 
 def _convert(obj: Any, kind: type[Any], param: str) -> Any:
@@ -112,6 +159,10 @@ def parse_items(raw: list[Any], param: str = "input") -> list[Item]:
             item = _convert(obj, FunctionCallOutputItem, where)
         elif itype == "reasoning":
             item = _convert(obj, ReasoningItem, where)
+        elif itype == "compaction":
+            compacted: CompactionItem = _convert(obj, CompactionItem, where)
+            decode_payload(compacted.encrypted_content, f"{where}.encrypted_content")
+            item = compacted
         elif itype in _LATER:
             raise InvalidRequestError(f"{where}: item type '{itype}' is not supported yet", param=f"{where}.type")
         else:
@@ -120,7 +171,7 @@ def parse_items(raw: list[Any], param: str = "input") -> list[Item]:
     return items
 
 
-def _text(item: MessageItem) -> str:
+def message_text(item: MessageItem) -> str:
     return item.content if isinstance(item.content, str) else "".join(_part_text(p, "input") for p in item.content)
 
 
@@ -166,15 +217,17 @@ def to_messages(
         elif isinstance(item, MessageItem):
             if item.role == "assistant":
                 message = assistant(joins=False)
-                message["content"] += _text(item)
+                message["content"] += message_text(item)
             else:
-                out.append({"role": "system" if item.role == "developer" else item.role, "content": _text(item)})
+                out.append({"role": "system" if item.role == "developer" else item.role, "content": message_text(item)})
         elif isinstance(item, FunctionCallItem):
             message = assistant(joins=True)  # a call joins the turn's text and earlier calls
             call = {"name": item.name, "arguments": item.arguments}
             message.setdefault("tool_calls", []).append({"id": item.call_id, "type": "function", "function": call})
             if not native_tools:
                 message["content"] += ("\n" if message["content"] else "") + hermes_call(item.name, item.arguments)
+        elif isinstance(item, CompactionItem):
+            raise ValueError("compaction items are expanded before rendering (compaction.expand)")
         elif native_tools:
             out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
         else:

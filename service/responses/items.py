@@ -11,7 +11,14 @@ from typing import Any, Literal
 import msgspec
 
 from service.errors import InvalidRequestError
-from service.responses.inputs import FunctionCallItem, FunctionCallOutputItem, Item, MessageItem, ReasoningItem
+from service.responses.inputs import (
+    CompactionItem,
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    Item,
+    MessageItem,
+    ReasoningItem,
+)
 
 # OpenAI's documented ``include`` values; none changes what is listed here.
 INCLUDABLE = frozenset(
@@ -70,6 +77,8 @@ def resource(response_id: str, index: int, item: Item) -> dict[str, Any]:
         if item.content is not None:
             listed["content"] = item.content
         return listed
+    if isinstance(item, CompactionItem):
+        return {"id": item.id or f"cmp_{suffix}", "type": "compaction", "encrypted_content": item.encrypted_content}
     assert isinstance(item, FunctionCallOutputItem)
     return {
         "id": item.id or f"fco_{suffix}",

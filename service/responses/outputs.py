@@ -27,7 +27,7 @@ from service.responses.output_parser import (
 )
 
 EventFactory = Callable[[int], s._Event]
-Kind = Literal["message", "function_call", "reasoning"]
+Kind = Literal["message", "function_call", "reasoning", "compaction"]
 Status = Literal["in_progress", "completed", "incomplete"]
 
 
@@ -46,6 +46,8 @@ class Item:
         if self.kind == "message":
             content = [] if self.status == "in_progress" else [s.OutputText(self.text, logprobs=list(self.logprobs))]
             return s.OutputMessage(id=self.id, status=self.status, content=content)
+        if self.kind == "compaction":
+            return s.Compaction(id=self.id, encrypted_content=self.text)
         if self.kind == "function_call":
             arguments = "" if self.status == "in_progress" else self.text
             return s.FunctionCall(
@@ -75,6 +77,8 @@ class OutputItems:
             if isinstance(item, s.FunctionCall):
                 calls = sum(1 for i in self.items if i.kind == "function_call")
                 self.items.append(Item("function_call", item.id, call_id=item.call_id, name=item.name, calls=calls))
+            elif isinstance(item, s.Compaction):
+                self.items.append(Item("compaction", item.id, text=item.encrypted_content, status="completed"))
             else:
                 self.items.append(Item("message" if isinstance(item, s.OutputMessage) else "reasoning", item.id))
         elif isinstance(event, s.OutputTextDelta):
@@ -84,7 +88,7 @@ class OutputItems:
             self.items[event.output_index].text += event.delta
         elif isinstance(event, s.FunctionCallArgumentsDone):
             self.items[event.output_index].text = event.arguments
-        elif isinstance(event, s.OutputItemDone):
+        elif isinstance(event, s.OutputItemDone) and not isinstance(event.item, s.Compaction):
             self.items[event.output_index].status = event.item.status or "completed"
 
     # --- streaming --------------------------------------------------------------------------
@@ -133,6 +137,26 @@ class OutputItems:
                 )
             )
         return out
+
+    def add_compaction(self, item_id: str, encrypted_content: str) -> list[EventFactory]:
+        """The compaction item made for this turn: complete at once, always output_index 0."""
+        assert not self.items, "a compaction item comes before any other output"
+        item = Item("compaction", item_id, text=encrypted_content, status="completed")
+        self.items.append(item)
+        wire = item.wire()
+        return [
+            lambda seq: s.OutputItemAdded(sequence_number=seq, output_index=0, item=wire),
+            lambda seq: s.OutputItemDone(sequence_number=seq, output_index=0, item=wire),
+        ]
+
+    @property
+    def compacted(self) -> bool:
+        return bool(self.items) and self.items[0].kind == "compaction"
+
+    @property
+    def answered(self) -> bool:
+        """Whether the model's output has any item yet (a compaction item is not one)."""
+        return any(item.kind != "compaction" for item in self.items)
 
     def open_message(self) -> list[EventFactory]:
         return self._open("message")

@@ -29,6 +29,7 @@ from service.responses.tools import (
 
 
 LOGPROBS = "message.output_text.logprobs"
+MAX_COMPACT_THRESHOLD = 100_000_000
 
 
 class ResponseRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
@@ -119,8 +120,7 @@ class ResponseRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, 
                 )
             if not self.conversation_id:
                 raise InvalidRequestError("conversation must be an id or {'id': ...}", param="conversation")
-        if self.context_management is not None:
-            raise InvalidRequestError("context_management is not supported yet", param="context_management")
+        self.compact_threshold()  # validates context_management
         reserved = {"messages", "add_generation_prompt", "bos_token", "eos_token"} & set(
             self.chat_template_kwargs or {}
         )
@@ -130,6 +130,29 @@ class ResponseRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, 
             )
         if self.background and self.stream:
             raise InvalidRequestError("background and stream cannot be combined", param="stream")
+
+    def compact_threshold(self) -> int | None:
+        """``context_management``'s compaction threshold (None: no automatic compaction)."""
+        if self.context_management is None:
+            return None
+        threshold: int | None = None
+        for i, entry in enumerate(self.context_management):
+            where = f"context_management[{i}]"
+            if not isinstance(entry, dict) or entry.get("type") != "compaction":
+                raise InvalidRequestError(f"{where}.type must be 'compaction'", param=f"{where}.type")
+            if set(entry) - {"type", "compact_threshold"}:
+                extra = sorted(set(entry) - {"type", "compact_threshold"})[0]
+                raise InvalidRequestError(f"{where}.{extra} is not a known field", param=f"{where}.{extra}")
+            value = entry.get("compact_threshold")
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_COMPACT_THRESHOLD:
+                raise InvalidRequestError(
+                    f"{where}.compact_threshold must be an integer from 1 to {MAX_COMPACT_THRESHOLD}",
+                    param=f"{where}.compact_threshold",
+                )
+            if threshold is not None:
+                raise InvalidRequestError("context_management has more than one compaction entry", param=where)
+            threshold = value
+        return threshold
 
     def tool_options(self) -> ToolOptions:
         return tool_options(self.tools, self.tool_choice, self.parallel_tool_calls, self.max_tool_calls)
@@ -193,6 +216,47 @@ class TaskRequest(ResponseRequest, kw_only=True, omit_defaults=True):
         )
 
 
+class CompactRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """``POST /v1/responses/compact`` (Open Responses ``CompactResponseMethodPublicBody``)."""
+
+    model: str | None = None
+    input: str | list[Any]
+    instructions: str | None = None
+    max_output_tokens: int = 1024
+    keep_tokens: int | None = None
+    prompt_cache_key: str | None = None
+    # Rejected with a 400 naming them (they are OpenAI's, but compaction here is stateless).
+    previous_response_id: str | None = None
+    conversation: str | dict[str, Any] | None = None
+    stream: bool | None = None
+    # Documented by OpenAI for requests in general; they change nothing here.
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    safety_identifier: str | None = None
+    service_tier: str | None = None
+    prompt_cache_retention: str | None = None
+
+    def validate(self) -> None:
+        for name in ("stream", "previous_response_id", "conversation"):
+            if getattr(self, name) not in (None, False):
+                raise InvalidRequestError(
+                    f"{name} is not supported by /responses/compact: send the whole history as input", param=name
+                )
+        if isinstance(self.input, list) and not self.input:
+            raise InvalidRequestError("input must not be empty", param="input")
+        if not 1 <= self.max_output_tokens <= 16384:
+            raise InvalidRequestError("max_output_tokens must be from 1 to 16384", param="max_output_tokens")
+        if self.keep_tokens is not None and self.keep_tokens < 1:
+            raise InvalidRequestError("keep_tokens must be > 0", param="keep_tokens")
+        self.request()  # parses the input items
+
+    def request(self) -> ResponseRequest:
+        """The history as a Responses request (rendered and counted like /input_tokens)."""
+        request = ResponseRequest(model=self.model, input=self.input, instructions=self.instructions)
+        request.items()
+        return request
+
+
 class TaskCreate(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     type: Literal["response"]
     input: ResponseRequest
@@ -254,7 +318,15 @@ class Reasoning(msgspec.Struct, tag="reasoning", tag_field="type", kw_only=True)
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
 
-OutputItem = OutputMessage | FunctionCall | Reasoning
+class Compaction(msgspec.Struct, tag="compaction", tag_field="type", kw_only=True, omit_defaults=True):
+    """Open Responses ``CompactionBody``: the summary and preserved items (see inputs.CompactionItem)."""
+
+    id: str
+    encrypted_content: str
+    created_by: str | None = None
+
+
+OutputItem = OutputMessage | FunctionCall | Reasoning | Compaction
 
 
 class InputTokensDetails(msgspec.Struct):
@@ -449,6 +521,17 @@ class AttemptRestarted(_Event, tag="lmsp.attempt.restarted"):
     reason: str
 
 
+class CompactionStarted(_Event, tag="mlx.compaction.started"):
+    response_id: str
+    input_tokens: int
+
+
+class CompactionCompleted(_Event, tag="mlx.compaction.completed"):
+    response_id: str
+    input_tokens_before: int
+    input_tokens_after: int
+
+
 ResponseEvent = (
     ResponseCreated
     | ResponseQueued
@@ -468,6 +551,8 @@ ResponseEvent = (
     | ReasoningTextDelta
     | ReasoningTextDone
     | AttemptRestarted
+    | CompactionStarted
+    | CompactionCompleted
 )
 FINAL_EVENTS = frozenset({"response.completed", "response.incomplete", "response.failed", "response.cancelled"})
 event_decoder = msgspec.json.Decoder(ResponseEvent)

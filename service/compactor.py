@@ -42,6 +42,7 @@ def prepare(
     keep_tokens: int,
     max_summary_tokens: int,
     request_id: str,
+    cache_key: str,
     before: int | None = None,
 ) -> Prepared:
     """Split the history and build the summarising generation (runs in a worker thread)."""
@@ -73,6 +74,7 @@ def prepare(
         request_id=request_id,
         max_tokens=min(max_summary_tokens, context - prompt),
         sampling=GREEDY,
+        cache_key=cache_key,
     )
     return Prepared(plan, cmd, before)
 

@@ -216,7 +216,8 @@ class Supervisor:
             max_tokens = request.max_output_tokens or self.config.server.default_max_output_tokens
             after: list[Item] = []
             if (threshold := request.compact_threshold()) is not None:
-                compacted = await self._compaction(task_id, state, model, request, history, threshold)
+                key = cache_key(task.owner, request.prompt_cache_key)
+                compacted = await self._compaction(task_id, state, model, request, history, threshold, key)
                 if compacted is None:
                     return await self._settle_cancel(task_id, state)
                 after, input_tokens = compacted
@@ -258,6 +259,7 @@ class Supervisor:
         request: TaskRequest,
         history: list[Item],
         threshold: int,
+        key: str,
     ) -> tuple[list[Item], int] | None:
         """``context_management``: compact the history before generating when the rendered
         input reaches the threshold or leaves no room for output. Returns the items that
@@ -286,6 +288,7 @@ class Supervisor:
                 keep_tokens=keep,
                 max_summary_tokens=min(1024, max(1, threshold // 4)),
                 request_id=summary_id(task_id),
+                cache_key=key,
                 before=before,
             )
             summary, finished = await compactor.summarize(self.engine, model, prepared.generate)

@@ -29,7 +29,7 @@ from service.errors import (
     ServerOverloadedError,
     TaskNotCancelableError,
 )
-from service.generation import check_request, prompt_for, tokenizer_for
+from service.generation import cache_key, check_request, prompt_for, tokenizer_for
 from service.hub import Hub
 from service.models.registry import ModelInfo, ModelRegistry
 from service.responses import items as listed
@@ -204,7 +204,13 @@ class Core:
             model = self.registry.resolve(model_name)
             keep = body.keep_tokens or default_keep_tokens(model.context_length)
             prepared = compactor.prepare(
-                model, request, [], keep_tokens=keep, max_summary_tokens=body.max_output_tokens, request_id=item_id
+                model,
+                request,
+                [],
+                keep_tokens=keep,
+                max_summary_tokens=body.max_output_tokens,
+                request_id=item_id,
+                cache_key=cache_key(owner, body.prompt_cache_key),
             )
             return model, prepared
 

@@ -18,6 +18,7 @@ next turn.
 from __future__ import annotations
 
 import hashlib
+import logging
 import sqlite3
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -26,12 +27,14 @@ from typing import Any, TypeVar
 import msgspec
 
 from service.config import Config
+from service.errors import LmspdError
 from service.responses import schema as s
 from service.responses.inputs import FunctionCallItem, Item, MessageItem, ReasoningItem, parse_items
 from service.store.db import Database
 from service.store.echo import EchoStore
 
 R = TypeVar("R", bound=s.ResponseRequest)
+log = logging.getLogger("lmspd.reasoning_echo")
 
 
 @dataclass(frozen=True)
@@ -148,7 +151,11 @@ class ReasoningEcho:
         used; to run in the transaction that finishes the task. None when there is nothing."""
         if self.store is None:
             return None
-        remember = to_remember(response.output)
+        try:
+            remember = to_remember(response.output)
+        except LmspdError as exc:  # an output that does not read back as input: just not echoed
+            log.warning("reasoning echo: output not remembered: %s", exc.message)
+            remember = []
         if not remember and not used:
             return None
         return self.store.job(owner, remember, used)

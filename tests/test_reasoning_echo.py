@@ -1,5 +1,5 @@
 """The reasoning echo's parts: turn grouping and keys (pure), and its store on a real SQLite
-file (byte bound, LRU, owners, restarts). The API acceptance is in test_reasoning_echo_api.py."""
+file (byte bound, LRU, owners, restarts). The API acceptance is in test_api_responses_store.py."""
 
 from __future__ import annotations
 
@@ -10,13 +10,16 @@ from typing import Any
 
 import msgspec
 import pytest
+from families import make_family_tokenizer
 
 from service.config import Config, EngineConfig, ResponsesConfig
+from service.prompt import build_prompt
 from service.responses import schema as s
 from service.responses.inputs import ReasoningItem, parse_items, to_messages
 from service.responses.reasoning_echo import ReasoningEcho, enabled, missing, to_remember, turn_key, turns
 from service.store.db import Database
 from service.store.echo import EchoStore
+from service.tokenizer import Tokenizer
 
 REASONING = {
     "type": "reasoning",
@@ -179,3 +182,12 @@ async def test_restore_puts_reasoning_back_in_history_and_input(db: Database) ->
     assert (await echo.restore("alice", [], with_reasoning))[1] is with_reasoning
     assert (await echo.restore("bob", [], request))[1] is request
     assert (await ReasoningEcho(None).restore("alice", [], request))[1] is request
+
+
+def test_reasoning_renders_once_where_the_template_places_it(tmp_path: Path, smol_dir: Path) -> None:
+    """What the echo puts back must render as generated: the hermes_think template writes
+    ``reasoning_content`` itself, so it is not also written inline into the content."""
+    tok = Tokenizer(make_family_tokenizer(tmp_path, smol_dir, "hermes_think"))
+    plain = {"role": "assistant", "content": "Hello."}
+    text = build_prompt(tok, s.ResponseRequest(input=[USER, REASONING, plain, USER]), []).text
+    assert text.count("<think>\nHm.\n</think>\n\nHello.<|im_end|>") == 1 and text.count("Hm.") == 1

@@ -70,6 +70,7 @@ class Traits:
     think: tuple[str, str] | None
     native_tools: bool  # the template renders tools itself
     tool_format: str
+    places_reasoning: bool = False  # the template renders a message's ``reasoning_content`` itself
 
 
 @lru_cache(maxsize=16)
@@ -77,7 +78,8 @@ def traits(tok: Tokenizer) -> Traits:
     """What a model's template and vocabulary say about reasoning and tool calls."""
     native = tok.chat_template is not None and "tools" in tok.chat_template
     tool_format = (infer_tool_format(tok.chat_template, tok.vocab) if native else None) or HERMES_FORMAT
-    return Traits(think_markers(tok.vocab), native, tool_format)
+    places = tok.chat_template is not None and "reasoning_content" in tok.chat_template
+    return Traits(think_markers(tok.vocab), native, tool_format, places)
 
 
 def build_prompt(
@@ -88,7 +90,9 @@ def build_prompt(
     model = traits(tok)
     think, native, tool_format = model.think, model.native_tools, model.tool_format
     expanded = expand([*history, *request.items(), *(after or [])])
-    messages = to_messages(expanded.items, native_tools=native, think=think)
+    # Reasoning goes inline only where the template cannot place it: never twice.
+    inline = None if model.places_reasoning else think
+    messages = to_messages(expanded.items, native_tools=native, think=inline)
     kwargs = dict(request.chat_template_kwargs or {})
     system = fold_summary(request.instructions, expanded.summary)
     if options.active:

@@ -29,7 +29,9 @@ from service.responses.builder import ResponseState
 from service.responses.compaction import default_keep_tokens
 from service.responses.history import history as history_for
 from service.responses.inputs import CompactionItem, Item
+from service.responses.reasoning_echo import ReasoningEcho
 from service.responses.schema import TaskRequest
+from service.store.db import Job
 from service.store.status import TaskStatus
 from service.store.tasks import Event, EventBuilder, TaskRecord, TaskStore
 
@@ -45,6 +47,7 @@ class Supervisor:
         self.engine = engine
         self.hub = hub
         self.registry = registry
+        self.echo = ReasoningEcho.of(config, store.db)
         self.running: dict[str, asyncio.Task[None]] = {}
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
@@ -187,10 +190,14 @@ class Supervisor:
         events: list[EventBuilder],
         state: ResponseState,
         error: bytes | None = None,
+        also: Job | None = None,
     ) -> bool:
         """A terminal transition; it keeps the final response object with the task, as the
-        event log is purged after the retention window while the response stays readable."""
-        done = await self.store.transition(task_id, status, events=events, response=state.encoded(), error=error)
+        event log is purged after the retention window while the response stays readable.
+        ``also`` is written in the same transaction (the reasoning echo's rows)."""
+        done = await self.store.transition(
+            task_id, status, events=events, response=state.encoded(), error=error, also=also
+        )
         self.hub.notify(task_id)
         return done is not None
 
@@ -213,6 +220,8 @@ class Supervisor:
             history = await history_for(
                 self.store, task.owner, task.previous_response_id, task.conversation, before=task.id
             )
+            # Reasoning a client dropped from turns it sends back is put back first.
+            history, request, echoed = await self.echo.restore(task.owner, history, request)
             max_tokens = request.max_output_tokens or self.config.server.default_max_output_tokens
             after: list[Item] = []
             if (threshold := request.compact_threshold()) is not None:
@@ -248,7 +257,8 @@ class Supervisor:
         if finished.reason == "cancelled":
             return await self._settle_cancel(task_id, state)
         events = state.finish(finished.reason, finished.prompt_tokens, finished.cached_tokens)
-        if not await self._final(task_id, "succeeded", events, state):
+        remember = self.echo.finish_job(task.owner, state.response, echoed)
+        if not await self._final(task_id, "succeeded", events, state, also=remember):
             await self._settle_cancel(task_id, state)
 
     async def _compaction(

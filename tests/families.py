@@ -208,3 +208,50 @@ def make_family_tokenizer(out: Path, smol_dir: Path, family: str) -> Path:
     config.update(chat_template=template, bos_token=bos, eos_token=eos, pad_token=eos)
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
     return out
+
+
+def _swap_rows(path: Path, a: int, b: int) -> None:
+    """Swap two tokens' rows of a tied, row-quantized embedding: exactly, the model then
+    says ``b`` wherever it said ``a`` and goes on as before (and the other way round)."""
+    import mlx.core as mx
+
+    loaded = mx.load(str(path / "model.safetensors"))
+    assert isinstance(loaded, dict)
+    weights: dict[str, mx.array] = loaded
+    for name in ("weight", "scales", "biases"):
+        key = f"model.embed_tokens.{name}"
+        order = mx.arange(weights[key].shape[0])
+        order[a], order[b] = b, a
+        weights[key] = weights[key][order]
+    mx.save_safetensors(str(path / "model.safetensors"), weights)
+
+
+def make_thinker(out: Path, smol_dir: Path, prompt: str, steps: int = 2, lookahead: int = 8) -> Path:
+    """A tiny hermes_think model whose greedy answer to ``prompt`` reasons for ``steps``
+    tokens, closes ``</think>`` and goes on with a message.
+
+    Random weights never close a reasoning block on their own, so the model's greedy
+    answer is computed once, and the embedding rows of its token at ``steps`` and
+    ``</think>`` are swapped: it then says what it said before, ``</think>`` in that
+    token's place."""
+    import mlx.core as mx
+    from conftest import make_tiny_model
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.utils import load_model
+
+    from service.prompt import build_prompt
+    from service.responses.schema import ResponseRequest
+    from service.tokenizer import Tokenizer
+
+    path = make_tiny_model(out, make_family_tokenizer(out.with_name(out.name + "-tok"), smol_dir, "hermes_think"))
+    tok = Tokenizer(path)
+    ids = tok.encode(build_prompt(tok, ResponseRequest(input=prompt), []).text)
+    model, _ = load_model(path)
+    cache, step, said = make_prompt_cache(model), ids, []
+    for _ in range(lookahead):
+        said.append(int(mx.argmax(model(mx.array([step]), cache=cache)[0, -1]).item()))  # type: ignore[arg-type]
+        step = said[-1:]
+    end, swap = tok.vocab["</think>"], said[steps]
+    assert swap not in ids and said.count(swap) == 1 and end not in said, said
+    _swap_rows(path, swap, end)
+    return path

@@ -1,4 +1,5 @@
-"""The seed's response and conversation store settings, and conversations, through the real app."""
+"""The seed's response and conversation store settings, conversations, and the reasoning
+echo, through the real app."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 
 import pytest
 from engine_host import Host, engine_host, purge
+from families import make_thinker
 from starlette.testclient import TestClient
 
 from service.config import Config, EngineConfig, ModelEntry, ResponsesConfig, ServerConfig
@@ -165,3 +167,76 @@ def test_conversation_caps_drop_old_transcripts(make_client: Callable[..., TestC
         c.post("/v1/responses/input_tokens", json={"input": "Next", "conversation": "new"}).json()["input_tokens"]
         > alone
     )
+
+
+# --- the reasoning echo ------------------------------------------------------------------------
+
+TOKENS = {"alice": "sk-alice", "bob": "sk-bob"}
+THINK = {"input": "Hi", "temperature": 0, "max_output_tokens": 8}
+Serve = Callable[..., contextlib.AbstractContextManager[TestClient]]
+
+
+@pytest.fixture(scope="module")
+def thinker(tmp_path_factory: pytest.TempPathFactory, smol_dir: Path) -> Path:
+    """Its greedy answer to ``THINK``: two tokens of reasoning, ``</think>``, a message."""
+    return make_thinker(tmp_path_factory.mktemp("echo") / "thinker", smol_dir, str(THINK["input"]))
+
+
+@pytest.fixture
+def serve(host: Host, tmp_path: Path, model_cache: Path, thinker: Path) -> Serve:
+    """An app on the thinker with tokens for alice and bob; every app of a test shares its data."""
+
+    def make(**responses: int) -> contextlib.AbstractContextManager[TestClient]:
+        config = Config(
+            default_model="thinker",
+            cache_dir=str(model_cache),
+            models={"thinker": ModelEntry(path=str(thinker))},
+            engine=ENGINE,
+            server=ServerConfig(data_dir=str(tmp_path / "echo"), tokens=TOKENS),
+            responses=ResponsesConfig(**responses),
+        )
+        return host.serve(config)
+
+    return make
+
+
+def auth(owner: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {TOKENS[owner]}"}
+
+
+def reasoned_turn(client: TestClient) -> tuple[list[Any], list[Any]]:
+    """Alice's first turn; then the next turn's input with the items as returned, and as a
+    client sending history by hand, without the reasoning item."""
+    r = client.post("/v1/responses", json=THINK, headers=auth("alice"))
+    assert r.status_code == 200, r.text
+    output = r.json()["output"]
+    assert [item["type"] for item in output] == ["reasoning", "message"], output
+    user, more = {"role": "user", "content": "Hi"}, {"role": "user", "content": "And?"}
+    by_hand = [user, {"role": "assistant", "content": output[1]["content"][0]["text"]}, more]
+    return [user, *output, more], by_hand
+
+
+def count(client: TestClient, owner: str, items: list[Any]) -> int:
+    r = client.post("/v1/responses/input_tokens", json={"input": items}, headers=auth(owner))
+    assert r.status_code == 200, r.text
+    return int(r.json()["input_tokens"])
+
+
+def test_reasoning_echo_renders_a_turn_sent_back_without_its_reasoning_as_generated(serve: Serve) -> None:
+    with serve() as c:
+        returned, by_hand = reasoned_turn(c)
+        as_generated = count(c, "alice", returned)
+        assert count(c, "alice", by_hand) == as_generated
+        # What runs is what was counted and checked: the next turn itself.
+        r = c.post("/v1/responses", json={**THINK, "input": by_hand, "max_output_tokens": 1}, headers=auth("alice"))
+        assert r.status_code == 200 and r.json()["usage"]["input_tokens"] == as_generated, r.text
+        # One owner's reasoning is never put into another's request.
+        assert count(c, "bob", by_hand) < count(c, "bob", returned) == as_generated
+    with serve() as c:  # kept in SQLite: after a restart it is still put back
+        assert count(c, "alice", by_hand) == as_generated
+
+
+def test_reasoning_echo_off_with_a_zero_budget(serve: Serve) -> None:
+    with serve(reasoning_echo_max_bytes=0) as c:
+        returned, by_hand = reasoned_turn(c)
+        assert count(c, "alice", by_hand) < count(c, "alice", returned)

@@ -48,14 +48,24 @@ EXPECTED_SCHEMA = {
     "events": ["task_id", "seq", "type", "data", "tokens"],
     "idempotency_keys": ["owner", "key", "fingerprint", "task_id", "created_at"],
     "task_counts": ["status", "n"],
+    "reasoning_echo": ["owner", "key", "item", "size", "used_at"],
+    "reasoning_echo_bytes": ["id", "total"],
 }
-EXPECTED_TRIGGERS = {"task_counts_insert", "task_counts_update", "task_counts_delete"}
+EXPECTED_TRIGGERS = {
+    "task_counts_insert",
+    "task_counts_update",
+    "task_counts_delete",
+    "reasoning_echo_insert",
+    "reasoning_echo_update",
+    "reasoning_echo_delete",
+}
 EXPECTED_INDEXES = {
     "tasks_by_status",
     "tasks_by_owner",
     "tasks_by_finished",
     "tasks_by_expiry",
     "tasks_by_conversation",
+    "reasoning_echo_by_use",
 }
 
 
@@ -94,8 +104,8 @@ def test_migrations_produce_exactly_the_schema(tmp_path: Path) -> None:
     assert indexes == EXPECTED_INDEXES
     triggers = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'trigger'")}
     assert triggers == EXPECTED_TRIGGERS
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == 4
-    assert migrate(conn) == 4  # idempotent
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == 5
+    assert migrate(conn) == 5  # idempotent
 
 
 async def test_wal_and_full_sync(store: TaskStore) -> None:

@@ -38,6 +38,7 @@ from service.responses.builder import ResponseState, initial_response
 from service.responses.compaction import default_keep_tokens
 from service.responses.history import history
 from service.responses.inputs import Item, item_json
+from service.responses.reasoning_echo import ReasoningEcho
 from service.store.status import ACTIVE, TERMINAL, OnRestart
 from service.store.tasks import Event, NewEvent, ResponseFields, TaskRecord, TaskStore
 from service.supervisor import Supervisor
@@ -56,6 +57,7 @@ class Core:
         self.hub = hub
         self.supervisor = supervisor
         self.registry = registry
+        self.echo = ReasoningEcho.of(config, store.db)
         self.accepting = True
         self._limits_enforced_at = 0.0
         self._chores: set[asyncio.Task[None]] = set()  # abandoned requests still settling
@@ -101,10 +103,12 @@ class Core:
             turns = await history(self.store, owner, request.previous_response_id, request.conversation_id)
         # Stored as sent: the supervisor reads it back as a TaskRequest (a superset).
         encoded = msgspec.json.encode(request)
+        # Checked as it will run: with the reasoning the echo puts back.
+        turns, rendered, _ = await self.echo.restore(owner, turns, request)
         if len(encoded) < _INLINE_CHECK_BYTES and not turns:
-            self._check(request, turns)  # small: cheaper than a thread hop
+            self._check(rendered, turns)  # small: cheaper than a thread hop
         else:
-            await asyncio.to_thread(self._check, request, turns)
+            await asyncio.to_thread(self._check, rendered, turns)
         model = request.model or self.config.default_model
         limits = self.config.responses
         stored = request.store and self.store_enabled and limits.store_max_bytes > 0
@@ -178,6 +182,7 @@ class Core:
 
     async def input_tokens(self, owner: str, request: s.ResponseRequest) -> int:
         turns = await history(self.store, owner, request.previous_response_id, request.conversation_id)
+        turns, request, _ = await self.echo.restore(owner, turns, request)
 
         def count() -> int:
             model = self.registry.resolve(request.model or self.config.default_model)

@@ -142,3 +142,25 @@ UPDATE tasks SET status = :to, updated_at = :now,
                  response = coalesce(:response, response),
                  finished_at = CASE WHEN :to IN {TERMINAL} THEN :now ELSE finished_at END
 WHERE id = :id AND status = :from;
+
+-- name: echo_lookup
+SELECT key, item FROM reasoning_echo WHERE owner = :owner AND key IN (SELECT value FROM json_each(:keys));
+
+-- name: echo_put
+INSERT INTO reasoning_echo (owner, key, item, size, used_at)
+VALUES (:owner, :key, :item, length(:item), (SELECT coalesce(max(used_at), 0) + 1 FROM reasoning_echo))
+ON CONFLICT (owner, key) DO UPDATE SET item = excluded.item, size = excluded.size, used_at = excluded.used_at;
+
+-- name: echo_touch
+UPDATE reasoning_echo SET used_at = (SELECT max(used_at) + 1 FROM reasoning_echo)
+WHERE owner = :owner AND key = :key;
+
+-- name: echo_bytes
+SELECT total FROM reasoning_echo_bytes;
+
+-- name: echo_oldest
+-- Least recently used first; the caller stops reading once enough is freed.
+SELECT owner, key, size FROM reasoning_echo ORDER BY used_at;
+
+-- name: echo_delete
+DELETE FROM reasoning_echo WHERE owner = :owner AND key = :key;

@@ -229,8 +229,10 @@ class TaskStore:
         events: Sequence[EventBuilder] = (),
         response: bytes | None = None,
         error: bytes | None = None,
+        also: Callable[[sqlite3.Connection], object] | None = None,
     ) -> TaskRecord | None:
-        """Move a task to ``to`` if its current status allows; None if another transition won."""
+        """Move a task to ``to`` if its current status allows; None if another transition won.
+        ``also`` runs in the same transaction when the transition happens (it must not raise)."""
 
         params = {"id": task_id, "to": to, "response": response, "error": error}
         params["sources"] = msgspec.json.encode(sorted(sources(to))).decode()
@@ -238,6 +240,8 @@ class TaskStore:
         def job(conn: sqlite3.Connection) -> TaskRecord | None:
             if conn.execute(q("transition"), {**params, "now": _now()}).rowcount != 1:
                 return None  # another transition committed first, or the task is terminal
+            if also is not None:
+                also(conn)
             return _append(conn, _get(conn, task_id), events)
 
         return await self.db.writer.submit(job)

@@ -88,7 +88,7 @@ class CompactionItem(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, o
 
 
 Item = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem | CompactionItem
-_LATER = {"input_image", "input_file", "input_audio"}
+_MEDIA = {"input_image", "input_file", "input_audio"}  # text models only
 
 
 class _Payload(msgspec.Struct, forbid_unknown_fields=True):
@@ -134,8 +134,10 @@ def _part_text(part: dict[str, Any], param: str) -> str:
         return str(_convert(part, TextPart, param).text)
     if ptype == "refusal":
         return str(_convert(part, RefusalPart, param).refusal)
-    if ptype in _LATER:
-        raise InvalidRequestError(f"{param}: content type '{ptype}' is not supported", param=f"{param}.type")
+    if ptype in _MEDIA:
+        raise InvalidRequestError(
+            f"{param}: content type '{ptype}' is not supported: lmspd serves text models", param=f"{param}.type"
+        )
     raise InvalidRequestError(f"{param}: unknown content type {ptype!r}", param=f"{param}.type")
 
 
@@ -163,8 +165,10 @@ def parse_items(raw: list[Any], param: str = "input") -> list[Item]:
             compacted: CompactionItem = _convert(obj, CompactionItem, where)
             decode_payload(compacted.encrypted_content, f"{where}.encrypted_content")
             item = compacted
-        elif itype in _LATER:
-            raise InvalidRequestError(f"{where}: item type '{itype}' is not supported yet", param=f"{where}.type")
+        elif itype in _MEDIA:
+            raise InvalidRequestError(
+                f"{where}: item type '{itype}' is not supported: lmspd serves text models", param=f"{where}.type"
+            )
         else:
             raise InvalidRequestError(f"{where}: unknown item type {itype!r}", param=f"{where}.type")
         items.append(item)

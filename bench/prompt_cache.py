@@ -28,6 +28,8 @@ import httpx
 from openai import OpenAI
 
 from service.config import load_config
+from service.generation import tokenizer_for
+from service.models.registry import ModelRegistry
 
 WORDS = (
     "The assistant works for a small bakery in a mountain town. It knows the opening hours, the "
@@ -103,6 +105,15 @@ def turn(client: OpenAI, model: str, system: str, question: str, previous: str |
     raise RuntimeError("the stream ended without a final event")
 
 
+def system_prompt(model: str, tokens: int) -> str:
+    """WORDS repeated up to ``tokens`` tokens of the model's tokenizer."""
+    tok = tokenizer_for(ModelRegistry(load_config()).resolve(model))
+    text = ""
+    while len(tok.encode(text + WORDS)) <= tokens:
+        text += WORDS
+    return text.strip()
+
+
 def cache_files(folder: Path) -> list[Path]:
     return [f for f in folder.rglob("*.safetensors") if not f.name.startswith(".")]
 
@@ -134,8 +145,7 @@ def main() -> None:
         server = Server(config, free_port(), log)
         server.start()
         client = OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="none", timeout=600)
-        # About 1.3 tokens per word of English prose.
-        system = (WORDS * (args.system_tokens // 60 + 1)).strip()
+        system = system_prompt(model, args.system_tokens)
         rows: list[dict[str, float]] = []
         previous: str | None = None
         for i in range(args.turns):

@@ -20,6 +20,7 @@ from service.config import EngineConfig
 from service.engine import protocol as p
 from service.engine.client import EngineClient
 from service.engine.prompt_cache import SUFFIX, DiskCache, PromptCache
+from service.engine.worker import KEEP_PREFILL_TOKENS
 from service.generation import build_generate
 from service.models.registry import ResolvedModel
 
@@ -128,6 +129,22 @@ async def test_cached_and_fresh_requests_share_one_batch(
     assert hit_fin.cached_tokens > 0 and new_fin.cached_tokens == 0
     assert hit == (await run(cold, command(tiny, two)))[0]
     assert new == (await run(cold, command(tiny, fresh)))[0]
+
+
+async def test_a_long_prompt_is_cached_once_prefilled_not_only_when_its_answer_ends(
+    warm: EngineClient, tiny_long: ResolvedModel, key: str
+) -> None:
+    prompt = [*first_prompt(tiny_long), *range(1000, 1000 + KEEP_PREFILL_TOKENS)]
+    long = command(tiny_long, prompt, max_tokens=3000, key=key)
+    stream = warm.generate(long)
+    first = await anext(stream)  # a token: the prompt has been prefilled
+    assert isinstance(first, p.Delta)
+    _, fin = await run(warm, command(tiny_long, prompt, max_tokens=2, key=key))
+    assert fin.cached_tokens == len(prompt) - 1
+    await warm.cancel(long.request_id)
+    async for ev in stream:
+        if isinstance(ev, p.Finished):
+            assert ev.reason == "cancelled"
 
 
 async def test_an_exact_repeat_still_runs_its_last_token(

@@ -30,6 +30,9 @@ from service.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("lmspd.engine")
 
+# A prompt whose prefill computed at least this many tokens is cached when its prefill ends
+# (shorter ones only with their answer): long enough to be worth a copy of its KV.
+KEEP_PREFILL_TOKENS = 256
 # A logprob of -inf (a token no sampler could pick) travels as this, as OpenAI reports it.
 LOGPROB_FLOOR = -9999.0
 
@@ -478,11 +481,12 @@ class Engine:
 
     def _step(self, lm: LoadedModel, deltas: list[p.Delta]) -> None:
         try:
-            _, responses = lm.batch.next()
+            prefilled, responses = lm.batch.next()
         except Exception as exc:  # an MLX failure poisons the whole batch
             log.exception("decode step failed")
             self._fail_all(lm, f"generation failed: {exc}")
             return
+        self._keep_prompts(lm, prefilled)
         live = [(r, req) for r in responses if (req := lm.requests.get(r.uid)) is not None]
         try:
             scored = self._score(lm, live)
@@ -560,6 +564,21 @@ class Engine:
         keep = max((k for s in stops for k in range(1, len(s)) if pending.endswith(s[:k])), default=0)
         req.held = pending[len(pending) - keep :] if keep else ""
         return pending[: len(pending) - keep], False
+
+    def _keep_prompts(self, lm: LoadedModel, prefilled: list[Any]) -> None:
+        """Cache a long prompt as soon as it is prefilled, not only when its answer ends: a
+        request sharing it meanwhile, or this one resumed after a crash, skips that work."""
+        if not self.prompt_cache.enabled:
+            return
+        done = [
+            r.uid
+            for r in prefilled
+            if r.end_of_prompt
+            and (req := lm.requests.get(r.uid)) is not None
+            and len(req.cmd.prompt) + len(req.cmd.generated) - req.cached_tokens >= KEEP_PREFILL_TOKENS
+        ]
+        for uid, (cache, tokens) in lm.batch.extract_cache(done).items():
+            self.prompt_cache.store((lm.fingerprint, lm.requests[uid].cmd.cache_key), tokens, cache)
 
     def _remove(self, lm: LoadedModel, req: Request) -> None:
         """Take a request out of the batch, keeping what its KV cache holds for later prompts."""

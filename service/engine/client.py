@@ -79,7 +79,7 @@ class EngineClient:
                 child,
                 c,
                 str(self.cache_dir) if self.cache_dir is not None else None,
-                logging.getLogger().getEffectiveLevel(),
+                logging.getLogger("lmspd").getEffectiveLevel(),
             ),
             name="lmspd-engine",
             daemon=True,

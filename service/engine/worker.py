@@ -605,5 +605,7 @@ class Engine:
 
 def main(conn: Connection, config: EngineConfig, cache_dir: str | None, log_level: int = logging.INFO) -> None:
     """Entry point of the spawned engine process."""
-    logging.basicConfig(level=log_level, format="%(asctime)s engine %(levelname)s %(message)s")
+    # The server's level for its own loggers (the root stays at its default for libraries').
+    logging.basicConfig(format="%(asctime)s engine %(levelname)s %(message)s")
+    logging.getLogger("lmspd").setLevel(log_level)
     Engine(conn, config, Path(cache_dir) if cache_dir else None).run()

@@ -195,7 +195,7 @@ class Core:
 
     # --- compaction -----------------------------------------------------------------------------
 
-    async def compact(self, owner: str, body: s.CompactRequest) -> dict[str, Any]:
+    async def compact(self, owner: str, body: s.CompactRequest) -> s.CompactResponse:
         """``POST /v1/responses/compact``: summarize the history in ``body.input`` into one
         compaction item. Stores nothing; the summary is one greedy generation on the engine."""
         if not self.accepting:
@@ -237,14 +237,13 @@ class Core:
             output_tokens=finished.completion_tokens,
             total_tokens=finished.prompt_tokens + finished.completion_tokens,
         )
-        return {
-            "id": response_id,
-            "object": "response.compaction",
-            "created_at": created_at,
-            "model": model_name,
-            "output": [listed.resource(response_id, i, it) for i, it in enumerate(output)],
-            "usage": msgspec.to_builtins(usage),
-        }
+        return s.CompactResponse(
+            id=response_id,
+            created_at=created_at,
+            model=model_name,
+            output=listed.resources(response_id, output),
+            usage=usage,
+        )
 
     async def past_compaction(self, task: TaskRecord) -> None:
         """A foreground request with ``context_management``: wait until its task is past

@@ -216,6 +216,18 @@ class TaskRequest(ResponseRequest, kw_only=True, omit_defaults=True):
         )
 
 
+class CompactResponse(msgspec.Struct, kw_only=True):
+    """``response.compaction``: what ``POST /v1/responses/compact`` answers (Open Responses'
+    ``CompactResource``)."""
+
+    id: str
+    object: Literal["response.compaction"] = "response.compaction"
+    created_at: int
+    model: str
+    output: list[dict[str, Any]]
+    usage: Usage
+
+
 class CompactRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """``POST /v1/responses/compact`` (Open Responses ``CompactResponseMethodPublicBody``)."""
 

@@ -1,6 +1,6 @@
 """Constrained decoding benchmark: a JSON-schema grammar vs free text, and grammar compile time.
 
-    python bench/constrained.py [--model-dir DIR] [--tokens 128] [--rounds 3] [--batches 1 4]
+    python -m bench.constrained [--model-dir DIR] [--tokens 128] [--rounds 3] [--batches 1 4]
 
 (a) Decode tok/s of the bundled model (or ``--model-dir``) with a json_schema grammar
 vs unconstrained, same engine process, same prompts, alternating sides, for 1 and 4

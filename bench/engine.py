@@ -1,6 +1,6 @@
 """Engine benchmark: raw mlx-lm in this process vs lmspd's engine process, side by side.
 
-    python bench/engine.py [--model NAME] [--tokens 64] [--batch-tokens 32]
+    python -m bench.engine [--model NAME] [--tokens 64] [--batch-tokens 32]
 
 Prints decode tok/s and time to first token for one stream (raw ``stream_generate``
 vs the engine through its process boundary), and aggregate tok/s for 4 and 8

@@ -1,6 +1,6 @@
 """Prompt cache benchmark: a long conversation against a real ``lmspd serve``, turn by turn.
 
-    python bench/prompt_cache.py [--system-tokens 1500] [--turns 4] [--tokens 16]
+    python -m bench.prompt_cache [--system-tokens 1500] [--turns 4] [--tokens 16]
 
 A 4-turn ``previous_response_id`` conversation with a long system prompt (``instructions``,
 sent with every turn as clients do), streamed through the ``openai`` SDK. Prints each turn's

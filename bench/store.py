@@ -1,6 +1,6 @@
 """Task store intake: concurrent clients create tasks on a real SQLite file (group commit).
 
-    python bench/store.py [--clients 32] [--tasks 4000]
+    python -m bench.store [--clients 32] [--tasks 4000]
 
 Measures the store layer alone (no HTTP): tasks committed per second with
 synchronous=FULL, p50/p99 latency per create, and how many transactions (fsyncs)

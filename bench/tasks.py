@@ -1,6 +1,6 @@
 """Task benchmarks against a real ``lmspd serve`` process on loopback.
 
-    python bench/tasks.py [--clients 32] [--tasks 2000] [--tokens 64]
+    python -m bench.tasks [--clients 32] [--tasks 2000] [--tokens 64]
 
 (a) intake: concurrent clients POST tasks; accepted tasks/s and p50/p99 latency.
     The tasks ask for one output token of a one-word prompt, so the engine works

@@ -1,6 +1,6 @@
 """Weight dtype benchmark: prefill and decode tok/s of each choice, and whether it stays correct.
 
-    python bench/weights.py [--model NAME]
+    python -m bench.weights [--model NAME]
 
 For every dtype the model is loaded afresh, converted, and timed with raw
 mlx-lm (greedy, a ~90-token prompt, 48 output tokens); it then answers

@@ -11,8 +11,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from service.config import RESPONSES_FLAGS, Config, load_config
-from service.errors import LmspdError
+from .config import RESPONSES_FLAGS, Config, load_config
+from .errors import LmspdError
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -70,9 +70,9 @@ def _config(args: argparse.Namespace) -> Config:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from service.models.registry import ModelRegistry
-    from service.progress import pull_progress
-    from service.serve import check_bind, run
+    from .models.registry import ModelRegistry
+    from .progress import pull_progress
+    from .serve import check_bind, run
 
     config = _config(args)
     check_bind(config)
@@ -94,8 +94,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_models_pull(args: argparse.Namespace) -> int:
-    from service.models.registry import ModelRegistry
-    from service.progress import pull_progress
+    from .models.registry import ModelRegistry
+    from .progress import pull_progress
 
     config = _config(args)
     name = args.name or config.default_model
@@ -107,7 +107,7 @@ def cmd_models_pull(args: argparse.Namespace) -> int:
 
 
 def cmd_models_list(args: argparse.Namespace) -> int:
-    from service.models.registry import ModelRegistry
+    from .models.registry import ModelRegistry
 
     config = _config(args)
     print(f"cache: {config.model_cache_dir}")
@@ -123,11 +123,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 async def _generate(args: argparse.Namespace) -> int:
-    from service.engine import protocol as p
-    from service.engine.client import EngineClient
-    from service.generation import build_generate
-    from service.models.registry import ModelRegistry
-    from service.progress import pull_progress
+    from .engine import protocol as p
+    from .engine.client import EngineClient
+    from .generation import build_generate
+    from .models.registry import ModelRegistry
+    from .progress import pull_progress
 
     config = _config(args)
     name = args.model or config.default_model

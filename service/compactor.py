@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from service.engine import protocol as p
-from service.engine.client import EngineClient
-from service.errors import ContextLengthExceededError, EngineError
-from service.generation import build_generate, prompt_for, tokenizer_for
-from service.models.registry import ResolvedModel
-from service.responses import compaction
-from service.responses.inputs import CompactionItem, Item, encode_payload
-from service.responses.schema import ResponseRequest
+from .engine import protocol as p
+from .engine.client import EngineClient
+from .errors import ContextLengthExceededError, EngineError
+from .generation import build_generate, prompt_for, tokenizer_for
+from .models.registry import ResolvedModel
+from .responses import compaction
+from .responses.inputs import CompactionItem, Item, encode_payload
+from .responses.schema import ResponseRequest
 
 GREEDY = p.SamplingParams(temperature=0.0)
 

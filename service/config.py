@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from service.errors import ConfigError
+from .errors import ConfigError
 
 WeightDtype = Literal["auto", "quantized", "float32", "float16", "bfloat16"]
 DEFAULT_MODEL = "smollm2-135m-instruct"

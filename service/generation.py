@@ -5,14 +5,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from service import grammar
-from service.engine import protocol as p
-from service.errors import ContextLengthExceededError, InvalidRequestError
-from service.models.registry import ResolvedModel
-from service.prompt import Prompt, build_prompt
-from service.responses.inputs import Item
-from service.responses.schema import ResponseRequest
-from service.tokenizer import Tokenizer
+from . import grammar
+from .engine import protocol as p
+from .errors import ContextLengthExceededError, InvalidRequestError
+from .models.registry import ResolvedModel
+from .prompt import Prompt, build_prompt
+from .responses.inputs import Item
+from .responses.schema import ResponseRequest
+from .tokenizer import Tokenizer
 
 _TOKENIZERS: dict[str, Tokenizer] = {}
 

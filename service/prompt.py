@@ -13,14 +13,14 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from service import grammar
-from service.errors import InvalidRequestError
-from service.responses.compaction import expand, fold_summary
-from service.responses.inputs import Item, to_messages
-from service.responses.output_parser import OutputParser, infer_tool_format, think_markers
-from service.responses.schema import ResponseRequest
-from service.responses.tools import FunctionTool, ToolOptions
-from service.tokenizer import Tokenizer
+from . import grammar
+from .errors import InvalidRequestError
+from .responses.compaction import expand, fold_summary
+from .responses.inputs import Item, to_messages
+from .responses.output_parser import OutputParser, infer_tool_format, think_markers
+from .responses.schema import ResponseRequest
+from .responses.tools import FunctionTool, ToolOptions
+from .tokenizer import Tokenizer
 
 HERMES_FORMAT = "json_tools"
 

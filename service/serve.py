@@ -10,9 +10,9 @@ import signal
 from hypercorn.asyncio import serve as hypercorn_serve
 from hypercorn.config import Config as HypercornConfig
 
-from service.api.app import create_app
-from service.config import Config
-from service.errors import ConfigError
+from .api.app import create_app
+from .config import Config
+from .errors import ConfigError
 
 log = logging.getLogger("lmspd.server")
 

@@ -16,24 +16,24 @@ import logging
 import msgspec
 import ulid
 
-from service import compactor
-from service.config import Config
-from service.engine import protocol as p
-from service.engine.client import EngineClient
-from service.errors import ContextLengthExceededError, EngineCrashedError, InvalidPromptError, LmspdError, error_for
-from service.generation import build_generate, cache_key, prompt_for, tokenizer_for
-from service.hub import Hub
-from service.models.registry import ModelRegistry, ResolvedModel
-from service.responses import schema as s
-from service.responses.builder import ResponseState
-from service.responses.compaction import default_keep_tokens
-from service.responses.history import history as history_for
-from service.responses.inputs import CompactionItem, Item
-from service.responses.reasoning_echo import ReasoningEcho
-from service.responses.schema import TaskRequest
-from service.store.db import Job
-from service.store.status import TaskStatus
-from service.store.tasks import Event, EventBuilder, TaskRecord, TaskStore
+from . import compactor
+from .config import Config
+from .engine import protocol as p
+from .engine.client import EngineClient
+from .errors import ContextLengthExceededError, EngineCrashedError, InvalidPromptError, LmspdError, error_for
+from .generation import build_generate, cache_key, prompt_for, tokenizer_for
+from .hub import Hub
+from .models.registry import ModelRegistry, ResolvedModel
+from .responses import schema as s
+from .responses.builder import ResponseState
+from .responses.compaction import default_keep_tokens
+from .responses.history import history as history_for
+from .responses.inputs import CompactionItem, Item
+from .responses.reasoning_echo import ReasoningEcho
+from .responses.schema import TaskRequest
+from .store.db import Job
+from .store.status import TaskStatus
+from .store.tasks import Event, EventBuilder, TaskRecord, TaskStore
 
 log = logging.getLogger("lmspd.supervisor")
 

@@ -17,7 +17,7 @@ from service.errors import (
     TaskNotFoundError,
 )
 from service.store.db import Database
-from service.store.migrate import MIGRATIONS_DIR, migrate
+from service.store.migrate import MigrationError, migrate, migrations_dir
 from service.store.status import TERMINAL, TRANSITIONS
 from service.store.tasks import NewEvent, TaskRecord, TaskStore
 
@@ -93,9 +93,17 @@ async def create(store: TaskStore, key: str | None = None, body: bytes = b"{}") 
     )
 
 
+def test_no_migrations_is_an_error_not_an_empty_database(tmp_path: Path) -> None:
+    conn = sqlite3.connect(tmp_path / "empty.db", isolation_level=None)
+    (tmp_path / "migrations").mkdir()
+    with pytest.raises(MigrationError, match="no migrations found"):
+        migrate(conn, tmp_path / "migrations")
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == 0
+
+
 def test_migrations_produce_exactly_the_schema(tmp_path: Path) -> None:
     conn = sqlite3.connect(tmp_path / "schema.db", isolation_level=None)
-    assert migrate(conn) == len(list(MIGRATIONS_DIR.glob("*.sql")))
+    assert migrate(conn) == len([f for f in migrations_dir().iterdir() if f.name.endswith(".sql")])
     tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
     assert tables == set(EXPECTED_SCHEMA)
     for table, columns in EXPECTED_SCHEMA.items():

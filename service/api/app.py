@@ -23,21 +23,21 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from service.api import chat, events, responses, tasks
-from service.api.auth import Authenticator
-from service.api.problems import openai_response, problem_response
-from service.api.state import AppState, state_of
-from service.config import Config
-from service.core import Core
-from service.engine.client import EngineClient
-from service.engine.protocol import SamplingParams
-from service.errors import InvalidRequestError, LmspdError, MethodNotAllowedError, NotFoundError
-from service.generation import check_request
-from service.hub import Hub
-from service.models.registry import ModelRegistry
-from service.store.db import Database
-from service.store.tasks import TaskStore
-from service.supervisor import Supervisor
+from ..config import Config
+from ..core import Core
+from ..engine.client import EngineClient
+from ..engine.protocol import SamplingParams
+from ..errors import InvalidRequestError, LmspdError, MethodNotAllowedError, NotFoundError
+from ..generation import check_request
+from ..hub import Hub
+from ..models.registry import ModelRegistry
+from ..store.db import Database
+from ..store.tasks import TaskStore
+from ..supervisor import Supervisor
+from . import chat, events, responses, tasks
+from .auth import Authenticator
+from .problems import openai_response, problem_response
+from .state import AppState, state_of
 
 log = logging.getLogger("lmspd.server")
 

@@ -6,7 +6,7 @@ import hmac
 
 from starlette.requests import Request
 
-from service.errors import UnauthorizedError
+from ..errors import UnauthorizedError
 
 
 class Authenticator:

@@ -10,12 +10,12 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from service.api.events import SSE_HEADERS, openai_stream, unless_disconnected
-from service.api.state import state_of
-from service.api.wire import decode, read_body
-from service.chat.schema import ChatCompletionRequest
-from service.chat.view import ChunkStream, completion, failure
-from service.responses import schema as s
+from ..chat.schema import ChatCompletionRequest
+from ..chat.view import ChunkStream, completion, failure
+from ..responses import schema as s
+from .events import SSE_HEADERS, openai_stream, unless_disconnected
+from .state import state_of
+from .wire import decode, read_body
 
 
 async def create_chat_completion(request: Request) -> Response:

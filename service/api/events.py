@@ -9,11 +9,11 @@ from typing import TypeVar
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from service.api.state import state_of
-from service.core import Core
-from service.errors import EventHistoryExpiredError, InvalidRequestError
-from service.store.status import TERMINAL
-from service.store.tasks import Event, TaskRecord
+from ..core import Core
+from ..errors import EventHistoryExpiredError, InvalidRequestError
+from ..store.status import TERMINAL
+from ..store.tasks import Event, TaskRecord
+from .state import state_of
 
 T = TypeVar("T")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -9,7 +9,7 @@ from __future__ import annotations
 import msgspec
 from starlette.responses import Response
 
-from service.errors import LmspdError
+from ..errors import LmspdError
 
 # OpenAI's error "type" by HTTP status.
 _OPENAI_TYPES = {

@@ -13,13 +13,13 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from service.api.events import SSE_HEADERS, openai_stream, resume_point, unless_disconnected
-from service.api.state import state_of
-from service.api.wire import decode, fingerprint, idempotency_key, read_body
-from service.core import Core
-from service.responses import items as input_items_of
-from service.responses import schema as s
-from service.store.tasks import Event, TaskRecord
+from ..core import Core
+from ..responses import items as input_items_of
+from ..responses import schema as s
+from ..store.tasks import Event, TaskRecord
+from .events import SSE_HEADERS, openai_stream, resume_point, unless_disconnected
+from .state import state_of
+from .wire import decode, fingerprint, idempotency_key, read_body
 
 T = TypeVar("T")
 

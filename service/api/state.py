@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 from starlette.requests import Request
 
-from service.api.auth import Authenticator
-from service.config import Config
-from service.core import Core
+from ..config import Config
+from ..core import Core
+from .auth import Authenticator
 
 
 @dataclass

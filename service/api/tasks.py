@@ -6,11 +6,11 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from service.api.state import state_of
-from service.api.wire import TaskList, decode, etag, fingerprint, idempotency_key, read_body, task_object
-from service.errors import InvalidRequestError
-from service.responses.schema import TaskCreate
-from service.store.status import STATUSES
+from ..errors import InvalidRequestError
+from ..responses.schema import TaskCreate
+from ..store.status import STATUSES
+from .state import state_of
+from .wire import TaskList, decode, etag, fingerprint, idempotency_key, read_body, task_object
 
 
 def _json(obj: object, status: int = 200, headers: dict[str, str] | None = None) -> Response:

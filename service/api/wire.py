@@ -9,8 +9,8 @@ from typing import Any, TypeVar
 import msgspec
 from starlette.requests import Request
 
-from service.errors import InvalidRequestError, PayloadTooLargeError
-from service.store.tasks import TaskRecord
+from ..errors import InvalidRequestError, PayloadTooLargeError
+from ..store.tasks import TaskRecord
 
 T = TypeVar("T")
 _UNKNOWN = re.compile(r"unknown field `([^`]+)`")

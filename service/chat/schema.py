@@ -14,9 +14,9 @@ from typing import Any, Literal
 
 import msgspec
 
-from service.errors import InvalidRequestError
-from service.responses.schema import ResponseRequest
-from service.responses.tools import text_param
+from ..errors import InvalidRequestError
+from ..responses.schema import ResponseRequest
+from ..responses.tools import text_param
 
 MAX_STOP = 4
 MAX_TOP_LOGPROBS = 20

@@ -12,8 +12,8 @@ from typing import Any, Literal
 
 import msgspec
 
-from service.responses import schema as s
-from service.store.tasks import Event
+from ..responses import schema as s
+from ..store.tasks import Event
 
 FinishReason = Literal["stop", "length", "content_filter", "tool_calls"]
 

@@ -1,5 +1,5 @@
 """The service layer: one implementation of every operation the HTTP surfaces expose."""
 
-from service.core.service import Core
+from .service import Core
 
 __all__ = ["Core"]

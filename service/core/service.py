@@ -19,9 +19,9 @@ from typing import Any, Literal
 import msgspec
 import ulid
 
-from service import compactor
-from service.config import Config
-from service.errors import (
+from .. import compactor
+from ..config import Config
+from ..errors import (
     ContextLengthExceededError,
     InvalidRequestError,
     LmspdError,
@@ -29,19 +29,19 @@ from service.errors import (
     ServerOverloadedError,
     TaskNotCancelableError,
 )
-from service.generation import cache_key, check_request, prompt_for, tokenizer_for
-from service.hub import Hub
-from service.models.registry import ModelInfo, ModelRegistry
-from service.responses import items as listed
-from service.responses import schema as s
-from service.responses.builder import ResponseState, initial_response
-from service.responses.compaction import default_keep_tokens
-from service.responses.history import history
-from service.responses.inputs import Item, item_json
-from service.responses.reasoning_echo import ReasoningEcho
-from service.store.status import ACTIVE, TERMINAL, OnRestart
-from service.store.tasks import Event, NewEvent, ResponseFields, TaskRecord, TaskStore
-from service.supervisor import Supervisor
+from ..generation import cache_key, check_request, prompt_for, tokenizer_for
+from ..hub import Hub
+from ..models.registry import ModelInfo, ModelRegistry
+from ..responses import items as listed
+from ..responses import schema as s
+from ..responses.builder import ResponseState, initial_response
+from ..responses.compaction import default_keep_tokens
+from ..responses.history import history
+from ..responses.inputs import Item, item_json
+from ..responses.reasoning_echo import ReasoningEcho
+from ..store.status import ACTIVE, TERMINAL, OnRestart
+from ..store.tasks import Event, NewEvent, ResponseFields, TaskRecord, TaskStore
+from ..supervisor import Supervisor
 
 log = logging.getLogger("lmspd.core")
 Kind = Literal["task", "response"]

@@ -22,10 +22,10 @@ from multiprocessing.connection import wait as mp_wait
 from pathlib import Path
 from typing import Any
 
-from service.config import EngineConfig
-from service.engine import protocol as p
-from service.engine.worker import main as worker_main
-from service.errors import EngineCrashedError, InvalidRequestError, LmspdError, error_for
+from ..config import EngineConfig
+from ..errors import EngineCrashedError, InvalidRequestError, LmspdError, error_for
+from . import protocol as p
+from .worker import main as worker_main
 
 log = logging.getLogger("lmspd.engine")
 

@@ -21,12 +21,12 @@ from typing import Any
 
 import msgspec
 
-from service.config import EngineConfig
-from service.engine import protocol as p
-from service.engine.constraint import GrammarError, GrammarMask, Grammars
-from service.errors import LmspdError
-from service.models.registry import context_length_of
-from service.tokenizer import IncrementalDetokenizer, Tokenizer
+from ..config import EngineConfig
+from ..errors import LmspdError
+from ..models.registry import context_length_of
+from ..tokenizer import IncrementalDetokenizer, Tokenizer
+from . import protocol as p
+from .constraint import GrammarError, GrammarMask, Grammars
 
 log = logging.getLogger("lmspd.engine")
 
@@ -206,7 +206,7 @@ class LoadedModel:
 
 class Engine:
     def __init__(self, conn: Connection, config: EngineConfig, cache_dir: Path | None = None) -> None:
-        from service.engine.prompt_cache import PromptCache
+        from .prompt_cache import PromptCache
 
         self.conn = conn
         self.max_concurrency = config.max_concurrency
@@ -309,8 +309,8 @@ class Engine:
         from mlx_lm.generate import BatchGenerator
         from mlx_lm.utils import load_model
 
-        from service.engine.prompt_cache import model_fingerprint
-        from service.engine.weights import apply_weight_dtype
+        from .prompt_cache import model_fingerprint
+        from .weights import apply_weight_dtype
 
         self._evict_for_one()
         self.send(p.ModelLoading(name))

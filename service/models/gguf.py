@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from service.errors import ModelConversionError
+from ..errors import ModelConversionError
 
 _LAYER_RENAMES = {
     "attn_q": "self_attn.q_proj",

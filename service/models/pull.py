@@ -18,9 +18,9 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
-from service.errors import ModelConversionError, ModelDownloadError
-from service.models.catalog import BuiltinModel
-from service.models.gguf import convert_gguf
+from ..errors import ModelConversionError, ModelDownloadError
+from .catalog import BuiltinModel
+from .gguf import convert_gguf
 
 log = logging.getLogger(__name__)
 

@@ -12,10 +12,10 @@ from collections.abc import Sequence
 
 import msgspec
 
-from service.responses import schema as s
-from service.responses.outputs import EventFactory, OutputItems, Status
-from service.responses.tools import JsonObjectFormat, JsonSchemaFormat, NamedFunction, reasoning_param, text_param
-from service.store.tasks import Event, EventBuilder, NewEvent, TaskRecord
+from ..store.tasks import Event, EventBuilder, NewEvent, TaskRecord
+from . import schema as s
+from .outputs import EventFactory, OutputItems, Status
+from .tools import JsonObjectFormat, JsonSchemaFormat, NamedFunction, reasoning_param, text_param
 
 
 def to_builder(factory: EventFactory, tokens: list[int] | None = None) -> EventBuilder:

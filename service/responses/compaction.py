@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from service.errors import ContextLengthExceededError
-from service.responses.inputs import (
+from ..errors import ContextLengthExceededError
+from .inputs import (
     CompactionItem,
     FunctionCallItem,
     FunctionCallOutputItem,

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import msgspec
 
-from service.errors import InvalidRequestError
-from service.responses import schema as s
-from service.responses.inputs import Item, parse_items
-from service.store.status import TERMINAL
-from service.store.tasks import TaskStore
+from ..errors import InvalidRequestError
+from ..store.status import TERMINAL
+from ..store.tasks import TaskStore
+from . import schema as s
+from .inputs import Item, parse_items
 
 MAX_CHAIN = 256
 

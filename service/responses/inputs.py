@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from service.errors import InvalidRequestError
+from ..errors import InvalidRequestError
 
 
 class TextPart(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

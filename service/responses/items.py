@@ -10,8 +10,8 @@ from typing import Any, Literal
 
 import msgspec
 
-from service.errors import InvalidRequestError
-from service.responses.inputs import (
+from ..errors import InvalidRequestError
+from .inputs import (
     CompactionItem,
     FunctionCallItem,
     FunctionCallOutputItem,

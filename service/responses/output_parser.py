@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
-from service.responses.call_formats import (
+from .call_formats import (
     ARGUMENTS_KEY,
     HERMES_HEAD,
     LLAMA_HEAD,
@@ -37,8 +37,8 @@ from service.responses.call_formats import (
     json_value,
     parse_llama3_json,
 )
-from service.responses.mlx_parsers import infer_mlx_thinking, infer_mlx_tool_parser, parser_module
-from service.responses.qwen3_coder_call import Qwen3Coder
+from .mlx_parsers import infer_mlx_thinking, infer_mlx_tool_parser, parser_module
+from .qwen3_coder_call import Qwen3Coder
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,8 @@ from typing import Literal
 
 import ulid
 
-from service.responses import schema as s
-from service.responses.output_parser import (
+from . import schema as s
+from .output_parser import (
     ArgumentsDelta,
     CallDone,
     CallStarted,

@@ -26,12 +26,12 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from service.config import Config
-from service.errors import LmspdError
-from service.responses import schema as s
-from service.responses.inputs import FunctionCallItem, Item, MessageItem, ReasoningItem, parse_items
-from service.store.db import Database
-from service.store.echo import EchoStore
+from ..config import Config
+from ..errors import LmspdError
+from ..store.db import Database
+from ..store.echo import EchoStore
+from . import schema as s
+from .inputs import FunctionCallItem, Item, MessageItem, ReasoningItem, parse_items
 
 R = TypeVar("R", bound=s.ResponseRequest)
 log = logging.getLogger("lmspd.reasoning_echo")

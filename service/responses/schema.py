@@ -11,9 +11,9 @@ from typing import Any, Literal
 
 import msgspec
 
-from service.engine.protocol import SamplingParams, TokenLogprob, validate_top_logprobs
-from service.errors import InvalidRequestError
-from service.responses.tools import (
+from ..engine.protocol import SamplingParams, TokenLogprob, validate_top_logprobs
+from ..errors import InvalidRequestError
+from .tools import (
     FunctionTool,
     JsonObjectFormat,
     JsonSchemaFormat,
@@ -79,7 +79,7 @@ class ResponseRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, 
         return self.top_logprobs or 0
 
     def validate(self) -> None:
-        from service.responses.inputs import parse_items
+        from .inputs import parse_items
 
         if isinstance(self.input, list):
             if not self.input:
@@ -162,7 +162,7 @@ class ResponseRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, 
 
     def check_structure(self) -> None:
         """tools, tool_choice, text and reasoning: shapes, and schemas the grammar can enforce."""
-        from service.grammar import check, json_schema_grammar
+        from ..grammar import check, json_schema_grammar
 
         options = self.tool_options()
         fmt = self.text_format()
@@ -189,7 +189,7 @@ class ResponseRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, 
         return self.conversation or None
 
     def items(self) -> list[Any]:
-        from service.responses.inputs import parse_items
+        from .inputs import parse_items
 
         if isinstance(self.input, str):
             return parse_items([{"role": "user", "content": self.input}])

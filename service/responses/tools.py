@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from service.errors import InvalidRequestError
+from ..errors import InvalidRequestError
 
 BUILTIN_TOOLS = frozenset(
     {

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 import aiosqlite
 
-from service.store.migrate import MIGRATIONS_DIR, migrate
+from .migrate import migrate
 
 T = TypeVar("T")
 Job = Callable[[sqlite3.Connection], Any]
@@ -122,7 +122,7 @@ class Database:
         self.writer = Writer(writer_conn)
 
     @classmethod
-    async def open(cls, path: Path, migrations_dir: Path = MIGRATIONS_DIR) -> Database:
+    async def open(cls, path: Path, migrations_dir: Path | None = None) -> Database:
         path.parent.mkdir(parents=True, exist_ok=True)
         writer = await aiosqlite.connect(path, isolation_level=None)
         await on_thread(writer, _configure, True)

@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 
 import msgspec
 
-from service.store.db import Database
-from service.store.queries import q
+from .db import Database
+from .queries import q
 
 log = logging.getLogger("lmspd.store.echo")
 

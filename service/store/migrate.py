@@ -1,30 +1,55 @@
-"""Apply numbered ``migrations/NNN_name.sql`` files, tracked by ``PRAGMA user_version``."""
+"""Apply numbered ``migrations/NNN_name.sql`` files, tracked by ``PRAGMA user_version``.
+
+The files live in the project's ``migrations/`` folder; an installed wheel carries them as
+the package's ``migrations`` data (``importlib.resources``). Finding none is an error: an
+empty list would silently leave a new database without tables.
+"""
 
 from __future__ import annotations
 
 import re
 import sqlite3
+from functools import cache
+from importlib import resources
+from importlib.resources.abc import Traversable
 from pathlib import Path
 
-from service.errors import LmspdError
+from ..errors import LmspdError
 
-MIGRATIONS_DIR = Path(__file__).resolve().parent.parent.parent / "migrations"
 _FILE = re.compile(r"^(\d+)_[\w-]+\.sql$")
+_TOP = __name__.split(".")[0]  # "lmspd" when installed, "service" in the source tree
 
 
 class MigrationError(LmspdError):
     code = "migration_failed"
 
 
-def migrations(directory: Path = MIGRATIONS_DIR) -> list[tuple[int, Path]]:
-    found = sorted((int(m.group(1)), p) for p in directory.glob("*.sql") if (m := _FILE.match(p.name)))
+@cache
+def migrations_dir() -> Traversable:
+    packaged: Traversable
+    try:
+        packaged = resources.files(f"{_TOP}.migrations")
+    except ModuleNotFoundError:  # the source tree: migrations/ next to the package
+        packaged = Path(__file__).resolve().parent.parent.parent / "migrations"
+    if not packaged.is_dir():
+        raise MigrationError(f"the migrations folder {packaged} is missing: this lmspd is not installed whole")
+    return packaged
+
+
+def migrations(directory: Traversable | None = None) -> list[tuple[int, Traversable]]:
+    directory = directory or migrations_dir()
+    found = sorted(
+        ((int(m.group(1)), p) for p in directory.iterdir() if (m := _FILE.match(p.name))), key=lambda np: np[0]
+    )
+    if not found:
+        raise MigrationError(f"no migrations found in {directory}: this lmspd is not installed whole")
     numbers = [n for n, _ in found]
     if numbers != list(range(1, len(numbers) + 1)):
         raise MigrationError(f"migrations in {directory} must be numbered 1..N without gaps, found {numbers}")
     return found
 
 
-def migrate(conn: sqlite3.Connection, directory: Path = MIGRATIONS_DIR) -> int:
+def migrate(conn: sqlite3.Connection, directory: Traversable | None = None) -> int:
     """Bring the database to the newest version; each migration commits with its version bump."""
     current = conn.execute("PRAGMA user_version").fetchone()[0]
     available = migrations(directory)

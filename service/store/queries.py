@@ -8,16 +8,16 @@ from __future__ import annotations
 
 import re
 from functools import cache
-from pathlib import Path
+from importlib import resources
 
-from service.store.status import ACTIVE, STARTED, TERMINAL, sql_list
+from .status import ACTIVE, STARTED, TERMINAL, sql_list
 
 _NAME = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
 
 
 @cache
 def queries() -> dict[str, str]:
-    text = (Path(__file__).with_name("queries.sql")).read_text()
+    text = resources.files(__package__).joinpath("queries.sql").read_text()
     for marker, statuses in (("{ACTIVE}", ACTIVE), ("{TERMINAL}", TERMINAL), ("{STARTED}", STARTED)):
         text = text.replace(marker, sql_list(statuses))
     parts = _NAME.split(text)[1:]

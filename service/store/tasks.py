@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import msgspec
 from ulid import monotonic as ulid
 
-from service.errors import (
+from ..errors import (
     IdempotencyKeyReusedError,
     QueueFullError,
     SequenceConflictError,
@@ -24,9 +24,9 @@ from service.errors import (
     TaskNotFoundError,
     TooManyBackgroundJobsError,
 )
-from service.store.db import Database
-from service.store.queries import q
-from service.store.status import TERMINAL, OnRestart, TaskStatus, sources
+from .db import Database
+from .queries import q
+from .status import TERMINAL, OnRestart, TaskStatus, sources
 
 
 class ResponseFields(msgspec.Struct, frozen=True, kw_only=True):

@@ -8,6 +8,7 @@ milliseconds per token.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -15,10 +16,11 @@ import subprocess
 import sys
 import time
 import zipfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+from engine_host import Hosts
 
 from service.config import EngineConfig
 from service.engine.client import EngineClient
@@ -188,3 +190,11 @@ async def engine(shared_engine: EngineClient) -> AsyncIterator[EngineClient]:
     assert shared_engine.stats()["in_flight"] == 0, "the test left requests running on the shared engine"
     assert not shared_engine._early_cancels, "the test left cancels remembered on the shared engine"
     assert shared_engine.alive, "the test killed the shared engine: start a private one"
+
+
+@pytest.fixture(scope="session")
+def engine_hosts() -> Iterator[Hosts]:
+    """Engine hosts (an event loop thread and an engine on it) for the app-test modules,
+    one per engine config, closed at the end of the session."""
+    with contextlib.ExitStack() as stack:
+        yield Hosts(stack)

@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from engine_host import Host, engine_host, purge
+from engine_host import Host, Hosts, purge
 from openresponses import validate, validate_event
 from starlette.testclient import TestClient
 
@@ -31,10 +31,9 @@ ENGINE = EngineConfig(weight_dtype="quantized")
 
 
 @pytest.fixture(scope="module")
-def host() -> Iterator[Host]:
-    """One engine for the module; every test still gets a new app and database."""
-    with engine_host(ENGINE) as h:
-        yield h
+def host(engine_hosts: Hosts) -> Host:
+    """The session's engine on ENGINE; every test still gets a new app and database."""
+    return engine_hosts.get(ENGINE)
 
 
 @pytest.fixture

@@ -324,15 +324,20 @@ def settle_and_check(client: TestClient, task_id: str, cancel_status: int) -> st
 
 def test_cancel_racing_completion(client: TestClient) -> None:
     quick = {"type": "response", "input": {"input": "Hi", "temperature": 0, "max_output_tokens": 2}}
+
     # Racing: cancel right after create, at different points (queued, loading, running, done).
     # Which side wins depends on the machine; the invariants hold either way.
-    racing = []
-    for i in range(100):
+    # Four clients race side by side (each cancel still follows its own create by the
+    # given delay), which also puts some of the tasks behind others in the queue.
+    def race(i: int) -> tuple[str, int]:
         task_id = client.post("/lmsp/v1/tasks", json=quick, headers=ALICE).json()["id"]
         time.sleep((i % 10) * 0.002)
         r = client.post(f"/lmsp/v1/tasks/{task_id}/cancel", headers=ALICE)
         assert r.status_code in (200, 409), r.text
-        racing.append((task_id, r.status_code))
+        return task_id, r.status_code
+
+    with ThreadPoolExecutor(4) as pool:
+        racing = list(pool.map(race, range(100)))
     # Both outcomes by construction: a long task cancelled once running (cancel wins) ...
     long_body = task_body(max_output_tokens=3000)
     cancelled = []
@@ -351,7 +356,7 @@ def test_cancel_racing_completion(client: TestClient) -> None:
         r = client.post(f"/lmsp/v1/tasks/{task_id}/cancel", headers=ALICE)
         assert r.status_code == 409 and r.json()["code"] == "task_not_cancelable"
         succeeded.append((task_id, 409))
-    for task_id, cancel_status in racing:
-        settle_and_check(client, task_id, cancel_status)
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda race: settle_and_check(client, *race), racing))
     assert {settle_and_check(client, t, c) for t, c in cancelled} == {"cancelled"}
     assert {settle_and_check(client, t, c) for t, c in succeeded} == {"succeeded"}

@@ -68,12 +68,20 @@ async def test_concurrent_requests_equal_each_alone(engine: EngineClient, tiny: 
 
 async def test_requests_join_a_running_batch(engine: EngineClient, tiny: ResolvedModel) -> None:
     solo = await collect(engine, request(tiny, PROMPTS[1], max_tokens=12))
-    long = asyncio.create_task(collect(engine, request(tiny, PROMPTS[0], max_tokens=120)))
-    await asyncio.sleep(0.2)  # the long request is decoding when the short one arrives
+    long_stream = engine.generate(request(tiny, PROMPTS[0], max_tokens=120))
+    assert isinstance(await anext(long_stream), p.Delta)  # the long request is decoding when the short one arrives
+
+    async def long_finished() -> p.Finished:
+        async for ev in long_stream:
+            if isinstance(ev, p.Finished):
+                return ev
+        raise AssertionError("stream ended without Finished")
+
+    long = asyncio.create_task(long_finished())
     late = await collect(engine, request(tiny, PROMPTS[1], max_tokens=12))
     assert not long.done()  # the short request finished while the long one was still running
     assert late[0] == solo[0]
-    assert (await long)[2].completion_tokens == 120
+    assert (await long).completion_tokens == 120
 
 
 async def test_cancel_mid_generation(engine: EngineClient, tiny_long: ResolvedModel) -> None:
@@ -97,7 +105,7 @@ async def test_cancel_mid_generation(engine: EngineClient, tiny_long: ResolvedMo
 async def test_cancel_before_generate_is_not_lost(engine: EngineClient, tiny: ResolvedModel) -> None:
     # The supervisor may cancel between deciding to run a request and sending it: the
     # engine has never heard of the id, so the client must remember the cancel.
-    cmd = request(tiny, PROMPTS[0], max_tokens=200, generated=[42, 43])
+    cmd = request(tiny, PROMPTS[0], max_tokens=12, generated=[42, 43])
     await engine.cancel(cmd.request_id)
     ids, text, fin = await collect(engine, cmd)
     assert (ids, text) == ([], "")

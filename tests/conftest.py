@@ -7,16 +7,20 @@ milliseconds per token.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import shutil
 import subprocess
 import sys
+import time
 import zipfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+from engine_host import Hosts
 
 from service.config import EngineConfig
 from service.engine.client import EngineClient
@@ -153,10 +157,44 @@ def tiny_long(tmp_path_factory: pytest.TempPathFactory, smol_dir: Path) -> Resol
     return ResolvedModel(name="tiny_long", path=path)
 
 
-@pytest.fixture
-async def engine() -> AsyncIterator[EngineClient]:
-    """A fresh engine process (tests may kill it), closed after the test."""
-    client = EngineClient(EngineConfig(weight_dtype="quantized", max_concurrency=4))
+SHARED_ENGINE = EngineConfig(weight_dtype="quantized", max_concurrency=4)
+
+
+@pytest.fixture(scope="session")
+async def shared_engine() -> AsyncIterator[EngineClient]:
+    """One engine process for every test that leaves it as it found it: each start (spawn,
+    MLX import, first model load) costs seconds. Use ``engine``, which checks that."""
+    client = EngineClient(SHARED_ENGINE)
     await client.start()
     yield client
     await client.close()
+
+
+@pytest.fixture
+async def engine(shared_engine: EngineClient) -> AsyncIterator[EngineClient]:
+    """The shared engine (``SHARED_ENGINE``), idle and alive, and checked to be left so.
+
+    A test that kills, closes or reconfigures an engine starts its own instead. Left idle
+    means: no request of the test still streams (the client cancels any it abandoned, and
+    its single writer sends that Cancel before any later command, so the engine process is
+    idle too when the next test's first command arrives) and no cancel is left remembered.
+    """
+    assert shared_engine.alive, "an earlier test killed the shared engine"
+    assert shared_engine.stats()["in_flight"] == 0
+    yield shared_engine
+    # An abandoned stream (``break`` out of ``async for``) is closed by the event loop's
+    # async-generator finalizer shortly after, not at once: poll for it.
+    deadline = time.monotonic() + 10
+    while shared_engine.stats()["in_flight"] and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    assert shared_engine.stats()["in_flight"] == 0, "the test left requests running on the shared engine"
+    assert not shared_engine._early_cancels, "the test left cancels remembered on the shared engine"
+    assert shared_engine.alive, "the test killed the shared engine: start a private one"
+
+
+@pytest.fixture(scope="session")
+def engine_hosts() -> Iterator[Hosts]:
+    """Engine hosts (an event loop thread and an engine on it) for the app-test modules,
+    one per engine config, closed at the end of the session."""
+    with contextlib.ExitStack() as stack:
+        yield Hosts(stack)

@@ -6,7 +6,10 @@ fresh loop of its own. So a test module starts one loop thread (an anyio blockin
 and one engine on it, and :func:`serve` runs every test's app on that same loop: the
 app's lifespan is entered in the portal and the TestClient sends its requests through the
 portal instead of starting its own. The app's lifespan does not close an engine it was
-handed; the module closes it at the end.
+handed; whoever started it closes it.
+
+Modules on the same engine config share one host for the whole session (:class:`Hosts`,
+the ``engine_hosts`` fixture), each app still with its own database.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import anyio.from_thread
+import msgspec
 from anyio.from_thread import BlockingPortal
 from starlette.applications import Starlette
 from starlette.testclient import TestClient
@@ -63,6 +67,26 @@ def engine_host(config: EngineConfig) -> Iterator[Host]:
             yield Host(portal, engine)
         finally:
             portal.call(engine.close)
+
+
+class Hosts:
+    """Engine hosts shared by the test modules of a session, one per engine config: each
+    engine start costs seconds, and modules on the same config need no engine of their own."""
+
+    def __init__(self, stack: contextlib.ExitStack) -> None:
+        self._stack = stack
+        self._hosts: dict[bytes, Host] = {}
+
+    def get(self, config: EngineConfig) -> Host:
+        key = msgspec.json.encode(config)
+        host = self._hosts.get(key)
+        if host is None:
+            host = self._hosts[key] = self._stack.enter_context(engine_host(config))
+        elif not host.engine.alive:
+            # Killed by an earlier module's test (its app's supervisor restarts it, but only
+            # while that app runs): start it again, as a supervisor would.
+            host.portal.call(host.engine.start)
+        return host
 
 
 def purge(client: TestClient, *, events_older_than: int = 10**6, later_by: int = 10) -> None:

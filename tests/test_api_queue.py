@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_host import Host, engine_host
+from engine_host import Host, Hosts
 from starlette.testclient import TestClient
 
 from service.config import Config, EngineConfig, ModelEntry, ServerConfig
@@ -30,10 +30,9 @@ ENGINE = EngineConfig(weight_dtype="quantized", max_concurrency=1)
 
 
 @pytest.fixture(scope="module")
-def host() -> Iterator[Host]:
-    """One engine for the module (the crash test kills it; its app's supervisor restarts it)."""
-    with engine_host(ENGINE) as h:
-        yield h
+def host(engine_hosts: Hosts) -> Host:
+    """The session's engine on ENGINE (the crash test kills it; its app's supervisor restarts it)."""
+    return engine_hosts.get(ENGINE)
 
 
 @pytest.fixture

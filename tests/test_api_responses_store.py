@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_host import Host, engine_host, purge
+from engine_host import Host, Hosts, purge
 from families import make_thinker
 from starlette.testclient import TestClient
 
@@ -25,10 +25,9 @@ ENGINE = EngineConfig(weight_dtype="quantized")
 
 
 @pytest.fixture(scope="module")
-def host() -> Iterator[Host]:
-    """One engine for the module; every test's apps have their own database."""
-    with engine_host(ENGINE) as h:
-        yield h
+def host(engine_hosts: Hosts) -> Host:
+    """The session's engine on ENGINE; every test's apps have their own database."""
+    return engine_hosts.get(ENGINE)
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from engine_host import Host, engine_host, purge
+from engine_host import Host, Hosts, purge
 from openresponses import validate, validate_event
 from starlette.testclient import TestClient
 
@@ -31,10 +31,9 @@ ENGINE = EngineConfig(weight_dtype="quantized")
 
 
 @pytest.fixture(scope="module")
-def host() -> Iterator[Host]:
-    """One engine for the module; every test still gets a new app and database."""
-    with engine_host(ENGINE) as h:
-        yield h
+def host(engine_hosts: Hosts) -> Host:
+    """The session's engine on ENGINE; every test still gets a new app and database."""
+    return engine_hosts.get(ENGINE)
 
 
 @pytest.fixture
@@ -325,15 +324,20 @@ def settle_and_check(client: TestClient, task_id: str, cancel_status: int) -> st
 
 def test_cancel_racing_completion(client: TestClient) -> None:
     quick = {"type": "response", "input": {"input": "Hi", "temperature": 0, "max_output_tokens": 2}}
+
     # Racing: cancel right after create, at different points (queued, loading, running, done).
     # Which side wins depends on the machine; the invariants hold either way.
-    racing = []
-    for i in range(100):
+    # Four clients race side by side (each cancel still follows its own create by the
+    # given delay), which also puts some of the tasks behind others in the queue.
+    def race(i: int) -> tuple[str, int]:
         task_id = client.post("/lmsp/v1/tasks", json=quick, headers=ALICE).json()["id"]
         time.sleep((i % 10) * 0.002)
         r = client.post(f"/lmsp/v1/tasks/{task_id}/cancel", headers=ALICE)
         assert r.status_code in (200, 409), r.text
-        racing.append((task_id, r.status_code))
+        return task_id, r.status_code
+
+    with ThreadPoolExecutor(4) as pool:
+        racing = list(pool.map(race, range(100)))
     # Both outcomes by construction: a long task cancelled once running (cancel wins) ...
     long_body = task_body(max_output_tokens=3000)
     cancelled = []
@@ -352,7 +356,7 @@ def test_cancel_racing_completion(client: TestClient) -> None:
         r = client.post(f"/lmsp/v1/tasks/{task_id}/cancel", headers=ALICE)
         assert r.status_code == 409 and r.json()["code"] == "task_not_cancelable"
         succeeded.append((task_id, 409))
-    for task_id, cancel_status in racing:
-        settle_and_check(client, task_id, cancel_status)
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda race: settle_and_check(client, *race), racing))
     assert {settle_and_check(client, t, c) for t, c in cancelled} == {"cancelled"}
     assert {settle_and_check(client, t, c) for t, c in succeeded} == {"succeeded"}

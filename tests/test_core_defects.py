@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from engine_host import Host, engine_host, purge
+from engine_host import Host, Hosts, purge
 from openresponses import validate
 from starlette.testclient import TestClient
 
@@ -32,9 +32,9 @@ ENGINE = EngineConfig(weight_dtype="quantized", max_concurrency=1)
 
 
 @pytest.fixture(scope="module")
-def host() -> Iterator[Host]:
-    with engine_host(ENGINE) as h:
-        yield h
+def host(engine_hosts: Hosts) -> Host:
+    """The session's engine on ENGINE; every test gets a new app and database."""
+    return engine_hosts.get(ENGINE)
 
 
 def config_for(tmp_path: Path, model_cache: Path, tiny: ResolvedModel, **responses: int) -> Config:

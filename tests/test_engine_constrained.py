@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 
 import jsonschema
 import msgspec
@@ -14,7 +13,6 @@ import pytest
 from test_engine import PROMPTS, collect, request
 
 from service import grammar
-from service.config import EngineConfig
 from service.engine.client import EngineClient
 from service.errors import InvalidRequestError
 from service.models.registry import ResolvedModel
@@ -30,15 +28,6 @@ SCHEMA = {
     "required": ["colour", "count", "tags"],
     "additionalProperties": False,
 }
-
-
-@pytest.fixture(scope="module")
-async def engine() -> AsyncIterator[EngineClient]:
-    """One engine for the module: no test here breaks it, and each start costs seconds."""
-    client = EngineClient(EngineConfig(weight_dtype="quantized", max_concurrency=4))
-    await client.start()
-    yield client
-    await client.close()
 
 
 def schema_grammar(schema: dict[str, object]) -> str:

@@ -48,7 +48,7 @@ def wait(client: openai.OpenAI, response_id: str, timeout: float = 60) -> Any:
 @pytest.mark.real_model
 @pytest.mark.slow
 def test_reply_with_hello_on_the_real_model(client: openai.OpenAI) -> None:
-    r = client.responses.create(model="smol", input="Reply with: hello", temperature=0, max_output_tokens=8)
+    r = client.responses.create(model="smol", input="Reply with: hello", temperature=0, max_output_tokens=2)
     assert r.output_text.lower().startswith("hello")  # greedy: "Hello! I'm here to help ..."
 
 

@@ -1,4 +1,5 @@
-"""Validate objects against the Open Responses OpenAPI schema (../shared/reference)."""
+"""Validate objects against the Open Responses OpenAPI schema (a copy in tests/data, so the
+tests need nothing outside the project)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 
 import jsonschema
 
-SCHEMA = Path(__file__).resolve().parent.parent.parent / "shared" / "reference" / "openresponses-openapi.json"
+SCHEMA = Path(__file__).resolve().parent / "data" / "openresponses-openapi.json"
 EVENT_SCHEMAS = {
     "response.created": "ResponseCreatedStreamingEvent",
     "response.queued": "ResponseQueuedStreamingEvent",

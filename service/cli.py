@@ -1,4 +1,4 @@
-"""The ``lmspd`` command: ``models pull|list`` and ``generate``."""
+"""The ``lmspd`` command: ``models pull|list``, ``generate``, ``serve`` and ``service print``."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from . import units
 from .config import RESPONSES_FLAGS, Config, load_config
 from .errors import LmspdError
 
@@ -50,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--instructions", help="system prompt")
     gen.add_argument("--weight-dtype", choices=["auto", "quantized", "float32", "float16", "bfloat16"])
     _common(gen)
+
+    units.add_parser(sub, _common)
     return parser
 
 
@@ -91,6 +94,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     else:
         uvloop.run(run(config))
     return 0
+
+
+def cmd_service_print(args: argparse.Namespace) -> int:
+    return units.cmd_print(args, _config(args))
 
 
 def cmd_models_pull(args: argparse.Namespace) -> int:
@@ -169,6 +176,7 @@ COMMANDS = {
     ("models", "list"): cmd_models_list,
     ("generate", None): cmd_generate,
     ("serve", None): cmd_serve,
+    ("service", "print"): cmd_service_print,
 }
 
 
@@ -178,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
-    handler = COMMANDS[(args.command, getattr(args, "models_command", None))]
+    handler = COMMANDS[(args.command, getattr(args, "models_command", None) or getattr(args, "service_command", None))]
     try:
         return handler(args)
     except LmspdError as exc:

@@ -13,6 +13,7 @@ from hypercorn.config import Config as HypercornConfig
 from .api.app import create_app
 from .config import Config
 from .errors import ConfigError
+from .systemd import notify, notify_address, notify_when_ready
 
 log = logging.getLogger("lmspd.server")
 
@@ -49,6 +50,24 @@ async def run(config: Config) -> None:
     hc.graceful_timeout = config.server.shutdown_grace_secs
     hc.accesslog = None
     loop = asyncio.get_running_loop()
+    # Under systemd (Type=notify): READY=1 once the server answers /readyz as a client would see it,
+    # STOPPING=1 on SIGTERM. Without $NOTIFY_SOCKET neither probe nor message.
+    ready: asyncio.Task[None] | None = None
+    if notify_address():
+        probe = notify_when_ready(config.server.host, config.server.port, f"serving on {hc.bind[0]}")
+        ready = asyncio.create_task(probe)
+
+    def on_signal() -> None:
+        if not stop.is_set():
+            if ready is not None:
+                ready.cancel()  # a server stopped before it was ready never says READY=1
+            notify("STOPPING=1")
+        stop.set()  # the app's lifespan owns what shutdown means
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)  # the app's lifespan owns what shutdown means
-    await hypercorn_serve(app, hc, shutdown_trigger=stop.wait)  # type: ignore[arg-type]
+        loop.add_signal_handler(sig, on_signal)
+    try:
+        await hypercorn_serve(app, hc, shutdown_trigger=stop.wait)  # type: ignore[arg-type]
+    finally:
+        if ready is not None:
+            ready.cancel()

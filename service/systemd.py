@@ -1,0 +1,83 @@
+"""A tiny ``sd_notify``: tells systemd (``Type=notify``) when the server is ready and stopping.
+
+systemd passes ``$NOTIFY_SOCKET``, a unix datagram socket: a path, or an abstract-namespace
+name written with a leading ``@``. Each message is one datagram of ``KEY=VALUE`` lines. Without
+the variable (a terminal, launchd) every call is a no-op. No dependency beyond the stdlib.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+
+log = logging.getLogger("lmspd.server")
+
+# How often the readiness probe asks /readyz while the server is starting.
+PROBE_INTERVAL_SECS = 0.05
+PROBE_TIMEOUT_SECS = 5.0
+
+
+def notify_address(environ: dict[str, str] | None = None) -> str | None:
+    """The socket address from ``$NOTIFY_SOCKET``, ``@name`` mapped to the abstract namespace."""
+    value = (os.environ if environ is None else environ).get("NOTIFY_SOCKET", "")
+    if value.startswith("@"):
+        return "\0" + value[1:]
+    if value.startswith("/"):
+        return value
+    return None  # unset, or a kind this helper does not speak (vsock:)
+
+
+def notify(state: str, environ: dict[str, str] | None = None) -> bool:
+    """Send ``state`` (e.g. ``"READY=1"``) to the service manager; False when there is none or it
+    cannot be reached (logged, never raised: a lost notification must not stop the server)."""
+    address = notify_address(environ)
+    if address is None or not hasattr(socket, "AF_UNIX"):
+        return False
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+            sock.connect(address)
+            sock.sendall(state.encode())
+    except OSError as exc:
+        log.warning("sd_notify %r failed: %s", state.split("\n", 1)[0], exc)
+        return False
+    return True
+
+
+def probe_host(host: str) -> str:
+    """Where to reach a server bound to ``host`` from the same machine."""
+    return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+
+
+async def readyz_ok(host: str, port: int) -> bool:
+    """Whether ``GET /readyz`` on the server answers 200 (refused or 503 while starting)."""
+    try:
+        reader, writer = await asyncio.open_connection(probe_host(host), port)
+    except OSError:
+        return False
+    try:
+        writer.write(b"GET /readyz HTTP/1.1\r\nHost: lmspd\r\nConnection: close\r\n\r\n")
+        await writer.drain()
+        status = await reader.readline()  # b"HTTP/1.1 200 \r\n"
+        return status.split(b" ")[1:2] == [b"200"]
+    except OSError:
+        return False
+    finally:
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+
+
+async def notify_when_ready(host: str, port: int, status: str) -> None:
+    """Send ``READY=1`` once the server itself answers ``/readyz`` 200: after the default model's
+    preload, the lifespan's recovery of unfinished tasks, the engine start and the listener —
+    readiness as any client sees it, not as a step of startup guesses it."""
+    while True:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(PROBE_TIMEOUT_SECS):
+                if await readyz_ok(host, port):
+                    break
+        await asyncio.sleep(PROBE_INTERVAL_SECS)
+    notify(f"READY=1\nSTATUS={status}")

@@ -1,4 +1,4 @@
-"""The ``lmspd`` command: ``models pull|list`` and ``generate``."""
+"""The ``lmspd`` command: ``models pull|list``, ``generate``, ``serve``, and ``openapi``."""
 
 from __future__ import annotations
 
@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--instructions", help="system prompt")
     gen.add_argument("--weight-dtype", choices=["auto", "quantized", "float32", "float16", "bfloat16"])
     _common(gen)
+
+    sub.add_parser("openapi", help="print the server's OpenAPI 3.1 document (JSON)")
     return parser
 
 
@@ -164,11 +166,22 @@ async def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_openapi(args: argparse.Namespace) -> int:
+    import msgspec
+
+    from service.api.app import create_app
+    from service.api.openapi import document
+
+    print(msgspec.json.format(msgspec.json.encode(document(create_app(Config()).routes)), indent=2).decode())
+    return 0
+
+
 COMMANDS = {
     ("models", "pull"): cmd_models_pull,
     ("models", "list"): cmd_models_list,
     ("generate", None): cmd_generate,
     ("serve", None): cmd_serve,
+    ("openapi", None): cmd_openapi,
 }
 
 

@@ -1,4 +1,4 @@
-"""The ``lmspd`` command: ``models pull|list``, ``generate``, ``serve``, and ``openapi``."""
+"""The ``lmspd`` command: ``models pull|list``, ``generate``, ``serve``, ``openapi`` and ``doctor``."""
 
 from __future__ import annotations
 
@@ -52,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     _common(gen)
 
     sub.add_parser("openapi", help="print the server's OpenAPI 3.1 document (JSON)")
+    doctor = sub.add_parser("doctor", help="check the install, data dir, database, models and port")
+    doctor.add_argument("--data-dir", help="where the SQLite database lives (env LMSPD_DATA_DIR)")
+    doctor.add_argument("--port", type=int, help="port to check (default: the configured one)")
+    _common(doctor)
     return parser
 
 
@@ -176,12 +180,19 @@ def cmd_openapi(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from service import doctor
+
+    return doctor.run(_config(args))
+
+
 COMMANDS = {
     ("models", "pull"): cmd_models_pull,
     ("models", "list"): cmd_models_list,
     ("generate", None): cmd_generate,
     ("serve", None): cmd_serve,
     ("openapi", None): cmd_openapi,
+    ("doctor", None): cmd_doctor,
 }
 
 

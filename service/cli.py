@@ -1,4 +1,5 @@
-"""The ``lmspd`` command: ``models pull|list``, ``generate``, ``serve`` and ``service print``."""
+"""The ``lmspd`` command: ``models pull|list``, ``generate``, ``serve``, ``service print``,
+``openapi`` and ``doctor``."""
 
 from __future__ import annotations
 
@@ -53,6 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
     _common(gen)
 
     units.add_parser(sub, _common)
+    sub.add_parser("openapi", help="print the server's OpenAPI 3.1 document (JSON)")
+    doctor = sub.add_parser("doctor", help="check the install, data dir, database, models and port")
+    doctor.add_argument("--data-dir", help="where the SQLite database lives (env LMSPD_DATA_DIR)")
+    doctor.add_argument("--port", type=int, help="port to check (default: the configured one)")
+    _common(doctor)
     return parser
 
 
@@ -171,12 +177,30 @@ async def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_openapi(args: argparse.Namespace) -> int:
+    import msgspec
+
+    from .api.app import create_app
+    from .api.openapi import document
+
+    print(msgspec.json.format(msgspec.json.encode(document(create_app(Config()).routes)), indent=2).decode())
+    return 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from . import doctor
+
+    return doctor.run(_config(args))
+
+
 COMMANDS = {
     ("models", "pull"): cmd_models_pull,
     ("models", "list"): cmd_models_list,
     ("generate", None): cmd_generate,
     ("serve", None): cmd_serve,
     ("service", "print"): cmd_service_print,
+    ("openapi", None): cmd_openapi,
+    ("doctor", None): cmd_doctor,
 }
 
 

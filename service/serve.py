@@ -7,10 +7,6 @@ import ipaddress
 import logging
 import signal
 
-from hypercorn.asyncio import serve as hypercorn_serve
-from hypercorn.config import Config as HypercornConfig
-
-from .api.app import create_app
 from .config import Config
 from .errors import ConfigError
 from .systemd import notify, notify_address, notify_when_ready
@@ -38,6 +34,12 @@ def check_bind(config: Config) -> None:
 
 
 async def run(config: Config) -> None:
+    # Imported here: check_bind's other callers (lmspd doctor) need neither the app nor Hypercorn.
+    from hypercorn.asyncio import serve as hypercorn_serve
+    from hypercorn.config import Config as HypercornConfig
+
+    from .api.app import create_app
+
     check_bind(config)
     stop = asyncio.Event()
     app = create_app(config, shutdown=stop)

@@ -1,6 +1,7 @@
 """The app factory: every route of the service, in one place.
 
 /healthz, /readyz                         liveness, readiness (no token)
+/openapi.json                             this app's OpenAPI document (no token) -> service.api.openapi
 /lmsp/v1/capabilities, /lmsp/v1/models    discovery (LMSP 10)
 /lmsp/v1/tasks[...]                       durable tasks (LMSP 7)  -> service.api.tasks
 /lmsp/v1/tasks/{id}/events                event stream (LMSP 6.4) -> service.api.events
@@ -34,10 +35,11 @@ from ..models.registry import ModelRegistry
 from ..store.db import Database
 from ..store.tasks import TaskStore
 from ..supervisor import Supervisor
-from . import chat, events, responses, tasks
+from . import chat, events, openapi, responses, tasks
 from .auth import Authenticator
-from .problems import openai_response, problem_response
+from .problems import is_openai_path, openai_response, problem_response
 from .state import AppState, state_of
+from .wire import Capabilities, CapabilityFlags, Health, Limits, LmspModel, LmspModelList
 
 log = logging.getLogger("lmspd.server")
 
@@ -47,13 +49,13 @@ def _json(obj: object, status: int = 200) -> Response:
 
 
 async def healthz(request: Request) -> Response:
-    return _json({"status": "ok"})
+    return _json(Health("ok"))
 
 
 async def readyz(request: Request) -> Response:
     app = state_of(request)
     ready = app.core.accepting and app.core.supervisor.engine.alive
-    return _json({"status": "ready" if ready else "not_ready"}, 200 if ready else 503)
+    return _json(Health("ready" if ready else "not_ready"), 200 if ready else 503)
 
 
 async def capabilities(request: Request) -> Response:
@@ -61,40 +63,38 @@ async def capabilities(request: Request) -> Response:
     app.auth.owner(request)
     s = app.config.server
     return _json(
-        {
-            "object": "capabilities",
-            "lmsp_version": "1.0",
-            "capabilities": {"event_resume": True, "resume_snapshots": True, "idempotency": True, "tasks": True},
-            "task_types": ["response"],
-            "on_restart": ["fail", "retry", "resume"],
-            "limits": {
-                "max_body_bytes": s.max_body_bytes,
-                "max_queued_tasks": s.max_queued_tasks,
-                "max_concurrency": app.config.engine.max_concurrency,
-                "event_retention_secs": s.event_retention_secs,
-                "task_retention_secs": s.task_retention_secs,
-                "idempotency_key_retention_secs": s.idempotency_retention_secs,
-            },
-        }
+        Capabilities(
+            lmsp_version="1.0",
+            capabilities=CapabilityFlags(event_resume=True, resume_snapshots=True, idempotency=True, tasks=True),
+            task_types=["response"],
+            on_restart=["fail", "retry", "resume"],
+            limits=Limits(
+                max_body_bytes=s.max_body_bytes,
+                max_queued_tasks=s.max_queued_tasks,
+                max_concurrency=app.config.engine.max_concurrency,
+                event_retention_secs=s.event_retention_secs,
+                task_retention_secs=s.task_retention_secs,
+                idempotency_key_retention_secs=s.idempotency_retention_secs,
+            ),
+        )
     )
 
 
 async def models(request: Request) -> Response:
     app = state_of(request)
     app.auth.owner(request)
-    data = [
-        {"id": m.name, "object": "model", "created": 0, "owned_by": "lmspd", "ready": m.pulled}
-        for m in app.core.models()
-    ]
-    return _json({"object": "list", "data": data})
+    return _json(LmspModelList(data=[LmspModel(id=m.name, ready=m.pulled) for m in app.core.models()]))
 
 
-def _is_openai(request: Request) -> bool:
-    return request.url.path.startswith(("/v1/", "/responses", "/chat/"))
+async def openapi_json(request: Request) -> Response:
+    body: bytes | None = getattr(request.app.state, "openapi", None)
+    if body is None:  # built once per app, from its own routes
+        body = request.app.state.openapi = msgspec.json.encode(openapi.document(request.app.routes))
+    return Response(body, media_type="application/json")
 
 
 def _render(request: Request, exc: LmspdError) -> Response:
-    return openai_response(exc) if _is_openai(request) else problem_response(exc)
+    return openai_response(exc) if is_openai_path(request.url.path) else problem_response(exc)
 
 
 async def on_lmspd_error(request: Request, exc: Exception) -> Response:
@@ -130,6 +130,7 @@ ROUTES = [
     Route("/healthz", healthz),
     Route("/lmsp/v1/healthz", healthz),  # clients guess it
     Route("/readyz", readyz),
+    Route("/openapi.json", openapi_json),
     Route("/lmsp/v1/capabilities", capabilities),
     Route("/lmsp/v1/models", models),
     Route("/lmsp/v1/tasks", tasks.create_task, methods=["POST"]),

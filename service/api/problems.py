@@ -32,6 +32,12 @@ class OpenAIError(msgspec.Struct):
     error: OpenAIErrorBody
 
 
+def is_openai_path(path: str) -> bool:
+    """Whether ``path`` answers errors in OpenAI's envelope (/v1 and its aliases) rather than
+    as problem objects (/lmsp/v1, health)."""
+    return path.startswith(("/v1/", "/responses", "/chat/"))
+
+
 def _headers(status: int) -> dict[str, str]:
     if status in (429, 503):
         return {"Retry-After": "1"}

@@ -7,7 +7,7 @@ background one is polled; a foreground client that goes away abandons its task.
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import msgspec
 from starlette.requests import Request
@@ -19,7 +19,16 @@ from ..responses import schema as s
 from ..store.tasks import Event, TaskRecord
 from .events import SSE_HEADERS, openai_stream, resume_point, unless_disconnected
 from .state import state_of
-from .wire import decode, fingerprint, idempotency_key, read_body
+from .wire import (
+    DeletedResponse,
+    InputTokens,
+    Model,
+    ModelList,
+    decode,
+    fingerprint,
+    idempotency_key,
+    read_body,
+)
 
 T = TypeVar("T")
 
@@ -111,7 +120,7 @@ async def delete_response(request: Request) -> Response:
     app = state_of(request)
     task = await app.core.response_task(request.path_params["response_id"], app.auth.owner(request))
     await app.core.delete(task)
-    return _json({"id": task.response_id, "object": "response", "deleted": True})
+    return _json(DeletedResponse(id=task.response_id, deleted=True))
 
 
 async def cancel_response(request: Request) -> Response:
@@ -128,7 +137,7 @@ async def input_tokens(request: Request) -> Response:
     owner = app.auth.owner(request)
     _, req = await _decode_request(request, app.config.server.max_body_bytes)
     count = await app.core.input_tokens(owner, req)
-    return _json({"object": "response.input_tokens", "input_tokens": count})
+    return _json(InputTokens(input_tokens=count))
 
 
 async def list_input_items(request: Request) -> Response:
@@ -148,7 +157,4 @@ async def list_input_items(request: Request) -> Response:
 async def list_models(request: Request) -> Response:
     app = state_of(request)
     app.auth.owner(request)
-    data: list[dict[str, Any]] = [
-        {"id": m.name, "object": "model", "created": 0, "owned_by": "lmspd"} for m in app.core.models()
-    ]
-    return _json({"object": "list", "data": data})
+    return _json(ModelList(data=[Model(id=m.name) for m in app.core.models()]))

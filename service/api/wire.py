@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import msgspec
 from starlette.requests import Request
@@ -38,6 +38,83 @@ class TaskList(msgspec.Struct, kw_only=True):
     has_more: bool
     first_id: str | None
     last_id: str | None
+
+
+class Health(msgspec.Struct):
+    """``/healthz`` (always ``ok``) and ``/readyz`` (``ready``, or ``not_ready`` with a 503)."""
+
+    status: Literal["ok", "ready", "not_ready"]
+
+
+class CapabilityFlags(msgspec.Struct, kw_only=True):
+    event_resume: bool
+    resume_snapshots: bool
+    idempotency: bool
+    tasks: bool
+
+
+class Limits(msgspec.Struct, kw_only=True):
+    max_body_bytes: int
+    max_queued_tasks: int
+    max_concurrency: int
+    event_retention_secs: int
+    task_retention_secs: int
+    idempotency_key_retention_secs: int
+
+
+class Capabilities(msgspec.Struct, kw_only=True):
+    """``GET /lmsp/v1/capabilities`` (LMSP 10)."""
+
+    object: Literal["capabilities"] = "capabilities"
+    lmsp_version: str
+    capabilities: CapabilityFlags
+    task_types: list[str]
+    on_restart: list[str]
+    limits: Limits
+
+
+class LmspModel(msgspec.Struct, kw_only=True):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = 0
+    owned_by: str = "lmspd"
+    ready: bool
+
+
+class LmspModelList(msgspec.Struct, kw_only=True):
+    """``GET /lmsp/v1/models``: OpenAI's model list, each saying whether it is ready to serve."""
+
+    object: Literal["list"] = "list"
+    data: list[LmspModel]
+
+
+class Model(msgspec.Struct, kw_only=True):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = 0
+    owned_by: str = "lmspd"
+
+
+class ModelList(msgspec.Struct, kw_only=True):
+    """``GET /v1/models``."""
+
+    object: Literal["list"] = "list"
+    data: list[Model]
+
+
+class DeletedResponse(msgspec.Struct, kw_only=True):
+    """``DELETE /v1/responses/{id}``."""
+
+    id: str
+    object: Literal["response"] = "response"
+    deleted: bool
+
+
+class InputTokens(msgspec.Struct, kw_only=True):
+    """``POST /v1/responses/input_tokens``."""
+
+    object: Literal["response.input_tokens"] = "response.input_tokens"
+    input_tokens: int
 
 
 def task_object(task: TaskRecord) -> TaskObject:

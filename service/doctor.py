@@ -1,0 +1,198 @@
+"""``lmspd doctor``: what a person runs first when something is wrong.
+
+Each check prints one line, ``ok``, ``warn`` or ``FAIL``, and the command exits 1 when any
+check failed. Nothing here changes anything: the database is opened read-only (never
+created, never migrated), the port is only bound for a moment, and MLX is imported in a
+child process, so a broken MLX install is reported instead of taking the doctor down.
+"""
+
+from __future__ import annotations
+
+import errno
+import http.client
+import json
+import shutil
+import socket
+import sqlite3
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, TextIO
+
+from . import __version__
+from .config import Config
+from .errors import LmspdError
+
+Level = Literal["ok", "warn", "FAIL"]
+MIN_FREE_BYTES = 256 * 2**20  # below this, SQLite commits and model pulls start failing
+LOW_FREE_BYTES = 2 * 2**30
+MLX_TIMEOUT_SECS = 60.0
+_MLX_PROBE = """
+import json, mlx.core as mx
+info = {"version": mx.__version__, "device": str(mx.default_device()), "metal": bool(mx.metal.is_available())}
+cuda = getattr(mx, "cuda", None)
+info["cuda"] = bool(cuda is not None and cuda.is_available())
+if info["metal"]:
+    device_info = getattr(mx, "device_info", None) or mx.metal.device_info
+    info["device_name"] = str(device_info().get("device_name", ""))
+print(json.dumps(info))
+"""
+
+
+@dataclass(frozen=True)
+class Finding:
+    level: Level
+    check: str
+    detail: str
+
+
+def _lmspd_version() -> Finding:
+    return Finding("ok", "version", f"lmspd {__version__}, Python {sys.version.split()[0]}, {sys.executable}")
+
+
+def _mlx() -> Finding:
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _MLX_PROBE], capture_output=True, text=True, timeout=MLX_TIMEOUT_SECS, check=False
+        )
+    except subprocess.TimeoutExpired:
+        return Finding("FAIL", "mlx", f"importing mlx took over {MLX_TIMEOUT_SECS:.0f}s")
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+        return Finding("FAIL", "mlx", f"cannot import mlx: {last}")
+    info = json.loads(done.stdout)
+    backend = "metal" if info["metal"] else "cuda" if info["cuda"] else "cpu"
+    name = f" ({info['device_name']})" if info.get("device_name") else ""
+    return Finding("ok", "mlx", f"mlx {info['version']}, backend {backend}, device {info['device']}{name}")
+
+
+def _existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def _data_dir(config: Config) -> Finding:
+    data = config.server.database_path.parent
+    free = shutil.disk_usage(_existing(data)).free
+    where = f"{data}: {_gib(free)} free"
+    if not data.exists():
+        where += " (not created yet: lmspd serve creates it)"
+    if free < MIN_FREE_BYTES:
+        return Finding("FAIL", "data dir", where)
+    return Finding("warn" if free < LOW_FREE_BYTES else "ok", "data dir", where)
+
+
+def _database(config: Config) -> list[Finding]:
+    from .store.migrate import migrations
+
+    path = config.server.database_path
+    try:
+        latest = len(migrations())
+    except LmspdError as exc:
+        return [Finding("FAIL", "database", exc.message)]
+    if latest == 0:
+        return [Finding("FAIL", "database", "this lmspd found no migrations: it cannot create its database")]
+    if not path.exists():
+        return [Finding("ok", "database", f"{path} does not exist yet (created at schema {latest} on first start)")]
+    try:
+        conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=5)
+        try:
+            current = conn.execute("PRAGMA user_version").fetchone()[0]
+            integrity = [row[0] for row in conn.execute("PRAGMA integrity_check")]
+        finally:
+            conn.close()
+    except sqlite3.Error as exc:
+        return [Finding("FAIL", "database", f"{path}: {exc}")]
+    if current > latest:
+        schema = Finding("FAIL", "schema", f"version {current}, newer than this lmspd ({latest}): upgrade lmspd")
+    elif current < latest:
+        schema = Finding("ok", "schema", f"version {current} of {latest} (migrated on the next start)")
+    else:
+        schema = Finding("ok", "schema", f"version {current} of {latest}")
+    ok = integrity == ["ok"]
+    checked = Finding("ok" if ok else "FAIL", "integrity", "ok" if ok else "; ".join(integrity[:5]))
+    return [Finding("ok", "database", str(path)), schema, checked]
+
+
+def _models(config: Config) -> list[Finding]:
+    from .models.registry import ModelRegistry
+
+    infos = ModelRegistry(config).list()
+    found = [Finding("ok", "models", f"cache {config.model_cache_dir}")]
+    for info in infos:
+        default = " (default)" if info.name == config.default_model else ""
+        state = f"ready at {info.path}" if info.pulled else "not pulled"
+        found.append(Finding("ok", "model", f"{info.name}{default}: {state}"))
+    if not any(info.name == config.default_model and info.pulled for info in infos):
+        found.append(
+            Finding("warn", "models", f"the default model {config.default_model} is not cached: lmspd serve fetches it")
+        )
+    return found
+
+
+def _lmspd_answers(host: str, port: int) -> bool:
+    conn = http.client.HTTPConnection(host if ":" not in host else f"[{host}]", port, timeout=2)
+    try:
+        conn.request("GET", "/lmsp/v1/healthz")
+        return conn.getresponse().status == 200
+    except (OSError, http.client.HTTPException):
+        return False
+    finally:
+        conn.close()
+
+
+def _port(config: Config) -> Finding:
+    from .serve import check_bind
+
+    host, port = config.server.host, config.server.port
+    where = f"{host}:{port}"
+    try:
+        check_bind(config)
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except LmspdError as exc:
+        return Finding("FAIL", "port", exc.message)
+    except OSError as exc:
+        return Finding("FAIL", "port", f"{where}: cannot resolve {host}: {exc}")
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server does
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                return Finding("FAIL", "port", f"{where}: cannot bind: {exc.strerror}")
+        else:
+            return Finding("ok", "port", f"{where} is free")
+    probe = "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host
+    if _lmspd_answers(probe, port):
+        return Finding("ok", "port", f"{where} is in use by a running lmspd (healthz answers)")
+    return Finding("FAIL", "port", f"{where} is in use by another program")
+
+
+def run(config: Config, out: TextIO | None = None) -> int:
+    """Print every finding (to stdout by default); 1 when any failed, else 0."""
+    out = out or sys.stdout
+    checks: list[Callable[[Config], Finding | list[Finding]]] = [
+        lambda _: _lmspd_version(),
+        lambda _: _mlx(),
+        _data_dir,
+        _database,
+        _models,
+        _port,
+    ]
+    failed = False
+    for check in checks:
+        try:
+            found = check(config)
+        except Exception as exc:  # a check that breaks is a finding, not a traceback
+            found = Finding("FAIL", getattr(check, "__name__", "check").strip("_"), f"{type(exc).__name__}: {exc}")
+        for finding in found if isinstance(found, list) else [found]:
+            failed |= finding.level == "FAIL"
+            print(f"{finding.level:<4}  {finding.check:<9}  {finding.detail}", file=out, flush=True)
+    return 1 if failed else 0

@@ -1,12 +1,14 @@
 """The app factory: every route of the service, in one place.
 
 /healthz, /readyz                         liveness, readiness (no token)
+/metrics                                  Prometheus metrics        -> service.metrics
 /lmsp/v1/capabilities, /lmsp/v1/models    discovery (LMSP 10)
 /lmsp/v1/tasks[...]                       durable tasks (LMSP 7)  -> service.api.tasks
 /lmsp/v1/tasks/{id}/events                event stream (LMSP 6.4) -> service.api.events
 /v1/responses[...], /lmsp/v1/responses[/compact]  OpenAI Responses API -> service.api.responses
 /v1/chat/completions                      Chat Completions view   -> service.api.chat
 Every handler translates HTTP to one call of the service layer, service.core.Core.
+Every request is logged, once, by service.api.access_log.
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ from collections.abc import AsyncIterator
 import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from service.api import chat, events, responses, tasks
+from service.api.access_log import AccessLog
 from service.api.auth import Authenticator
 from service.api.problems import openai_response, problem_response
 from service.api.state import AppState, state_of
@@ -34,6 +38,7 @@ from service.engine.protocol import SamplingParams
 from service.errors import InvalidRequestError, LmspdError, MethodNotAllowedError, NotFoundError
 from service.generation import check_request
 from service.hub import Hub
+from service.metrics import CONTENT_TYPE, Metrics
 from service.models.registry import ModelRegistry
 from service.store.db import Database
 from service.store.tasks import TaskStore
@@ -89,6 +94,12 @@ async def models(request: Request) -> Response:
     return _json({"object": "list", "data": data})
 
 
+async def scrape(request: Request) -> Response:
+    app = state_of(request)
+    app.auth.owner(request)  # a token when tokens are configured, as everywhere but the probes
+    return Response(await app.core.metrics_text(), media_type=CONTENT_TYPE)
+
+
 def _is_openai(request: Request) -> bool:
     return request.url.path.startswith(("/v1/", "/responses", "/chat/"))
 
@@ -130,6 +141,7 @@ ROUTES = [
     Route("/healthz", healthz),
     Route("/lmsp/v1/healthz", healthz),  # clients guess it
     Route("/readyz", readyz),
+    Route("/metrics", scrape),
     Route("/lmsp/v1/capabilities", capabilities),
     Route("/lmsp/v1/models", models),
     Route("/lmsp/v1/tasks", tasks.create_task, methods=["POST"]),
@@ -176,17 +188,18 @@ def create_app(config: Config, engine: EngineClient | None = None, shutdown: asy
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        db = await Database.open(config.server.database_path)
-        store = TaskStore(db, max_queued=config.server.max_queued_tasks)
+        metrics = Metrics()  # this app's own registry: many apps may share a process
+        db = await Database.open(config.server.database_path, on_commit=metrics.observe_commit)
+        store = TaskStore(db, max_queued=config.server.max_queued_tasks, metrics=metrics)
         hub = Hub()
         registry = ModelRegistry(config)
         runner = engine or EngineClient(config.engine, config.server.prompt_cache_dir)
-        supervisor = Supervisor(config, store, runner, hub, registry)
+        supervisor = Supervisor(config, store, runner, hub, registry, metrics)
         await supervisor.start()  # recovers unfinished tasks before any request is served
         # Foreground store:false responses a crash left between their end and their release. Only
         # at start: while serving, a slow reader may still be streaming a finished one.
         await store.delete_finished_unstored()
-        core = Core(config, store, hub, supervisor, registry)
+        core = Core(config, store, hub, supervisor, registry, metrics)
         app.state.lmsp = AppState(config, core, Authenticator(config.server.tokens))
         await asyncio.to_thread(_warm_up, config, registry)
         chores = [asyncio.create_task(_janitor(config, store))]
@@ -203,6 +216,7 @@ def create_app(config: Config, engine: EngineClient | None = None, shutdown: asy
 
     return Starlette(
         routes=ROUTES,
+        middleware=[Middleware(AccessLog)],
         lifespan=lifespan,
         exception_handlers={LmspdError: on_lmspd_error, HTTPException: on_http_error, Exception: on_unexpected},
     )

@@ -26,6 +26,7 @@ from service.config import EngineConfig
 from service.engine import protocol as p
 from service.engine.worker import main as worker_main
 from service.errors import EngineCrashedError, InvalidRequestError, LmspdError, error_for
+from service.logs import current_format
 
 log = logging.getLogger("lmspd.engine")
 
@@ -80,6 +81,7 @@ class EngineClient:
                 c,
                 str(self.cache_dir) if self.cache_dir is not None else None,
                 logging.getLogger("lmspd").getEffectiveLevel(),
+                current_format(),
             ),
             name="lmspd-engine",
             daemon=True,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -23,6 +24,8 @@ from service.store.migrate import MIGRATIONS_DIR, migrate
 
 T = TypeVar("T")
 Job = Callable[[sqlite3.Connection], Any]
+# Told of each group commit: its duration in seconds and its number of jobs (the metrics).
+CommitHook = Callable[[float, int], None]
 MAX_BATCH = 512
 
 
@@ -69,8 +72,9 @@ async def on_thread(conn: aiosqlite.Connection, fn: Callable[..., T], *args: Any
 
 
 class Writer:
-    def __init__(self, conn: aiosqlite.Connection) -> None:
+    def __init__(self, conn: aiosqlite.Connection, on_commit: CommitHook | None = None) -> None:
         self._conn = conn
+        self._on_commit = on_commit
         self._pending: list[tuple[Job, asyncio.Future[Any]]] = []
         self._wake = asyncio.Event()
         self._task = asyncio.create_task(self._loop(), name="sqlite-writer")
@@ -94,8 +98,11 @@ class Writer:
                 continue
             try:
                 # aiosqlite runs the function on its connection thread: one hop per batch.
+                start = time.perf_counter()
                 results = await on_thread(self._conn, _run_batch, [job for job, _ in batch])
                 self.commits += 1
+                if self._on_commit is not None:
+                    self._on_commit(time.perf_counter() - start, len(batch))
             except Exception as exc:  # the COMMIT itself failed: nothing in the batch happened
                 for _, fut in batch:
                     if not fut.done():
@@ -116,20 +123,24 @@ class Writer:
 
 
 class Database:
-    def __init__(self, writer_conn: aiosqlite.Connection, reader: aiosqlite.Connection) -> None:
+    def __init__(
+        self, writer_conn: aiosqlite.Connection, reader: aiosqlite.Connection, on_commit: CommitHook | None = None
+    ) -> None:
         self._writer_conn = writer_conn
         self.reader = reader
-        self.writer = Writer(writer_conn)
+        self.writer = Writer(writer_conn, on_commit)
 
     @classmethod
-    async def open(cls, path: Path, migrations_dir: Path = MIGRATIONS_DIR) -> Database:
+    async def open(
+        cls, path: Path, migrations_dir: Path = MIGRATIONS_DIR, *, on_commit: CommitHook | None = None
+    ) -> Database:
         path.parent.mkdir(parents=True, exist_ok=True)
         writer = await aiosqlite.connect(path, isolation_level=None)
         await on_thread(writer, _configure, True)
         await on_thread(writer, migrate, migrations_dir)
         reader = await aiosqlite.connect(path, isolation_level=None)
         await on_thread(reader, _configure, False)
-        return cls(writer, reader)
+        return cls(writer, reader, on_commit)
 
     # Each read runs, and finishes, in one hop on the reader's thread. Cursors left open
     # across awaits would keep one read transaction alive while requests interleave, and

@@ -15,11 +15,22 @@ from __future__ import annotations
 from typing import Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 
 from service.store.status import STATUSES
 
 __all__ = ["CONTENT_TYPE", "Metrics", "StatusCounts"]
+
+# No ``*_created`` series (each counter's creation time): they double the output and say nothing
+# a scraper does not know from the process start. A process-wide switch; lmspd is the process.
+disable_created_metrics()  # type: ignore[no-untyped-call]
 
 # Seconds. Prefill of a short prompt is milliseconds; a long one on a small machine, many seconds.
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)

@@ -11,6 +11,7 @@ acknowledged before it is on disk.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sqlite3
 import sys
 import time
@@ -100,9 +101,8 @@ class Writer:
                 # aiosqlite runs the function on its connection thread: one hop per batch.
                 start = time.perf_counter()
                 results = await on_thread(self._conn, _run_batch, [job for job, _ in batch])
+                seconds = time.perf_counter() - start
                 self.commits += 1
-                if self._on_commit is not None:
-                    self._on_commit(time.perf_counter() - start, len(batch))
             except Exception as exc:  # the COMMIT itself failed: nothing in the batch happened
                 for _, fut in batch:
                     if not fut.done():
@@ -115,6 +115,9 @@ class Writer:
                     fut.set_result(value)
                 else:
                     fut.set_exception(value)
+            if self._on_commit is not None:
+                with contextlib.suppress(Exception):  # a metric must never stop the writer
+                    self._on_commit(seconds, len(batch))
 
     async def close(self) -> None:
         while self._pending:

@@ -15,6 +15,10 @@ from typing import Any
 from . import units
 from .config import RESPONSES_FLAGS, Config, load_config
 from .errors import LmspdError
+from .logs import ENV as LOG_FORMAT_ENV
+from .logs import FORMATS as LOG_FORMATS
+from .logs import default_format
+from .logs import setup as setup_logging
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -39,6 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=int, help="port (default 8080)")
     srv.add_argument("--data-dir", help="where the SQLite database lives (env LMSPD_DATA_DIR)")
     srv.add_argument("--model", help="default model alias or name")
+    srv.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default=default_format(),
+        help=f"text, or json: one object per line for journald/launchd collectors (env {LOG_FORMAT_ENV})",
+    )
     for flag, (key, env) in RESPONSES_FLAGS.items():
         srv.add_argument(flag, type=int, dest=f"responses_{key}", help=f"responses.{key} (env {env})")
     _common(srv)
@@ -206,10 +216,7 @@ COMMANDS = {
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.WARNING,
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
-    )
+    setup_logging(getattr(args, "log_format", "text"), logging.DEBUG if args.verbose else logging.WARNING)
     handler = COMMANDS[(args.command, getattr(args, "models_command", None) or getattr(args, "service_command", None))]
     try:
         return handler(args)

@@ -50,7 +50,12 @@ async def run(config: Config) -> None:
         else f"{config.server.host}:{config.server.port}"
     ]
     hc.graceful_timeout = config.server.shutdown_grace_secs
-    hc.accesslog = None
+    hc.accesslog = None  # the app logs each request (service.api.access_log)
+    # Hypercorn's own lines go through the root handler, in the server's --log-format (given a
+    # target name, Hypercorn would add a handler of its own with its own format).
+    errors = logging.getLogger("hypercorn.error")
+    errors.setLevel(logging.INFO)
+    hc.errorlog = errors
     loop = asyncio.get_running_loop()
     # Under systemd (Type=notify): READY=1 once the server answers /readyz as a client would see it,
     # STOPPING=1 on SIGTERM. Without $NOTIFY_SOCKET neither probe nor message.

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 
 import msgspec
 import ulid
@@ -23,6 +24,7 @@ from .engine.client import EngineClient
 from .errors import ContextLengthExceededError, EngineCrashedError, InvalidPromptError, LmspdError, error_for
 from .generation import build_generate, cache_key, prompt_for, tokenizer_for
 from .hub import Hub
+from .metrics import Metrics
 from .models.registry import ModelRegistry, ResolvedModel
 from .responses import schema as s
 from .responses.builder import ResponseState
@@ -40,13 +42,20 @@ log = logging.getLogger("lmspd.supervisor")
 
 class Supervisor:
     def __init__(
-        self, config: Config, store: TaskStore, engine: EngineClient, hub: Hub, registry: ModelRegistry
+        self,
+        config: Config,
+        store: TaskStore,
+        engine: EngineClient,
+        hub: Hub,
+        registry: ModelRegistry,
+        metrics: Metrics | None = None,
     ) -> None:
         self.config = config
         self.store = store
         self.engine = engine
         self.hub = hub
         self.registry = registry
+        self.metrics = metrics or store.metrics
         self.echo = ReasoningEcho.of(config, store.db)
         self.running: dict[str, asyncio.Task[None]] = {}
         self._wake = asyncio.Event()
@@ -108,6 +117,7 @@ class Supervisor:
         try:
             await self.engine.start()
             self._backoff = 0.5
+            self.metrics.engine_restarts.inc()
         except Exception:
             log.exception("engine restart failed")
             self._backoff = min(self._backoff * 2, 30.0)
@@ -311,6 +321,7 @@ class Supervisor:
             # Seed: a job whose automatic compaction refused the request fails invalid_prompt.
             raise InvalidPromptError(f"compaction failed: {exc.message}", param=exc.param) from exc
         await self._commit(task_id, state.compaction_done(item_id, item.encrypted_content, before, input_tokens))
+        self.metrics.compactions.labels("task").inc()
         return [item], input_tokens
 
     async def _generate(self, task_id: str, state: ResponseState, cmd: p.Generate) -> p.Finished:
@@ -318,8 +329,10 @@ class Supervisor:
         queue: asyncio.Queue[p.Delta | p.Finished | Exception] = asyncio.Queue()
 
         async def pump() -> None:
+            timer = _TokenTimer(self.metrics)
             try:
                 async for ev in self.engine.generate(cmd):
+                    timer.saw(ev)
                     queue.put_nowait(ev)
             except Exception as exc:  # handed to the consumer, which re-raises it
                 queue.put_nowait(exc)
@@ -350,6 +363,39 @@ class Supervisor:
             producer.cancel()
             with contextlib.suppress(BaseException):
                 await producer
+
+
+class _TokenTimer:
+    """A generation's metrics, as its events arrive from the engine: time to the first
+    token, time per later token, tokens generated; at the end, the finish reason and the
+    prompt cache's share of the prompt."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+        self.last = time.perf_counter()  # the Generate is sent when the stream is first read
+        self.first = True
+
+    def saw(self, ev: p.Delta | p.Finished) -> None:
+        m = self.metrics
+        if isinstance(ev, p.Finished):
+            m.generations_finished.labels(ev.reason).inc()
+            if ev.reason != "cancelled":  # an early cancel never reached the engine
+                m.prompt_tokens.inc(ev.prompt_tokens)
+                if ev.cached_tokens:
+                    m.prompt_cache_hits.inc()
+                    m.prompt_cached_tokens.inc(ev.cached_tokens)
+            return
+        if not (n := len(ev.token_ids)):
+            return
+        now = time.perf_counter()
+        m.output_tokens.inc(n)
+        if self.first:
+            self.first = False
+            m.time_to_first_token.observe(now - self.last)
+        else:
+            for _ in range(n):
+                m.token_latency.observe((now - self.last) / n)
+        self.last = now
 
 
 def summary_id(task_id: str) -> str:

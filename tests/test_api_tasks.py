@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+import logging
 import sqlite3
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncGenerator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import pytest
 from engine_host import Host, Hosts, purge
 from openresponses import validate, validate_event
+from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 
+from service.api import events
 from service.config import Config, EngineConfig, ModelEntry, ServerConfig
 from service.models.registry import ResolvedModel
 
@@ -360,3 +363,101 @@ def test_cancel_racing_completion(client: TestClient) -> None:
         list(pool.map(lambda race: settle_and_check(client, *race), racing))
     assert {settle_and_check(client, t, c) for t, c in cancelled} == {"cancelled"}
     assert {settle_and_check(client, t, c) for t, c in succeeded} == {"succeeded"}
+
+
+# --- /metrics and the request log ----------------------------------------------------------
+
+MetricSamples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+PROMPT = "Tell me a story about the zebra Quagga-4711."
+
+
+def scrape(client: TestClient) -> MetricSamples:
+    r = client.get("/metrics", headers=ALICE)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(r.text)
+        for s in family.samples
+    }
+
+
+def value(samples: MetricSamples, name: str, **labels: str) -> float:
+    return samples[(name, tuple(sorted(labels.items())))]
+
+
+def moved(before: MetricSamples, after: MetricSamples, name: str, **labels: str) -> float:
+    return value(after, name, **labels) - value(before, name, **labels)
+
+
+def test_metrics_move_by_what_the_tasks_did(
+    host: Host, server_config: Config, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="lmspd")
+    with host.serve(server_config) as client:
+        assert client.get("/metrics").status_code == 401  # tokens are configured: one is required
+        before = scrape(client)
+        assert value(before, "lmspd_engine_up") == 1
+        body = {"type": "response", "input": {"input": PROMPT, "temperature": 0, "max_output_tokens": 16}}
+        created = client.post("/lmsp/v1/tasks", json=body, headers=ALICE)
+        assert created.status_code == 202
+        task = wait_done(client, created.json()["id"])
+        # The same prompt again, on /v1/responses: a second kind, and the prompt cache's turn.
+        reply = client.post(
+            "/v1/responses", json={"input": PROMPT, "temperature": 0, "max_output_tokens": 8}, headers=ALICE
+        ).json()
+        with client.stream("GET", f"/lmsp/v1/tasks/{task['id']}/events", headers=ALICE) as stream:
+            assert "response.incomplete" in stream.read().decode()
+        after = scrape(client)
+
+    usages = [task["response"]["usage"], reply["usage"]]
+    assert task["status"] == "succeeded" and [u["output_tokens"] for u in usages] == [16, 8]
+    assert moved(before, after, "lmspd_tasks_created_total", kind="task") == 1
+    assert moved(before, after, "lmspd_tasks_created_total", kind="response") == 1
+    assert moved(before, after, "lmspd_tasks_finished_total", outcome="succeeded") == 2
+    assert moved(before, after, "lmspd_tasks_finished_total", outcome="failed") == 0
+    assert moved(before, after, "lmspd_generations_finished_total", reason="length") == 2  # both incomplete
+    assert moved(before, after, "lmspd_output_tokens_total") == 24
+    assert moved(before, after, "lmspd_prompt_tokens_total") == sum(u["input_tokens"] for u in usages)
+    cached = [u["input_tokens_details"]["cached_tokens"] for u in usages]
+    assert moved(before, after, "lmspd_prompt_cached_tokens_total") == sum(cached)
+    assert moved(before, after, "lmspd_prompt_cache_hits_total") == sum(1 for c in cached if c)
+    # One first token per generation; every later token is one latency observation.
+    assert moved(before, after, "lmspd_time_to_first_token_seconds_count") == 2
+    assert moved(before, after, "lmspd_token_latency_seconds_count") == 15 + 7
+    # Every write went through the group commit: at least one job per commit.
+    commits = moved(before, after, "lmspd_store_commit_seconds_count")
+    assert commits >= 4 and moved(before, after, "lmspd_store_commit_batch_size_count") == commits
+    assert moved(before, after, "lmspd_store_commit_batch_size_sum") >= commits
+    assert value(after, "lmspd_sse_streams_open", api="lmsp") == 0
+    assert value(after, "lmspd_engine_restarts_total") == 0
+    # Read from the database at scrape time.
+    assert value(after, "lmspd_tasks", status="succeeded") == 2
+    assert value(after, "lmspd_tasks", status="queued") == 0
+
+    # One line per request, with its status, duration and task; no prompt text anywhere.
+    access = [r for r in caplog.records if r.name == "lmspd.access"]
+    post = next(r for r in access if r.getMessage().startswith("POST /lmsp/v1/tasks 202 "))
+    fields: dict[str, Any] = post.__dict__
+    assert (fields["method"], fields["path"], fields["status"]) == ("POST", "/lmsp/v1/tasks", 202)
+    assert fields["task_id"] == task["id"] and post.getMessage().endswith(f"ms task={task['id']}")
+    assert isinstance(fields["ms"], float) and fields["ms"] >= 0
+    assert any(r.__dict__.get("status") == 401 and r.__dict__["path"] == "/metrics" for r in access)
+    assert all("Quagga" not in r.getMessage() for r in caplog.records)
+
+    # After a restart the counters begin again, while what the database holds is still there.
+    with host.serve(server_config) as client:
+        again = scrape(client)
+    assert value(again, "lmspd_tasks_finished_total", outcome="succeeded") == 0
+    assert value(again, "lmspd_tasks", status="succeeded") == 2
+
+
+def test_open_streams_are_counted_until_they_close(client: TestClient) -> None:
+    task = client.post("/lmsp/v1/tasks", json=task_body(max_output_tokens=2), headers=ALICE).json()
+    wait_done(client, task["id"])
+    core = client.app.state.lmsp.core  # type: ignore[attr-defined]
+    stream = cast(AsyncGenerator[bytes, None], events._lmsp_stream(core, task["id"], -1))
+    assert client.portal is not None
+    assert client.portal.call(stream.__anext__) == b"retry: 2000\n\n"
+    assert value(scrape(client), "lmspd_sse_streams_open", api="lmsp") == 1
+    client.portal.call(stream.aclose)
+    assert value(scrape(client), "lmspd_sse_streams_open", api="lmsp") == 0

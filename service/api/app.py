@@ -2,12 +2,14 @@
 
 /healthz, /readyz                         liveness, readiness (no token)
 /openapi.json                             this app's OpenAPI document (no token) -> service.api.openapi
+/metrics                                  Prometheus metrics        -> service.metrics
 /lmsp/v1/capabilities, /lmsp/v1/models    discovery (LMSP 10)
 /lmsp/v1/tasks[...]                       durable tasks (LMSP 7)  -> service.api.tasks
 /lmsp/v1/tasks/{id}/events                event stream (LMSP 6.4) -> service.api.events
 /v1/responses[...], /lmsp/v1/responses[/compact]  OpenAI Responses API -> service.api.responses
 /v1/chat/completions                      Chat Completions view   -> service.api.chat
 Every handler translates HTTP to one call of the service layer, service.core.Core.
+Every request is logged, once, by service.api.access_log.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from collections.abc import AsyncIterator
 import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -31,11 +34,13 @@ from ..engine.protocol import SamplingParams
 from ..errors import InvalidRequestError, LmspdError, MethodNotAllowedError, NotFoundError
 from ..generation import check_request
 from ..hub import Hub
+from ..metrics import CONTENT_TYPE, Metrics
 from ..models.registry import ModelRegistry
 from ..store.db import Database
 from ..store.tasks import TaskStore
 from ..supervisor import Supervisor
 from . import chat, events, openapi, responses, tasks
+from .access_log import AccessLog
 from .auth import Authenticator
 from .problems import is_openai_path, openai_response, problem_response
 from .state import AppState, state_of
@@ -93,6 +98,12 @@ async def openapi_json(request: Request) -> Response:
     return Response(body, media_type="application/json")
 
 
+async def scrape(request: Request) -> Response:
+    app = state_of(request)
+    app.auth.owner(request)  # a token when tokens are configured, as everywhere but the probes
+    return Response(await app.core.metrics_text(), media_type=CONTENT_TYPE)
+
+
 def _render(request: Request, exc: LmspdError) -> Response:
     return openai_response(exc) if is_openai_path(request.url.path) else problem_response(exc)
 
@@ -131,6 +142,7 @@ ROUTES = [
     Route("/lmsp/v1/healthz", healthz),  # clients guess it
     Route("/readyz", readyz),
     Route("/openapi.json", openapi_json),
+    Route("/metrics", scrape),
     Route("/lmsp/v1/capabilities", capabilities),
     Route("/lmsp/v1/models", models),
     Route("/lmsp/v1/tasks", tasks.create_task, methods=["POST"]),
@@ -177,17 +189,18 @@ def create_app(config: Config, engine: EngineClient | None = None, shutdown: asy
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        db = await Database.open(config.server.database_path)
-        store = TaskStore(db, max_queued=config.server.max_queued_tasks)
+        metrics = Metrics()  # this app's own registry: many apps may share a process
+        db = await Database.open(config.server.database_path, on_commit=metrics.observe_commit)
+        store = TaskStore(db, max_queued=config.server.max_queued_tasks, metrics=metrics)
         hub = Hub()
         registry = ModelRegistry(config)
         runner = engine or EngineClient(config.engine, config.server.prompt_cache_dir)
-        supervisor = Supervisor(config, store, runner, hub, registry)
+        supervisor = Supervisor(config, store, runner, hub, registry, metrics)
         await supervisor.start()  # recovers unfinished tasks before any request is served
         # Foreground store:false responses a crash left between their end and their release. Only
         # at start: while serving, a slow reader may still be streaming a finished one.
         await store.delete_finished_unstored()
-        core = Core(config, store, hub, supervisor, registry)
+        core = Core(config, store, hub, supervisor, registry, metrics)
         app.state.lmsp = AppState(config, core, Authenticator(config.server.tokens))
         await asyncio.to_thread(_warm_up, config, registry)
         chores = [asyncio.create_task(_janitor(config, store))]
@@ -204,6 +217,7 @@ def create_app(config: Config, engine: EngineClient | None = None, shutdown: asy
 
     return Starlette(
         routes=ROUTES,
+        middleware=[Middleware(AccessLog)],
         lifespan=lifespan,
         exception_handlers={LmspdError: on_lmspd_error, HTTPException: on_http_error, Exception: on_unexpected},
     )

@@ -55,9 +55,10 @@ def lmsp_frame(ev: Event) -> bytes:
 
 async def _lmsp_stream(core: Core, task_id: str, after: int) -> AsyncIterator[bytes]:
     # One write per batch of events: a replay is bounded by the database read, not by sends.
-    yield b"retry: 2000\n\n"
-    async for batch in core.follow(task_id, after):
-        yield b"".join(lmsp_frame(ev) for ev in batch) if batch else b": keep-alive\n\n"
+    with core.metrics.sse_streams.labels("lmsp").track_inprogress():
+        yield b"retry: 2000\n\n"
+        async for batch in core.follow(task_id, after):
+            yield b"".join(lmsp_frame(ev) for ev in batch) if batch else b": keep-alive\n\n"
 
 
 async def until_disconnected(request: Request) -> None:
@@ -88,6 +89,7 @@ async def openai_stream(core: Core, task: TaskRecord, after: int, render: Render
     server cancels this generator's scope: the abandoning runs detached); a replay of a
     background response never cancels it."""
     finished = False
+    core.metrics.sse_streams.labels("openai").inc()
     try:
         async for batch in core.follow(task.id, after):
             yield render(batch) if batch else b": keep-alive\n\n"
@@ -97,5 +99,6 @@ async def openai_stream(core: Core, task: TaskRecord, after: int, render: Render
             if own:
                 await core.release(final)
     finally:
+        core.metrics.sse_streams.labels("openai").dec()
         if own and not finished:
             core.abandon(task)

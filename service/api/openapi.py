@@ -63,6 +63,7 @@ class Op:
     headers: dict[str, str] = field(default_factory=dict)  # success response headers -> description
     other: dict[int, tuple[str, Any]] = field(default_factory=dict)  # status -> (description, body or None)
     description: str = ""
+    media: str = "application/json"  # the success body's media type (a non-JSON one is text)
 
 
 def _query(name: str, schema: dict[str, Any], description: str) -> Param:
@@ -105,6 +106,14 @@ def _operations() -> dict[str, Op]:
             other={503: ("not ready (starting, shutting down or the engine is down)", wire.Health)},
         ),
         app.openapi_json: Op("This OpenAPI document", "meta", dict[str, Any], auth=False),
+        app.scrape: Op(
+            "Metrics in the Prometheus text format",
+            "meta",
+            str,
+            errors=_AUTH,
+            media="text/plain; version=0.0.4; charset=utf-8",
+            description="Counters, gauges and histograms of tasks, tokens, latency, the engine, streams and the store.",
+        ),
         app.capabilities: Op("LMSP capabilities and limits (LMSP 10)", "lmsp", wire.Capabilities, errors=_AUTH),
         app.models: Op("Models, each saying whether it is ready", "lmsp", wire.LmspModelList, errors=_AUTH),
         tasks.create_task: Op(
@@ -325,7 +334,8 @@ def _operation(path: str, method: str, op: Op, schemas: _Schemas) -> dict[str, A
         out["requestBody"] = {"required": True, "content": {"application/json": {"schema": schemas.ref(op.request)}}}
     content: dict[str, Any] = {}
     if op.response is not None and not op.events_only:
-        content["application/json"] = {"schema": schemas.ref(op.response)}
+        schema = schemas.ref(op.response) if op.media == "application/json" else {"type": "string"}
+        content[op.media] = {"schema": schema}
     if op.events:
         content["text/event-stream"] = {"schema": _events_schema(op, schemas)}
     ok: dict[str, Any] = {"description": op.summary}

@@ -31,6 +31,7 @@ from ..errors import (
 )
 from ..generation import cache_key, check_request, prompt_for, tokenizer_for
 from ..hub import Hub
+from ..metrics import Metrics
 from ..models.registry import ModelInfo, ModelRegistry
 from ..responses import items as listed
 from ..responses import schema as s
@@ -50,13 +51,20 @@ _INLINE_CHECK_BYTES = 16 * 1024
 
 class Core:
     def __init__(
-        self, config: Config, store: TaskStore, hub: Hub, supervisor: Supervisor, registry: ModelRegistry
+        self,
+        config: Config,
+        store: TaskStore,
+        hub: Hub,
+        supervisor: Supervisor,
+        registry: ModelRegistry,
+        metrics: Metrics | None = None,
     ) -> None:
         self.config = config
         self.store = store
         self.hub = hub
         self.supervisor = supervisor
         self.registry = registry
+        self.metrics = metrics or store.metrics
         self.echo = ReasoningEcho.of(config, store.db)
         self.accepting = True
         self._limits_enforced_at = 0.0
@@ -193,6 +201,10 @@ class Core:
     def models(self) -> list[ModelInfo]:
         return self.registry.list()
 
+    async def metrics_text(self) -> bytes:
+        """``/metrics``: the Prometheus text exposition."""
+        return await self.metrics.render(self.store, engine_alive=self.supervisor.engine.alive)
+
     # --- compaction -----------------------------------------------------------------------------
 
     async def compact(self, owner: str, body: s.CompactRequest) -> s.CompactResponse:
@@ -232,6 +244,7 @@ class Core:
             compactor.require_shorter(prepared.before, compactor.count(model, compacted, []))
 
         await asyncio.to_thread(check)
+        self.metrics.compactions.labels("endpoint").inc()
         usage = s.Usage(
             input_tokens=finished.prompt_tokens,
             output_tokens=finished.completion_tokens,

@@ -24,6 +24,7 @@ from typing import Any
 
 from ..config import EngineConfig
 from ..errors import EngineCrashedError, InvalidRequestError, LmspdError, error_for
+from ..logs import current_format
 from . import protocol as p
 from .worker import main as worker_main
 
@@ -80,6 +81,7 @@ class EngineClient:
                 c,
                 str(self.cache_dir) if self.cache_dir is not None else None,
                 logging.getLogger("lmspd").getEffectiveLevel(),
+                current_format(),
             ),
             name="lmspd-engine",
             daemon=True,

@@ -23,6 +23,8 @@ import msgspec
 
 from ..config import EngineConfig
 from ..errors import LmspdError
+from ..logs import LogFormat
+from ..logs import setup as setup_logging
 from ..models.registry import context_length_of
 from ..tokenizer import IncrementalDetokenizer, Tokenizer
 from . import protocol as p
@@ -603,9 +605,17 @@ class Engine:
         lm.batch.close()
 
 
-def main(conn: Connection, config: EngineConfig, cache_dir: str | None, log_level: int = logging.INFO) -> None:
+def main(
+    conn: Connection,
+    config: EngineConfig,
+    cache_dir: str | None,
+    log_level: int = logging.INFO,
+    log_format: LogFormat = "text",
+) -> None:
     """Entry point of the spawned engine process."""
-    # The server's level for its own loggers (the root stays at its default for libraries').
-    logging.basicConfig(format="%(asctime)s engine %(levelname)s %(message)s")
+    # The server's format, and its level for its own loggers (the root stays at its default
+    # for libraries').
+    text = "%(asctime)s engine %(levelname)s %(message)s"
+    setup_logging(log_format, logging.WARNING, text=text, static={"process": "engine"})
     logging.getLogger("lmspd").setLevel(log_level)
     Engine(conn, config, Path(cache_dir) if cache_dir else None).run()

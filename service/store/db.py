@@ -11,8 +11,10 @@ acknowledged before it is on disk.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sqlite3
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -23,6 +25,8 @@ from .migrate import migrate
 
 T = TypeVar("T")
 Job = Callable[[sqlite3.Connection], Any]
+# Told of each group commit: its duration in seconds and its number of jobs (the metrics).
+CommitHook = Callable[[float, int], None]
 MAX_BATCH = 512
 
 
@@ -69,8 +73,9 @@ async def on_thread(conn: aiosqlite.Connection, fn: Callable[..., T], *args: Any
 
 
 class Writer:
-    def __init__(self, conn: aiosqlite.Connection) -> None:
+    def __init__(self, conn: aiosqlite.Connection, on_commit: CommitHook | None = None) -> None:
         self._conn = conn
+        self._on_commit = on_commit
         self._pending: list[tuple[Job, asyncio.Future[Any]]] = []
         self._wake = asyncio.Event()
         self._task = asyncio.create_task(self._loop(), name="sqlite-writer")
@@ -94,7 +99,9 @@ class Writer:
                 continue
             try:
                 # aiosqlite runs the function on its connection thread: one hop per batch.
+                start = time.perf_counter()
                 results = await on_thread(self._conn, _run_batch, [job for job, _ in batch])
+                seconds = time.perf_counter() - start
                 self.commits += 1
             except Exception as exc:  # the COMMIT itself failed: nothing in the batch happened
                 for _, fut in batch:
@@ -108,6 +115,9 @@ class Writer:
                     fut.set_result(value)
                 else:
                     fut.set_exception(value)
+            if self._on_commit is not None:
+                with contextlib.suppress(Exception):  # a metric must never stop the writer
+                    self._on_commit(seconds, len(batch))
 
     async def close(self) -> None:
         while self._pending:
@@ -116,20 +126,24 @@ class Writer:
 
 
 class Database:
-    def __init__(self, writer_conn: aiosqlite.Connection, reader: aiosqlite.Connection) -> None:
+    def __init__(
+        self, writer_conn: aiosqlite.Connection, reader: aiosqlite.Connection, on_commit: CommitHook | None = None
+    ) -> None:
         self._writer_conn = writer_conn
         self.reader = reader
-        self.writer = Writer(writer_conn)
+        self.writer = Writer(writer_conn, on_commit)
 
     @classmethod
-    async def open(cls, path: Path, migrations_dir: Path | None = None) -> Database:
+    async def open(
+        cls, path: Path, migrations_dir: Path | None = None, *, on_commit: CommitHook | None = None
+    ) -> Database:
         path.parent.mkdir(parents=True, exist_ok=True)
         writer = await aiosqlite.connect(path, isolation_level=None)
         await on_thread(writer, _configure, True)
         await on_thread(writer, migrate, migrations_dir)
         reader = await aiosqlite.connect(path, isolation_level=None)
         await on_thread(reader, _configure, False)
-        return cls(writer, reader)
+        return cls(writer, reader, on_commit)
 
     # Each read runs, and finishes, in one hop on the reader's thread. Cursors left open
     # across awaits would keep one read transaction alive while requests interleave, and

@@ -3,6 +3,9 @@
 -- name: count_queued
 SELECT coalesce((SELECT n FROM task_counts WHERE status = 'queued'), 0);
 
+-- name: status_counts
+SELECT status, n FROM task_counts;
+
 -- name: count_active
 SELECT coalesce(sum(n), 0) FROM task_counts WHERE status IN {ACTIVE};
 

@@ -24,6 +24,7 @@ from ..errors import (
     TaskNotFoundError,
     TooManyBackgroundJobsError,
 )
+from ..metrics import Metrics
 from .db import Database
 from .queries import q
 from .status import TERMINAL, OnRestart, TaskStatus, sources
@@ -142,9 +143,14 @@ class PurgeCounts(msgspec.Struct, kw_only=True):
 
 
 class TaskStore:
-    def __init__(self, db: Database, *, max_queued: int = 1000) -> None:
+    """``metrics``: counts tasks created and finished. Each count is made inside the write
+    transaction that creates or finishes the task (so a reader that sees the new status can
+    already scrape it); only a failing COMMIT, which loses the whole batch, would overcount."""
+
+    def __init__(self, db: Database, *, max_queued: int = 1000, metrics: Metrics | None = None) -> None:
         self.db = db
         self.max_queued = max_queued
+        self.metrics = metrics or Metrics()
 
     async def create(
         self,
@@ -211,7 +217,9 @@ class TaskStore:
             events = [first_event]
             if waiting_event is not None and conn.execute(q("count_active")).fetchone()[0] > slots:
                 events.append(waiting_event)  # counted after the insert: this task included
-            return _append(conn, _get(conn, task_id), events), False
+            task = _append(conn, _get(conn, task_id), events)
+            self.metrics.tasks_created.labels(fields.kind).inc()
+            return task, False
 
         return await self.db.writer.submit(job)
 
@@ -242,7 +250,10 @@ class TaskStore:
                 return None  # another transition committed first, or the task is terminal
             if also is not None:
                 also(conn)
-            return _append(conn, _get(conn, task_id), events)
+            task = _append(conn, _get(conn, task_id), events)
+            if to in TERMINAL:
+                self.metrics.tasks_finished.labels(to).inc()
+            return task
 
         return await self.db.writer.submit(job)
 
@@ -274,7 +285,10 @@ class TaskStore:
             params = {"id": task_id, "to": "cancelled" if queued else "cancelling", "from": task.status}
             cur = conn.execute(q("cancel_task"), {**params, "now": now, "response": response if queued else None})
             assert cur.rowcount == 1  # the writer serialises jobs, so the status read above holds
-            return _append(conn, _get(conn, task_id), final_events if queued else [])
+            task = _append(conn, _get(conn, task_id), final_events if queued else [])
+            if queued:
+                self.metrics.tasks_finished.labels("cancelled").inc()
+            return task
 
         return await self.db.writer.submit(job)
 
@@ -325,6 +339,10 @@ class TaskStore:
         for query, params in steps:
             changed += await self.db.writer.submit(_rowcount(q(query), params))
         return changed
+
+    async def status_counts(self) -> dict[str, int]:
+        """How many tasks the database holds in each status (a table its triggers maintain)."""
+        return {r["status"]: int(r["n"]) for r in await self.db.fetchall(q("status_counts"))}
 
     async def queued_ids(self, limit: int) -> list[str]:
         return [r["id"] for r in await self.db.fetchall(q("queued_ids"), {"limit": limit})]

@@ -1,0 +1,130 @@
+"""Prometheus metrics: one :class:`Metrics` per app, on a registry of its own.
+
+Each app (tests make many in one process) gets its own ``CollectorRegistry``, never the
+process-wide default one. The layers that see an event count it: the store counts the
+tasks it creates and finishes (inside the write transaction, so anyone who can read a
+task's new status can already scrape the count), the writer times its group commits,
+the supervisor times generation and counts tokens, engine restarts, the prompt cache
+and compactions, the event streams count themselves. What the database already knows
+(tasks by status) is read when ``/metrics`` is scraped, so it is right after a restart.
+Counters start at zero with the process, as Prometheus expects of counters.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+
+from .store.status import STATUSES
+
+__all__ = ["CONTENT_TYPE", "Metrics", "StatusCounts"]
+
+# No ``*_created`` series (each counter's creation time): they double the output and say nothing
+# a scraper does not know from the process start. A process-wide switch; lmspd is the process.
+disable_created_metrics()  # type: ignore[no-untyped-call]
+
+# Seconds. Prefill of a short prompt is milliseconds; a long one on a small machine, many seconds.
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0)
+COMMIT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # the writer's MAX_BATCH is 512
+
+
+class StatusCounts(Protocol):
+    async def status_counts(self) -> dict[str, int]: ...
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.tasks_created = Counter(
+            "lmspd_tasks_created",
+            "Tasks accepted, by kind (task: /lmsp/v1/tasks; response: /v1/responses and its views)",
+            ["kind"],
+            registry=r,
+        )
+        self.tasks_finished = Counter(
+            "lmspd_tasks_finished", "Tasks that reached a terminal status, by that status", ["outcome"], registry=r
+        )
+        self.tasks = Gauge(
+            "lmspd_tasks", "Tasks in the database by status (read at scrape time)", ["status"], registry=r
+        )
+        self.generations_finished = Counter(
+            "lmspd_generations_finished",
+            "Task generations that ended, by finish reason (length: the response is incomplete)",
+            ["reason"],
+            registry=r,
+        )
+        self.output_tokens = Counter("lmspd_output_tokens", "Tokens generated for tasks", registry=r)
+        self.prompt_tokens = Counter("lmspd_prompt_tokens", "Prompt tokens of finished task generations", registry=r)
+        self.prompt_cache_hits = Counter(
+            "lmspd_prompt_cache_hits", "Task generations whose prompt was partly served by the prompt cache", registry=r
+        )
+        self.prompt_cached_tokens = Counter(
+            "lmspd_prompt_cached_tokens", "Prompt tokens whose KV came from the prompt cache", registry=r
+        )
+        self.time_to_first_token = Histogram(
+            "lmspd_time_to_first_token_seconds",
+            "From sending a task's generation to the engine to its first token (prefill; not the queue wait)",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.token_latency = Histogram(
+            "lmspd_token_latency_seconds",
+            "Time per generated token after the first (one observation per token)",
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.compactions = Counter(
+            "lmspd_compactions",
+            "Compactions done, by source (task: context_management; endpoint: /responses/compact)",
+            ["source"],
+            registry=r,
+        )
+        self.engine_restarts = Counter("lmspd_engine_restarts", "Engine processes restarted after dying", registry=r)
+        self.engine_up = Gauge(
+            "lmspd_engine_up", "1 when the engine process is running (read at scrape time)", registry=r
+        )
+        self.sse_streams = Gauge("lmspd_sse_streams_open", "Event streams open, by API", ["api"], registry=r)
+        self.store_commit = Histogram(
+            "lmspd_store_commit_seconds",
+            "Duration of one group commit of the store's writer (its jobs, COMMIT and fsync)",
+            buckets=COMMIT_BUCKETS,
+            registry=r,
+        )
+        self.store_batch = Histogram(
+            "lmspd_store_commit_batch_size", "Jobs in one group commit", buckets=BATCH_BUCKETS, registry=r
+        )
+        # Every label value a dashboard expects is exported from the start, at zero.
+        for kind in ("task", "response"):
+            self.tasks_created.labels(kind)
+        for outcome in ("succeeded", "failed", "cancelled"):
+            self.tasks_finished.labels(outcome)
+        for reason in ("stop", "length", "cancelled"):
+            self.generations_finished.labels(reason)
+        for source in ("task", "endpoint"):
+            self.compactions.labels(source)
+        for api in ("lmsp", "openai"):
+            self.sse_streams.labels(api)
+
+    def observe_commit(self, seconds: float, jobs: int) -> None:
+        """The store writer's hook: one group commit of ``jobs`` jobs took ``seconds``."""
+        self.store_commit.observe(seconds)
+        self.store_batch.observe(jobs)
+
+    async def render(self, store: StatusCounts, *, engine_alive: bool) -> bytes:
+        """The text exposition, with the scrape-time gauges read first."""
+        counts = await store.status_counts()
+        for status in STATUSES:
+            self.tasks.labels(status).set(counts.get(status, 0))
+        self.engine_up.set(1 if engine_alive else 0)
+        return generate_latest(self.registry)

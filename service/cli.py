@@ -1,4 +1,4 @@
-"""The ``lmspd`` command: ``models pull|list`` and ``generate``."""
+"""The ``lmspd`` command: ``models pull|list``, ``generate``, ``serve`` and ``tasks ...``."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from service.client import cli as tasks_cli
 from service.config import RESPONSES_FLAGS, Config, load_config
 from service.errors import LmspdError
 
@@ -50,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--instructions", help="system prompt")
     gen.add_argument("--weight-dtype", choices=["auto", "quantized", "float32", "float16", "bfloat16"])
     _common(gen)
+    tasks_cli.add_parser(sub)
     return parser
 
 
@@ -169,6 +171,7 @@ COMMANDS = {
     ("models", "list"): cmd_models_list,
     ("generate", None): cmd_generate,
     ("serve", None): cmd_serve,
+    **tasks_cli.COMMANDS,
 }
 
 
@@ -178,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
-    handler = COMMANDS[(args.command, getattr(args, "models_command", None))]
+    handler = COMMANDS[(args.command, getattr(args, f"{args.command}_command", None))]
     try:
         return handler(args)
     except LmspdError as exc:

@@ -34,8 +34,9 @@ class TaskView:
     attempt: int = 1
     tokens: int = 0  # generated in this attempt: token deltas until the final usage says exactly
     restarts: int = 0
-    reconnects: int = 0
+    reconnects: int = 0  # times the stream went down and was resumed (or is being resumed)
     connection: str | None = None  # why the stream is down while it is
+    down_since: float | None = None
     last_seq: int | None = None
     final: Json | None = None  # the response of the final event
     calls: list[str] = field(default_factory=list)  # function calls of this attempt, name(arguments)
@@ -88,7 +89,9 @@ class TaskView:
         return None
 
     def disconnected(self, why: str) -> None:
-        self.reconnects += 1
+        if self.connection is None:  # a new outage, not another try in the same one
+            self.reconnects += 1
+            self.down_since = time.monotonic()
         self.connection = why
         self._close_segment()
 
@@ -182,11 +185,14 @@ def watch(
 
 def _watch_plain(client: TaskClient, view: TaskView, out: TextIO, err: TextIO, after: int | None) -> None:
     def reconnecting(why: str, delay: float, last: int | None) -> None:
+        if why != view.connection:  # one line per change, not one per try while a server is down
+            where = "from the start" if last is None else f"after event {last}"
+            print(f"lmspd: {why}; reconnecting to resume {where}", file=err, flush=True)
         view.disconnected(why)
-        after_seq = "from the start" if last is None else f"after event {last}"
-        print(f"lmspd: {why}; reconnecting in {delay:.2f}s, {after_seq}", file=err, flush=True)
 
     for event in client.events(view.task_id, after, on_reconnect=reconnecting):
+        if view.connection is not None and view.down_since is not None:
+            print(f"lmspd: reconnected after {time.monotonic() - view.down_since:.1f}s", file=err, flush=True)
         delta = view.apply(event)
         if delta:
             out.write(delta)

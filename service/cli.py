@@ -1,5 +1,5 @@
-"""The ``lmspd`` command: ``models pull|list``, ``generate``, ``serve``, ``service print``,
-``openapi`` and ``doctor``."""
+"""The ``lmspd`` command: ``models pull|list``, ``generate``, ``serve``, ``tasks ...``,
+``service print``, ``openapi`` and ``doctor``."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from . import units
+from .client import cli as tasks_cli
 from .config import RESPONSES_FLAGS, Config, load_config
 from .errors import LmspdError
 from .logs import ENV as LOG_FORMAT_ENV
@@ -69,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--data-dir", help="where the SQLite database lives (env LMSPD_DATA_DIR)")
     doctor.add_argument("--port", type=int, help="port to check (default: the configured one)")
     _common(doctor)
+    tasks_cli.add_parser(sub)
     return parser
 
 
@@ -211,13 +213,14 @@ COMMANDS = {
     ("service", "print"): cmd_service_print,
     ("openapi", None): cmd_openapi,
     ("doctor", None): cmd_doctor,
+    **tasks_cli.COMMANDS,
 }
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(getattr(args, "log_format", "text"), logging.DEBUG if args.verbose else logging.WARNING)
-    handler = COMMANDS[(args.command, getattr(args, "models_command", None) or getattr(args, "service_command", None))]
+    handler = COMMANDS[(args.command, getattr(args, f"{args.command}_command", None))]
     try:
         return handler(args)
     except LmspdError as exc:

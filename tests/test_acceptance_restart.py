@@ -1,10 +1,12 @@
 """Acceptance: a real ``lmspd serve`` process is killed with SIGKILL mid-generation and started
-again; every accepted task survives and ends as its ``on_restart`` policy says."""
+again; every accepted task survives and ends as its ``on_restart`` policy says, and ``lmspd tasks
+submit --watch``, following one of them, prints exactly its final text."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -13,12 +15,13 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import httpx
 import msgspec
 import pytest
 
+from service.client.cli import output_text
 from service.models.registry import ResolvedModel
 
 PROMPT = "Tell me a long story about a dragon."
@@ -150,10 +153,59 @@ def text_of(events: list[dict[str, Any]]) -> str:
     return "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
 
 
+class PipeReader(threading.Thread):
+    """Collects a subprocess's pipe; ``ready`` is set once ``pattern`` matches what came so far
+    (or the pipe closed: then ``match`` is None)."""
+
+    def __init__(self, pipe: IO[bytes] | None, pattern: bytes) -> None:
+        super().__init__(daemon=True)
+        assert pipe is not None
+        self.pipe, self.pattern = pipe, re.compile(pattern)
+        self.data = b""
+        self.match: re.Match[bytes] | None = None
+        self.ready = threading.Event()
+        self.start()
+
+    def run(self) -> None:
+        while chunk := os.read(self.pipe.fileno(), 65536):
+            self.data += chunk
+            if not self.ready.is_set() and (m := self.pattern.search(self.data)):
+                self.match = m
+                self.ready.set()
+        self.ready.set()
+
+
+@pytest.fixture
+def procs() -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Client processes a test starts; killed at the end if a failed test left them running."""
+    started: list[subprocess.Popen[bytes]] = []
+    yield started
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def submit_and_watch(
+    url: str, procs: list[subprocess.Popen[bytes]]
+) -> tuple[subprocess.Popen[bytes], PipeReader, PipeReader, dict[str, Any]]:
+    """``lmspd tasks submit --on-restart resume --watch`` as a person runs it: the task is the one
+    ``submit(url, "resume")`` would make. Returns the process, its stdout and stderr, the task."""
+    cmd = [sys.executable, "-m", "service.cli", "tasks", "submit", PROMPT, "--url", url, "--on-restart", "resume"]
+    cmd += ["--temperature", "0", "--max-output-tokens", str(MAX_TOKENS), "--watch"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    procs.append(proc)
+    out = PipeReader(proc.stdout, rb".")
+    err = PipeReader(proc.stderr, rb"lmspd: task (task_\w+) queued \(on_restart resume\)")
+    assert err.ready.wait(60) and err.match, err.data.decode()
+    return proc, out, err, task(url, err.match.group(1).decode())
+
+
 @pytest.mark.slow
-def test_kill_9_mid_generation_then_restart(server: Server) -> None:
+def test_kill_9_mid_generation_then_restart(server: Server, procs: list[subprocess.Popen[bytes]]) -> None:
     server.start()
-    tasks = {policy: submit(server.url, policy) for policy in ("fail", "retry", "resume")}
+    watcher, watched, notices, resume_task = submit_and_watch(server.url, procs)
+    tasks = {policy: submit(server.url, policy) for policy in ("fail", "retry")} | {"resume": resume_task}
     to_cancel = submit(server.url, "retry")
     seen: list[dict[str, Any]] = []
     reader = threading.Thread(target=read_sse, args=(server.url, tasks["resume"]["id"], seen), daemon=True)
@@ -162,9 +214,11 @@ def test_kill_9_mid_generation_then_restart(server: Server) -> None:
     while len(seen) < 40 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert len(seen) >= 40, "generation did not get going"
+    assert watched.ready.wait(30) and watched.data, notices.data.decode()  # the CLI is printing the text too
     cancel = httpx.post(f"{server.url}/lmsp/v1/tasks/{to_cancel['id']}/cancel", timeout=10)
     assert cancel.status_code == 200
     server.kill9()
+    assert watcher.poll() is None  # the CLI waits for the server to come back
     reader.join(10)
     before_kill = list(seen)
     assert not [e for e in before_kill if e["type"] in FINALS]  # the resume task was mid-generation
@@ -201,7 +255,18 @@ def test_kill_9_mid_generation_then_restart(server: Server) -> None:
     ref_text = reference["response"]["output"][0]["content"][0]["text"]
     assert final["resume"]["response"]["output"][0]["content"][0]["text"] == text_of(resume_events) == ref_text
     assert text_of(after_restart) == ref_text  # the retry started over and ran to the same end
-    assert final["resume"]["response"]["usage"] == reference["response"]["usage"]
+    # The same usage, but for how much of the prompt came from the prompt cache: that depends on
+    # what ran before (the reference run finds the prompt cached, the resume task did not).
+    resume_usage, reference_usage = final["resume"]["response"]["usage"], reference["response"]["usage"]
+    del resume_usage["input_tokens_details"], reference_usage["input_tokens_details"]
+    assert resume_usage == reference_usage
+    # `lmspd tasks submit --watch` reconnected with Last-Event-ID and printed exactly the final text.
+    assert watcher.wait(60) == 0, notices.data.decode()
+    watched.join(10)
+    notices.join(10)
+    assert watched.data.decode() == output_text(final["resume"]["response"]) == ref_text
+    assert re.search(rb"lmspd: connection lost.*; reconnecting to resume after event \d+\n", notices.data)
+    assert re.search(rb"lmspd: reconnected after [\d.]+s\n", notices.data)
     assert reference["response"]["usage"]["output_tokens"] == MAX_TOKENS  # as long as the margin above says
 
     assert server.stop() == 0  # SIGTERM: a clean exit

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -243,7 +244,8 @@ def cache_files(server: Server) -> set[Path]:
 
 
 def test_the_next_turn_reuses_the_prompt_cache_even_after_kill_9(server: Server, client: openai.OpenAI) -> None:
-    kw: dict[str, Any] = {"temperature": 0, "max_output_tokens": 8}
+    # A key of its own: the partition starts empty, whatever ran before in this module.
+    kw: dict[str, Any] = {"temperature": 0, "max_output_tokens": 8, "prompt_cache_key": uuid.uuid4().hex}
     first = client.responses.create(input="Tell me about rivers.", **kw)
     assert first.usage is not None and first.usage.input_tokens_details.cached_tokens == 0
     before = cache_files(server)

@@ -24,7 +24,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("lmspd.engine.weights")
 
 AUTO_CANDIDATES = ("float32",)  # dense dtypes that reproduce the quantized model exactly
 _MEMORY_SHARE = 0.4  # dense weights may take at most this share of memory

@@ -22,7 +22,7 @@ from ..errors import ModelConversionError, ModelDownloadError
 from .catalog import BuiltinModel
 from .gguf import convert_gguf
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("lmspd.models.pull")
 
 COMPLETE_MARKER = ".lmspd-complete"
 _TMP_PREFIX = ".pull-"

@@ -28,6 +28,7 @@ import httpx
 from openai import OpenAI
 
 from service.config import load_config
+from service.engine.prompt_cache import stored_lengths
 from service.generation import tokenizer_for
 from service.models.registry import ModelRegistry
 
@@ -59,7 +60,8 @@ class Server:
 
     def start(self) -> None:
         cmd = [sys.executable, "-m", "service.cli", "serve", "--config", str(self.config), "--port", str(self.port)]
-        self.proc = subprocess.Popen(cmd, stdout=self.log.open("ab"), stderr=subprocess.STDOUT)
+        # Its own process group, so a kill takes the engine process down with it.
+        self.proc = subprocess.Popen(cmd, stdout=self.log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, self.log.read_text()
@@ -73,7 +75,7 @@ class Server:
 
     def kill(self) -> None:
         assert self.proc is not None
-        os.kill(self.proc.pid, signal.SIGKILL)
+        os.killpg(self.proc.pid, signal.SIGKILL)  # the server and its engine, as a power cut would
         self.proc.wait()
 
 
@@ -114,10 +116,6 @@ def system_prompt(model: str, tokens: int) -> str:
     return text.strip()
 
 
-def cache_files(folder: Path) -> list[Path]:
-    return [f for f in folder.rglob("*.safetensors") if not f.name.startswith(".")]
-
-
 def peak_cache_bytes(log: Path) -> int:
     found = [int(m.group(1)) for m in re.finditer(r"prompt cache: \d+ entries, (\d+) bytes", log.read_text())]
     return max(found, default=0)
@@ -148,6 +146,7 @@ def main() -> None:
         system = system_prompt(model, args.system_tokens)
         rows: list[dict[str, float]] = []
         previous: str | None = None
+        folder = data / "prompt-cache"
         for i in range(args.turns):
             row = turn(client, model, system, QUESTIONS[i % len(QUESTIONS)], previous, args.tokens)
             previous = str(row["id"])
@@ -157,9 +156,9 @@ def main() -> None:
                 f"time to first token {row['ttft']:.2f} s",
                 flush=True,
             )
-        folder = data / "prompt-cache"
         deadline = time.monotonic() + 120
-        while not cache_files(folder) and time.monotonic() < deadline:  # written once the engine is idle
+        # The last turn's cache is written once the engine is idle: kill only after that.
+        while max(stored_lengths(folder), default=0) < rows[-1]["input"] and time.monotonic() < deadline:
             time.sleep(0.1)
         server.kill()
         server.start()

@@ -18,6 +18,7 @@ import pytest
 from openresponses import validate, validate_event
 from test_acceptance_restart import Server, tiny_server
 
+from service.engine.prompt_cache import stored_lengths
 from service.models.registry import ResolvedModel
 
 
@@ -238,23 +239,20 @@ def test_stored_responses_survive_kill_and_restart(server: Server, client: opena
     assert interrupted.status == "failed" and interrupted.error.code == "server_restarted"  # type: ignore[union-attr]
 
 
-def cache_files(server: Server) -> set[Path]:
-    folder = server.config.parent / "data" / "prompt-cache"
-    return {f for f in folder.rglob("*.safetensors") if not f.name.startswith(".")}  # not mid-write
-
-
 def test_the_next_turn_reuses_the_prompt_cache_even_after_kill_9(server: Server, client: openai.OpenAI) -> None:
     # A key of its own: the partition starts empty, whatever ran before in this module.
     kw: dict[str, Any] = {"temperature": 0, "max_output_tokens": 8, "prompt_cache_key": uuid.uuid4().hex}
     first = client.responses.create(input="Tell me about rivers.", **kw)
     assert first.usage is not None and first.usage.input_tokens_details.cached_tokens == 0
-    before = cache_files(server)
     second = client.responses.create(input="And lakes?", previous_response_id=first.id, **kw)
     assert second.usage is not None
     # At least turn 1's prompt comes from the cache (its answer too, where it re-tokenizes the same).
     assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
     deadline = time.monotonic() + 60
-    while not cache_files(server) - before:  # written to disk once the engine is idle
+    folder = server.config.parent / "data" / "prompt-cache"
+    # Turn 2's cache is written to disk once the engine is idle (turn 1's may land later than
+    # turn 1's answer, so wait for a file as long as turn 2's input, not just a new file).
+    while max(stored_lengths(folder), default=0) < second.usage.input_tokens:
         assert time.monotonic() < deadline, "the prompt cache was never written"
         time.sleep(0.05)
     server.kill9()

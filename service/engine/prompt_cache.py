@@ -217,6 +217,19 @@ class DiskCache:
         return key, cache
 
 
+def stored_lengths(directory: Path) -> list[int]:
+    """How many tokens each complete cache file under ``directory`` holds (read from its
+    safetensors header alone): what a benchmark or test waits for before killing a server."""
+    lengths = []
+    for path in directory.rglob(f"*{SUFFIX}"):
+        if path.name.startswith(".tmp-"):  # still being written
+            continue
+        with contextlib.suppress(OSError, ValueError, KeyError), path.open("rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+            lengths.append(len(json.loads(header["__metadata__"]["tokens"])))
+    return lengths
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:

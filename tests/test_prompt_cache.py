@@ -19,7 +19,7 @@ from mlx_lm.models.cache import KVCache
 from service.config import EngineConfig
 from service.engine import protocol as p
 from service.engine.client import EngineClient
-from service.engine.prompt_cache import SUFFIX, DiskCache, PromptCache
+from service.engine.prompt_cache import SUFFIX, DiskCache, PromptCache, stored_lengths
 from service.engine.worker import KEEP_PREFILL_TOKENS
 from service.generation import build_generate
 from service.models.registry import ResolvedModel
@@ -230,6 +230,7 @@ def test_disk_entries_round_trip_and_are_bounded(tmp_path: Path) -> None:
     disk.write(key_b, kv(2, seed=1))
     loaded = dict(DiskCache(tmp_path, max_bytes=1 << 30).load("m"))
     assert set(loaded) == {key_a, key_b}
+    assert sorted(stored_lengths(tmp_path)) == [2, 3]
     for a, b in zip(loaded[key_a], kv(3), strict=True):
         assert mx.array_equal(a.keys[..., : a.offset, :], b.keys[..., : b.offset, :])
     assert DiskCache(tmp_path, 1 << 30).load("other-model") == []

@@ -224,9 +224,11 @@ def stored_lengths(directory: Path) -> list[int]:
     for path in directory.rglob(f"*{SUFFIX}"):
         if path.name.startswith(".tmp-"):  # still being written
             continue
-        with contextlib.suppress(OSError, ValueError, KeyError), path.open("rb") as f:
+        with contextlib.suppress(OSError, ValueError, KeyError, StopIteration), path.open("rb") as f:
             header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-            lengths.append(len(json.loads(header["__metadata__"]["tokens"])))
+            # save_prompt_cache flattens our metadata under a list index ("0.tokens").
+            tokens = next(v for k, v in header["__metadata__"].items() if k.rsplit(".", 1)[-1] == "tokens")
+            lengths.append(len(json.loads(tokens)))
     return lengths
 
 

@@ -54,6 +54,9 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     keepalive_secs: float = 15.0
     shutdown_grace_secs: float = 10.0
     default_max_output_tokens: int = 4096
+    # Let requests name a model by local directory or Hugging Face repo id. Off: clients may
+    # name only configured aliases and built-in models, never make the server read a path.
+    allow_model_paths: bool = False
 
     def __post_init__(self) -> None:
         for key in (

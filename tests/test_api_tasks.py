@@ -229,6 +229,21 @@ def test_idempotency_key_concurrent_duplicates_make_one_task(client: TestClient,
     )
 
 
+def test_a_request_cannot_make_the_server_read_a_path(
+    client: TestClient, server_config: Config, tiny_long: ResolvedModel
+) -> None:
+    """A real model directory, named by a client: refused unless [server] allow_model_paths."""
+    task = {"type": "response", "input": {"input": "hi", "model": str(tiny_long.path)}}
+    r = client.post("/lmsp/v1/tasks", json=task, headers=ALICE)
+    assert r.status_code == 404, r.text
+    assert r.json()["param"] == "model" and "allow_model_paths" in r.json()["detail"]
+    r = client.post("/v1/responses", json={"model": str(tiny_long.path), "input": "hi"}, headers=ALICE)
+    assert (r.status_code, r.json()["error"]["param"]) == (404, "model")
+    r = client.post("/v1/responses/input_tokens", json={"model": str(tiny_long.path), "input": "hi"}, headers=ALICE)
+    assert r.status_code == 404
+    assert db_rows(server_config, "SELECT count(*) FROM tasks") == [(0,)]
+
+
 @pytest.mark.parametrize(
     ("body", "status", "code", "param"),
     [

@@ -6,6 +6,7 @@ import json
 import zipfile
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from service.config import Config
@@ -118,6 +119,18 @@ def test_resolve_alias_and_local_directory(model_cache: Path, tiny_dir_config: C
     assert registry.resolve("smol").path == model_cache / SMOL.name
     names = {m.name: m for m in registry.list()}
     assert names["mini"].pulled and names["smol"].pulled and names[SMOL.name].pulled
+
+
+def test_paths_named_by_a_request_need_allow_model_paths(tiny_dir_config: Config) -> None:
+    path = tiny_dir_config.models["mini"].path
+    with pytest.raises(ModelNotFoundError, match="allow_model_paths"):
+        ModelRegistry(tiny_dir_config).check_requested(path)
+    for name in (None, "mini", SMOL.name, tiny_dir_config.default_model):
+        ModelRegistry(tiny_dir_config).check_requested(name)
+    allowed = msgspec.structs.replace(
+        tiny_dir_config, server=msgspec.structs.replace(tiny_dir_config.server, allow_model_paths=True)
+    )
+    ModelRegistry(allowed).check_requested(path)
 
 
 def test_unpulled_builtin_without_pull_is_a_clear_error(tmp_path: Path) -> None:

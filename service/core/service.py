@@ -179,6 +179,7 @@ class Core:
 
     def _check(self, request: s.ResponseRequest, turns: list[Item]) -> None:
         """Runs in a worker thread: rendering a large prompt must not stall the event loop."""
+        self.registry.check_requested(request.model)
         model = self.registry.resolve_local(request.model or self.config.default_model)
         sampling = request.sampling()
         if model is None:  # fetched when the task runs
@@ -193,6 +194,7 @@ class Core:
         turns, request, _ = await self.echo.restore(owner, turns, request)
 
         def count() -> int:
+            self.registry.check_requested(request.model)
             model = self.registry.resolve(request.model or self.config.default_model)
             return len(tokenizer_for(model).encode(prompt_for(model, request, turns).text))
 
@@ -218,6 +220,7 @@ class Core:
         created_at = int(time.time())
 
         def prepare() -> tuple[Any, compactor.Prepared]:
+            self.registry.check_requested(body.model)
             model = self.registry.resolve(model_name)
             keep = body.keep_tokens or default_keep_tokens(model.context_length)
             prepared = compactor.prepare(

@@ -78,6 +78,20 @@ class ModelRegistry:
             param="model",
         )
 
+    def check_requested(self, name: str | None) -> None:
+        """A model a client named: configured aliases, built-ins and the default model; a
+        directory or hub id only with ``server.allow_model_paths`` (a client must not make the
+        server read arbitrary paths)."""
+        if name is None or self.config.server.allow_model_paths:
+            return
+        if name in self.config.models or name in BUILTIN_MODELS or name == self.config.default_model:
+            return
+        raise ModelNotFoundError(
+            f"model '{name}' not found; known models: {', '.join(self.known_names())} "
+            "(directories and Hugging Face repo ids need [server] allow_model_paths = true)",
+            param="model",
+        )
+
     def resolve_local(self, name: str) -> ResolvedModel | None:
         """Resolve without network or pulls: None for a Hugging Face id or an unpulled built-in
         (those are fetched when the task runs); ModelNotFoundError for anything unknown."""

@@ -24,6 +24,9 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_loaded_models: int = 1
     weight_dtype: WeightDtype = "auto"
     prefill_step_size: int = 512
+    # BLAS for MLX's CPU backend on Linux: "auto" (the system's OpenBLAS when installed, else
+    # the reference BLAS bundled with mlx), "none", or a library path (env LMSPD_BLAS).
+    blas: str = "auto"
     # KV caches of earlier prompts kept for reuse, in bytes (0 turns the prompt cache off).
     prompt_cache_max_bytes: int = 2 * 1024**3
     # The hottest of them kept in the data directory across restarts (0: none).
@@ -157,6 +160,7 @@ ENV_VARS = {
     "LMSPD_MAX_CONCURRENCY": "engine.max_concurrency",
     "LMSPD_MAX_LOADED_MODELS": "engine.max_loaded_models",
     "LMSPD_WEIGHT_DTYPE": "engine.weight_dtype",
+    "LMSPD_BLAS": "engine.blas",
     "LMSPD_PROMPT_CACHE_MAX_BYTES": "engine.prompt_cache_max_bytes",
     "LMSPD_PROMPT_CACHE_DISK_MAX_BYTES": "engine.prompt_cache_disk_max_bytes",
     "LMSPD_HOST": "server.host",

@@ -175,12 +175,32 @@ def _port(config: Config) -> Finding:
     return Finding("FAIL", "port", f"{where} is in use by another program")
 
 
+def _blas(config: Config) -> Finding:
+    from .engine import blas
+
+    if not sys.platform.startswith("linux"):
+        return Finding("ok", "blas", "MLX's own (Metal or Accelerate)")
+    path = blas.find(config.engine.blas)
+    if path is None:
+        how = "engine.blas = 'none'" if config.engine.blas == blas.NONE else "no OpenBLAS found"
+        return Finding(
+            "warn",
+            "blas",
+            f"reference BLAS bundled with mlx ({how}): prefill runs ~30x slower than it could; "
+            "apt install libopenblas0-pthread",
+        )
+    if not Path(path).is_file() and "/" in path:
+        return Finding("FAIL", "blas", f"engine.blas names {path}, which does not exist")
+    return Finding("ok", "blas", f"{path}; weight_dtype {config.engine.weight_dtype} is measured with it")
+
+
 def run(config: Config, out: TextIO | None = None) -> int:
     """Print every finding (to stdout by default); 1 when any failed, else 0."""
     out = out or sys.stdout
     checks: list[Callable[[Config], Finding | list[Finding]]] = [
         lambda _: _lmspd_version(),
         lambda _: _mlx(),
+        _blas,
         _data_dir,
         _database,
         _models,

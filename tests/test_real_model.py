@@ -85,3 +85,34 @@ def test_cli_models_pull_is_idempotent(model_cache: Path) -> None:
     done = _lmspd("models", "pull", cache=model_cache)
     assert done.returncode == 0, done.stderr
     assert "smollm2-135m-instruct" in done.stdout
+
+
+async def test_float32_gives_the_quantized_models_answer(model_cache: Path) -> None:
+    """float32 is one of auto's choices because it holds every dequantized weight exactly: on
+    the BLAS the engine runs on (OpenBLAS where installed, which orders the sums its own way),
+    greedy decoding must give the quantized model's answer, "The capital of France is Paris."
+    (README, weight dtype table), and end it the same way."""
+    from service.config import EngineConfig
+    from service.engine import protocol as p
+    from service.engine.client import EngineClient
+    from service.generation import build_generate
+    from service.models.registry import ResolvedModel
+
+    model = ResolvedModel(name="smol", path=model_cache / "smollm2-135m-instruct")
+    engine = EngineClient(EngineConfig(weight_dtype="float32", prompt_cache_max_bytes=0))
+    await engine.start()
+    try:
+        cmd = build_generate(
+            model,
+            [{"role": "user", "content": FRANCE}],
+            request_id="float32",
+            max_tokens=12,
+            sampling=p.SamplingParams(temperature=0.0),
+        )
+        events = [ev async for ev in engine.generate(cmd)]
+    finally:
+        await engine.close()
+    text = "".join(ev.text for ev in events if isinstance(ev, p.Delta | p.Finished))
+    finished = events[-1]
+    assert isinstance(finished, p.Finished) and finished.reason == "stop"
+    assert text == "The capital of France is Paris."

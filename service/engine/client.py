@@ -134,6 +134,8 @@ class EngineClient:
         elif isinstance(reply, p.ModelLoading):
             log.info("engine loading model %s", reply.model)
         elif isinstance(reply, p.Ready) and self._ready and not self._ready.done():
+            r = reply
+            log.info("engine ready: pid %d, %s backend, mlx %s, BLAS %s", r.pid, r.backend, r.mlx_version, r.blas)
             self._ready.set_result(reply)
 
     def _on_exit(self, process: mp.process.BaseProcess) -> None:

@@ -101,6 +101,7 @@ class Ready(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     pid: int
     backend: str  # "cpu" | "gpu"
     mlx_version: str
+    blas: str = ""  # the BLAS library MLX's CPU backend runs on (a path, or the bundled reference)
 
 
 class ModelLoading(msgspec.Struct, tag=True, frozen=True):

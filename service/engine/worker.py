@@ -207,10 +207,11 @@ class LoadedModel:
 
 
 class Engine:
-    def __init__(self, conn: Connection, config: EngineConfig, cache_dir: Path | None = None) -> None:
+    def __init__(self, conn: Connection, config: EngineConfig, cache_dir: Path | None = None, blas: str = "") -> None:
         from .prompt_cache import PromptCache
 
         self.conn = conn
+        self.blas = blas
         self.max_concurrency = config.max_concurrency
         self.max_loaded_models = config.max_loaded_models
         self.weight_dtype = config.weight_dtype
@@ -235,6 +236,7 @@ class Engine:
                 pid=os.getpid(),
                 backend="gpu" if mx.metal.is_available() else "cpu",
                 mlx_version=getattr(mx, "__version__", "unknown"),
+                blas=self.blas,
             )
         )
         while self.running:
@@ -618,4 +620,7 @@ def main(
     text = "%(asctime)s engine %(levelname)s %(message)s"
     setup_logging(log_format, logging.WARNING, text=text, static={"process": "engine"})
     logging.getLogger("lmspd").setLevel(log_level)
-    Engine(conn, config, Path(cache_dir) if cache_dir else None).run()
+    from .blas import load as load_blas
+
+    blas = load_blas(config.blas)  # before anything imports MLX
+    Engine(conn, config, Path(cache_dir) if cache_dir else None, blas).run()

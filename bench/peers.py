@@ -1,0 +1,210 @@
+"""lmspd against mlx_lm.server on the same machine and model, one server at a time.
+
+    python -m bench.peers [--rounds 2] [--model-dir DIR]
+
+Both servers get the same converted model directory and the same Chat Completions requests
+(streaming, greedy), through the same client code: time to first token for a repeated prompt
+(sent twice, the second timed) and for distinct prompts; one-stream decode tok/s (64 tokens);
+aggregate tok/s of 4 and 8 concurrent 32-token streams with distinct prompts; and each server's
+peak RSS (the server process and its children, sampled). Rounds alternate the servers; each
+figure is the best of the rounds, and the table prints lmspd / mlx_lm.server as ratios
+(> 1 is lmspd ahead; for times, the ratio is theirs / ours).
+
+Each server runs as it ships: lmspd with its defaults (its engine loads the system's OpenBLAS
+when there is one), mlx_lm.server with ``--decode-concurrency 8``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+from service.config import load_config
+from service.models.registry import ModelRegistry
+
+SYSTEM = "You are a helpful assistant. Answer in full sentences."
+TOPICS = ["dragons", "the sea", "Rome", "bees", "Jupiter", "autumn", "steam engines", "volcanoes", "tea", "owls"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def rss_kib(pid: int) -> int:
+    """Resident memory of a process and its children, in KiB (Linux /proc)."""
+    total = 0
+    for p in [pid, *children(pid)]:
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+        except OSError:
+            pass
+    return total
+
+
+def children(pid: int) -> list[int]:
+    try:
+        kids = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+    return kids + [g for k in kids for g in children(k)]
+
+
+class Server:
+    def __init__(self, name: str, cmd: list[str], port: int, ready: str, log: Path) -> None:
+        self.name, self.cmd, self.port, self.ready, self.log = name, cmd, port, ready, log
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.peak = 0
+        self._stop = threading.Event()
+
+    def __enter__(self) -> Server:
+        self.proc = subprocess.Popen(
+            self.cmd, stdout=self.log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True
+        )
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.log.read_text()[-2000:]
+            try:
+                if httpx.get(f"http://127.0.0.1:{self.port}{self.ready}", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        threading.Thread(target=self._sample, daemon=True).start()
+        return self
+
+    def _sample(self) -> None:
+        assert self.proc is not None
+        while not self._stop.wait(0.2):
+            self.peak = max(self.peak, rss_kib(self.proc.pid))
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        assert self.proc is not None
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def stream(port: int, model: str, prompt: str, tokens: int) -> tuple[float, float, int]:
+    """(time to first token, seconds from first to last token, tokens) of one streamed answer."""
+    body = {
+        "model": model,
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}],
+        "max_tokens": tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    start = time.perf_counter()
+    first = last = 0.0
+    count = 0
+    with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            for choice in chunk.get("choices") or []:
+                if (choice.get("delta") or {}).get("content"):
+                    last = time.perf_counter()
+                    first = first or last
+            if chunk.get("usage"):
+                count = int(chunk["usage"]["completion_tokens"])
+    return first - start, last - first, count
+
+
+def concurrent(port: int, model: str, n: int, tokens: int, offset: int) -> float:
+    prompts = [f"Write about {TOPICS[(offset + i) % len(TOPICS)]}, part {offset + i}." for i in range(n)]
+    start = time.perf_counter()
+    with ThreadPoolExecutor(n) as pool:
+        results = list(pool.map(lambda p: stream(port, model, p, tokens), prompts))
+    return sum(c for _, _, c in results) / (time.perf_counter() - start)
+
+
+def measure(port: int, model: str, round_no: int) -> dict[str, float]:
+    k = 100 * round_no  # prompts no earlier request of this round sent
+    repeated = f"Tell me one fact about {TOPICS[round_no % len(TOPICS)]} (round {k})."
+    stream(port, model, repeated, 8)
+    out = {"ttft_repeated": stream(port, model, repeated, 8)[0]}
+    out["ttft_distinct"] = min(stream(port, model, f"Name a colour, case {k + i}.", 8)[0] for i in range(2))
+    _, span, count = stream(port, model, f"Write a long story, number {k}.", 64)
+    out["decode"] = (count - 1) / span if span > 0 else 0.0
+    out["agg4"] = concurrent(port, model, 4, 32, k + 10)
+    out["agg8"] = concurrent(port, model, 8, 32, k + 20)
+    return out
+
+
+ROWS: list[tuple[str, str, Callable[[float, float], float]]] = [
+    ("time to first token, repeated prompt", "ttft_repeated", lambda ours, theirs: theirs / ours),
+    ("time to first token, distinct prompts", "ttft_distinct", lambda ours, theirs: theirs / ours),
+    ("decode tok/s, one stream", "decode", lambda ours, theirs: ours / theirs),
+    ("4 concurrent, aggregate tok/s", "agg4", lambda ours, theirs: ours / theirs),
+    ("8 concurrent, aggregate tok/s", "agg8", lambda ours, theirs: ours / theirs),
+]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--model-dir", type=Path, default=None)
+    args = parser.parse_args()
+    config = load_config()
+    model_dir = (args.model_dir or ModelRegistry(config).resolve(config.default_model).path).resolve()
+    best: dict[str, dict[str, float]] = {"lmspd": {}, "mlx_lm.server": {}}
+    peaks: dict[str, int] = {"lmspd": 0, "mlx_lm.server": 0}
+    with tempfile.TemporaryDirectory(prefix="lmspd-peers-") as tmp:
+        data = Path(tmp)
+        (data / "lmspd.toml").write_text(f'[models.bench]\npath = "{model_dir}"\n[server]\ndata_dir = "{data}"\n')
+        for round_no in range(args.rounds):
+            for name in ("lmspd", "mlx_lm.server") if round_no % 2 == 0 else ("mlx_lm.server", "lmspd"):
+                port = free_port()
+                if name == "lmspd":
+                    cmd = [sys.executable, "-m", "service.cli", "serve", "--config", str(data / "lmspd.toml")]
+                    cmd += ["--port", str(port), "--model", "bench", "--data-dir", str(data / f"db{round_no}")]
+                    server, model, ready = "lmspd", "bench", "/readyz"
+                else:
+                    cmd = [sys.executable, "-m", "mlx_lm.server", "--model", str(model_dir), "--port", str(port)]
+                    cmd += ["--decode-concurrency", "8"]
+                    server, model, ready = "mlx_lm.server", str(model_dir), "/v1/models"
+                with Server(server, cmd, port, ready, data / f"{server}.log") as srv:
+                    got = measure(port, model, round_no)
+                peaks[name] = max(peaks[name], srv.peak)
+                print(f"round {round_no + 1} {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in got.items()), flush=True)
+                for key, value in got.items():
+                    lower_better = key.startswith("ttft")
+                    old = best[name].get(key)
+                    if old is None or (value < old if lower_better else value > old):
+                        best[name][key] = value
+    print(f"\nmodel {model_dir}, {os.cpu_count()} CPUs, best of {args.rounds} rounds\n")
+    print("| | lmspd | mlx_lm.server | lmspd ahead by |\n|---|---|---|---|")
+    for label, key, ratio in ROWS:
+        ours, theirs = best["lmspd"][key], best["mlx_lm.server"][key]
+        unit = "s" if key.startswith("ttft") else ""
+        print(f"| {label} | {ours:.2f}{unit} | {theirs:.2f}{unit} | {ratio(ours, theirs):.2f}x |")
+    ours_mib, theirs_mib = peaks["lmspd"] / 1024, peaks["mlx_lm.server"] / 1024
+    rss = f"{ours_mib:.0f} MiB | {theirs_mib:.0f} MiB | {theirs_mib / ours_mib:.2f}x"
+    print(f"| peak RSS (server and children) | {rss} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -19,8 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,17 +30,12 @@ from pathlib import Path
 
 import httpx
 
+from bench.serving import free_port, kill, spawn
 from service.config import load_config
 from service.models.registry import ModelRegistry
 
 SYSTEM = "You are a helpful assistant. Answer in full sentences."
 TOPICS = ["dragons", "the sea", "Rome", "bees", "Jupiter", "autumn", "steam engines", "volcanoes", "tea", "owls"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def rss_kib(pid: int) -> int:
@@ -74,18 +67,7 @@ class Server:
         self._stop = threading.Event()
 
     def __enter__(self) -> Server:
-        self.proc = subprocess.Popen(
-            self.cmd, stdout=self.log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True
-        )
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.log.read_text()[-2000:]
-            try:
-                if httpx.get(f"http://127.0.0.1:{self.port}{self.ready}", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
+        self.proc = spawn(self.cmd, f"http://127.0.0.1:{self.port}{self.ready}", self.log)
         threading.Thread(target=self._sample, daemon=True).start()
         return self
 
@@ -97,12 +79,7 @@ class Server:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         assert self.proc is not None
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        kill(self.proc)
 
 
 def stream(port: int, model: str, prompt: str, tokens: int) -> tuple[float, float, int]:

@@ -14,19 +14,17 @@ against its bound. Greedy, bundled model unless ``--model``.
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
 from openai import OpenAI
 
+from bench.serving import free_port, kill, spawn
 from service.config import load_config
 from service.engine.prompt_cache import stored_lengths
 from service.generation import tokenizer_for
@@ -47,12 +45,6 @@ QUESTIONS = [
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class Server:
     def __init__(self, config: Path, port: int, log: Path) -> None:
         self.config, self.port, self.log = config, port, log
@@ -60,23 +52,11 @@ class Server:
 
     def start(self) -> None:
         cmd = [sys.executable, "-m", "service.cli", "serve", "--config", str(self.config), "--port", str(self.port)]
-        # Its own process group, so a kill takes the engine process down with it.
-        self.proc = subprocess.Popen(cmd, stdout=self.log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.log.read_text()
-            try:
-                if httpx.get(f"http://127.0.0.1:{self.port}/readyz", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError("server did not become ready")
+        self.proc = spawn(cmd, f"http://127.0.0.1:{self.port}/readyz", self.log)
 
     def kill(self) -> None:
         assert self.proc is not None
-        os.killpg(self.proc.pid, signal.SIGKILL)  # the server and its engine, as a power cut would
-        self.proc.wait()
+        kill(self.proc, signal.SIGKILL)  # the server and its engine, as a power cut would
 
 
 def turn(client: OpenAI, model: str, system: str, question: str, previous: str | None, tokens: int) -> dict[str, float]:

@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from pathlib import Path
 import httpx
 import msgspec
 
+from bench.serving import free_port
 from service.config import load_config
 from service.models.registry import ModelRegistry
 from service.responses.builder import ResponseState, initial_response
@@ -35,12 +35,6 @@ from service.store.db import Database
 from service.store.tasks import TaskStore
 
 PROMPT = "Write a long story about a dragon and a knight."
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def seed_history(db_path: Path, n: int) -> str:

@@ -24,6 +24,9 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_loaded_models: int = 1
     weight_dtype: WeightDtype = "auto"
     prefill_step_size: int = 512
+    # While other requests are decoding, a prefill step is sized to take about this long, so
+    # their tokens keep coming while a long prompt is admitted (0: always prefill_step_size).
+    prefill_interleave_ms: int = 250
     # BLAS for MLX's CPU backend on Linux: "auto" (the system's OpenBLAS when installed, else
     # the reference BLAS bundled with mlx), "none", or a library path (env LMSPD_BLAS).
     blas: str = "auto"
@@ -39,6 +42,8 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         _positive("engine.max_concurrency", self.max_concurrency)
         _positive("engine.max_loaded_models", self.max_loaded_models)
         _positive("engine.prefill_step_size", self.prefill_step_size)
+        if self.prefill_interleave_ms < 0:
+            raise ConfigError("engine.prefill_interleave_ms must be >= 0", param="engine.prefill_interleave_ms")
 
 
 class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -161,6 +166,7 @@ ENV_VARS = {
     "LMSPD_MAX_LOADED_MODELS": "engine.max_loaded_models",
     "LMSPD_WEIGHT_DTYPE": "engine.weight_dtype",
     "LMSPD_BLAS": "engine.blas",
+    "LMSPD_PREFILL_INTERLEAVE_MS": "engine.prefill_interleave_ms",
     "LMSPD_PROMPT_CACHE_MAX_BYTES": "engine.prompt_cache_max_bytes",
     "LMSPD_PROMPT_CACHE_DISK_MAX_BYTES": "engine.prompt_cache_disk_max_bytes",
     "LMSPD_HOST": "server.host",

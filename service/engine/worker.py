@@ -29,6 +29,7 @@ from ..models.registry import context_length_of
 from ..tokenizer import IncrementalDetokenizer, Tokenizer
 from . import protocol as p
 from .constraint import GrammarError, GrammarMask, Grammars
+from .pacing import PrefillPacer
 
 log = logging.getLogger("lmspd.engine")
 
@@ -177,6 +178,7 @@ class Request:
     detok: IncrementalDetokenizer
     completion_tokens: int
     cached_tokens: int = 0  # leading prompt tokens whose KV came from the prompt cache
+    decoding: bool = False  # prefill done: it now waits on every prefill step
     held: str = ""  # text withheld because it may be the start of a stop string
 
 
@@ -191,6 +193,7 @@ class LoadedModel:
     vocab_size: int
     weight_dtype: str
     fingerprint: str  # the prompt cache's namespace for these weights
+    pacer: PrefillPacer
     requests: dict[int, Request] = field(default_factory=dict)
     pieces: TokenPieces | None = None  # built on the first request that asks for logprobs
     grammars: Grammars | None = None  # built on the first constrained request
@@ -216,6 +219,7 @@ class Engine:
         self.max_loaded_models = config.max_loaded_models
         self.weight_dtype = config.weight_dtype
         self.prefill_step_size = config.prefill_step_size
+        self.prefill_interleave_s = config.prefill_interleave_ms / 1000
         self.prompt_cache = PromptCache(config.prompt_cache_max_bytes, cache_dir, config.prompt_cache_disk_max_bytes)
         self.models: OrderedDict[str, LoadedModel] = OrderedDict()  # least recently used first
         self.waiting: deque[p.Generate] = deque()  # requests for a model that cannot load yet
@@ -331,7 +335,8 @@ class Engine:
         ctx = context_length_of(config)
         vocab = int(config.get("vocab_size") or model.model.embed_tokens.weight.shape[0])
         fingerprint = model_fingerprint(Path(path))
-        lm = LoadedModel(name, path, model, Tokenizer(Path(path)), batch, ctx, vocab, dtype, fingerprint)
+        pacer = PrefillPacer(self.prefill_step_size, self.prefill_interleave_s)
+        lm = LoadedModel(name, path, model, Tokenizer(Path(path)), batch, ctx, vocab, dtype, fingerprint, pacer)
         self.models[name] = lm
         self.prompt_cache.load(fingerprint)
         self.send(p.ModelLoaded(model=name, weight_dtype=dtype, seconds=time.perf_counter() - start))
@@ -484,12 +489,18 @@ class Engine:
         )
 
     def _step(self, lm: LoadedModel, deltas: list[p.Delta]) -> None:
+        lm.batch.prefill_step_size = lm.pacer.step_size(any(r.decoding for r in lm.requests.values()))
         try:
-            prefilled, responses = lm.batch.next()
+            with lm.batch.stats() as stats:
+                prefilled, responses = lm.batch.next()
         except Exception as exc:  # an MLX failure poisons the whole batch
             log.exception("decode step failed")
             self._fail_all(lm, f"generation failed: {exc}")
             return
+        lm.pacer.observe(stats.prompt_tokens, stats.prompt_time)
+        for r in prefilled:
+            if r.end_of_prompt and (req := lm.requests.get(r.uid)) is not None:
+                req.decoding = True
         self._keep_prompts(lm, prefilled)
         live = [(r, req) for r in responses if (req := lm.requests.get(r.uid)) is not None]
         try:

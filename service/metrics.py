@@ -12,6 +12,8 @@ Counters start at zero with the process, as Prometheus expects of counters.
 
 from __future__ import annotations
 
+import time
+from collections import OrderedDict
 from typing import Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
@@ -26,7 +28,7 @@ from prometheus_client import (
 
 from .store.status import STATUSES
 
-__all__ = ["CONTENT_TYPE", "Metrics", "StatusCounts"]
+__all__ = ["CONTENT_TYPE", "FirstTokenStages", "Metrics", "StatusCounts"]
 
 # No ``*_created`` series (each counter's creation time): they double the output and say nothing
 # a scraper does not know from the process start. A process-wide switch; lmspd is the process.
@@ -36,7 +38,50 @@ disable_created_metrics()  # type: ignore[no-untyped-call]
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0)
 COMMIT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+STAGE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # the writer's MAX_BATCH is 512
+
+
+# Where a request's time to first token goes, in order: intake (validation, rendering the
+# input to check it, the commit that accepts it), claim (the queue, the supervisor's claim and
+# model check, up to ``running``), prompt (history, rendering, tokenizing), engine (the pipe,
+# the engine's scheduling, prefill, the first decode step), commit (the first token's event
+# committed), deliver (the event read back and written to the client's stream).
+STAGES = ("intake", "claim", "prompt", "engine", "commit", "deliver")
+# Tasks timed at once; a task whose first token nobody reads (background, no stream) is
+# dropped oldest first.
+STAGES_OPEN_MAX = 256
+
+
+class FirstTokenStages:
+    """Times each stage of a task's way to its first token. Each layer marks the stage it
+    finishes; a mark out of order (a task resumed after a restart, a second reader) is not
+    counted, so the figures describe only clean first tokens."""
+
+    def __init__(self, histogram: Histogram) -> None:
+        self.histogram = histogram
+        self._open: OrderedDict[str, tuple[int, float]] = OrderedDict()  # task -> (next stage, since)
+
+    def start(self, task_id: str, since: float) -> None:
+        """Times a new task from ``since`` (a ``time.perf_counter()`` reading)."""
+        self._open[task_id] = (0, since)
+        while len(self._open) > STAGES_OPEN_MAX:
+            self._open.popitem(last=False)
+
+    def expects(self, task_id: str, stage: str) -> bool:
+        entry = self._open.get(task_id)
+        return entry is not None and STAGES[entry[0]] == stage
+
+    def mark(self, task_id: str, stage: str) -> None:
+        entry = self._open.get(task_id)
+        if entry is None or STAGES[entry[0]] != stage:
+            return
+        now = time.perf_counter()
+        self.histogram.labels(stage).observe(now - entry[1])
+        if entry[0] + 1 == len(STAGES):
+            del self._open[task_id]
+        else:
+            self._open[task_id] = (entry[0] + 1, now)
 
 
 class StatusCounts(Protocol):
@@ -78,6 +123,16 @@ class Metrics:
             buckets=TTFT_BUCKETS,
             registry=r,
         )
+        self.first_token_stages = FirstTokenStages(
+            Histogram(
+                "lmspd_first_token_stage_seconds",
+                "Where the time to a request's first token goes, by stage "
+                "(intake, claim, prompt, engine, commit, deliver; see the README)",
+                ["stage"],
+                buckets=STAGE_BUCKETS,
+                registry=r,
+            )
+        )
         self.token_latency = Histogram(
             "lmspd_token_latency_seconds",
             "Time per generated token after the first (one observation per token)",
@@ -115,6 +170,8 @@ class Metrics:
             self.compactions.labels(source)
         for api in ("lmsp", "openai"):
             self.sse_streams.labels(api)
+        for stage in STAGES:
+            self.first_token_stages.histogram.labels(stage)
 
     def observe_commit(self, seconds: float, jobs: int) -> None:
         """The store writer's hook: one group commit of ``jobs`` jobs took ``seconds``."""

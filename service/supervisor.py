@@ -227,6 +227,7 @@ class Supervisor:
             await self.engine.load(model.name, str(model.path))
             if not await self._to(task_id, "running", state.in_progress()):
                 return await self._settle_cancel(task_id, state)
+            self.metrics.first_token_stages.mark(task_id, "claim")
             history = await history_for(
                 self.store, task.owner, task.previous_response_id, task.conversation, before=task.id
             )
@@ -256,6 +257,7 @@ class Supervisor:
                 logprobs=request.logprobs,
                 cache_key=cache_key(task.owner, request.prompt_cache_key),
             )
+            self.metrics.first_token_stages.mark(task_id, "prompt")
             finished = await self._generate(task_id, state, cmd)
         except EngineCrashedError as exc:
             task = await self.store.get(task_id)
@@ -329,7 +331,7 @@ class Supervisor:
         queue: asyncio.Queue[p.Delta | p.Finished | Exception] = asyncio.Queue()
 
         async def pump() -> None:
-            timer = _TokenTimer(self.metrics)
+            timer = _TokenTimer(self.metrics, task_id)
             try:
                 async for ev in self.engine.generate(cmd):
                     timer.saw(ev)
@@ -357,6 +359,7 @@ class Supervisor:
                         logprobs += [s.LogProb.of(entry) for entry in item.logprobs or []]
                 if (text or tokens) and (events := state.delta(text, tokens, logprobs)):
                     await self._commit(task_id, events)
+                    self.metrics.first_token_stages.mark(task_id, "commit")
                 if end is not None:
                     return end
         finally:
@@ -370,8 +373,9 @@ class _TokenTimer:
     token, time per later token, tokens generated; at the end, the finish reason and the
     prompt cache's share of the prompt."""
 
-    def __init__(self, metrics: Metrics) -> None:
+    def __init__(self, metrics: Metrics, task_id: str) -> None:
         self.metrics = metrics
+        self.task_id = task_id
         self.last = time.perf_counter()  # the Generate is sent when the stream is first read
         self.first = True
 
@@ -392,6 +396,7 @@ class _TokenTimer:
         if self.first:
             self.first = False
             m.time_to_first_token.observe(now - self.last)
+            m.first_token_stages.mark(self.task_id, "engine")
         else:
             for _ in range(n):
                 m.token_latency.observe((now - self.last) / n)

@@ -423,6 +423,10 @@ def test_metrics_move_by_what_the_tasks_did(
         with client.stream("GET", f"/lmsp/v1/tasks/{task['id']}/events", headers=ALICE) as stream:
             assert "response.incomplete" in stream.read().decode()
         after = scrape(client)
+        streamed = {"input": PROMPT, "temperature": 0, "max_output_tokens": 4, "stream": True}
+        with client.stream("POST", "/v1/responses", json=streamed, headers=ALICE) as stream:
+            assert "response.output_text.delta" in stream.read().decode()
+        last = scrape(client)
 
     usages = [task["response"]["usage"], reply["usage"]]
     assert task["status"] == "succeeded" and [u["output_tokens"] for u in usages] == [16, 8]
@@ -445,6 +449,13 @@ def test_metrics_move_by_what_the_tasks_did(
     assert moved(before, after, "lmspd_store_commit_batch_size_sum") >= commits
     assert value(after, "lmspd_sse_streams_open", api="lmsp") == 0
     assert value(after, "lmspd_engine_restarts_total") == 0
+    # Where the time to first token went: every stage of both generations but the last, which
+    # only the stream that submitted a response has.
+    for stage in ("intake", "claim", "prompt", "engine", "commit"):
+        assert moved(before, after, "lmspd_first_token_stage_seconds_count", stage=stage) == 2
+        assert moved(after, last, "lmspd_first_token_stage_seconds_count", stage=stage) == 1
+    assert moved(before, after, "lmspd_first_token_stage_seconds_count", stage="deliver") == 0
+    assert moved(after, last, "lmspd_first_token_stage_seconds_count", stage="deliver") == 1
     # Read from the database at scrape time.
     assert value(after, "lmspd_tasks", status="succeeded") == 2
     assert value(after, "lmspd_tasks", status="queued") == 0
@@ -463,7 +474,7 @@ def test_metrics_move_by_what_the_tasks_did(
     with host.serve(server_config) as client:
         again = scrape(client)
     assert value(again, "lmspd_tasks_finished_total", outcome="succeeded") == 0
-    assert value(again, "lmspd_tasks", status="succeeded") == 2
+    assert value(again, "lmspd_tasks", status="succeeded") == 3
 
 
 def test_open_streams_are_counted_until_they_close(client: TestClient) -> None:

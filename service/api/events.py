@@ -61,6 +61,14 @@ async def _lmsp_stream(core: Core, task_id: str, after: int) -> AsyncIterator[by
             yield b"".join(lmsp_frame(ev) for ev in batch) if batch else b": keep-alive\n\n"
 
 
+def delivered(core: Core, task_id: str, batch: list[Event]) -> None:
+    """The last stage of the time to first token: the batch with the first token is written
+    (the stream resumes once the server has sent it). Only for the stream that submitted the
+    task: any other reader may have come late."""
+    if any(ev.type.endswith(".delta") for ev in batch):
+        core.metrics.first_token_stages.mark(task_id, "deliver")
+
+
 async def until_disconnected(request: Request) -> None:
     """Returns when the client hangs up (the ASGI server reports it at once)."""
     while (await request.receive())["type"] != "http.disconnect":
@@ -93,6 +101,8 @@ async def openai_stream(core: Core, task: TaskRecord, after: int, render: Render
     try:
         async for batch in core.follow(task.id, after):
             yield render(batch) if batch else b": keep-alive\n\n"
+            if own:
+                delivered(core, task.id, batch)
         final = await core.task(task.id, None)
         if finished := final.status in TERMINAL:
             yield b"data: [DONE]\n\n"

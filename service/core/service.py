@@ -104,6 +104,7 @@ class Core:
         written."""
         if not self.accepting:
             raise ServerOverloadedError("the server is shutting down")
+        received = time.perf_counter()
         background = kind == "task" or request.background
         self._admit(request, background)
         turns: list[Item] = []
@@ -154,6 +155,9 @@ class Core:
                 expires_at=expires,
             ),
         )
+        if not replayed:
+            self.metrics.first_token_stages.start(task.id, received)
+            self.metrics.first_token_stages.mark(task.id, "intake")
         self.supervisor.wake()
         return task, replayed
 

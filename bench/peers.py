@@ -5,10 +5,13 @@
 Both servers get the same converted model directory and the same Chat Completions requests
 (streaming, greedy), through the same client code: time to first token for a repeated prompt
 (sent twice, the second timed) and for distinct prompts; one-stream decode tok/s (64 tokens);
-aggregate tok/s of 4 and 8 concurrent 32-token streams with distinct prompts; and each server's
-peak RSS (the server process and its children, sampled). Rounds alternate the servers; each
-figure is the best of the rounds, and the table prints lmspd / mlx_lm.server as ratios
-(> 1 is lmspd ahead; for times, the ratio is theirs / ours).
+aggregate tok/s of 4 and 8 concurrent 32-token streams with distinct prompts; the p99 gap
+between the text pieces of a running stream while a 2,000-token prompt is admitted (from its
+request to its answer); and each server's peak RSS (the server process and its children,
+sampled). Rounds alternate the servers; each figure is the best of the rounds, and the table
+prints lmspd / mlx_lm.server as ratios (> 1 is lmspd ahead; for times, the ratio is theirs /
+ours). The concurrent rows also run in one raw mlx-lm ``BatchGenerator`` (bench/raw.py: the
+engine's BLAS and weights, no server), the ceiling lmspd's batching is measured against.
 
 Each server runs as it ships: lmspd with its defaults (its engine loads the system's OpenBLAS
 when there is one), mlx_lm.server with ``--decode-concurrency 8``.
@@ -17,6 +20,7 @@ when there is one), mlx_lm.server with ``--decode-concurrency 8``.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -30,6 +34,7 @@ from pathlib import Path
 
 import httpx
 
+from bench.raw import Raw
 from bench.serving import free_port, kill, spawn
 from service.config import load_config
 from service.models.registry import ModelRegistry
@@ -82,8 +87,16 @@ class Server:
         kill(self.proc)
 
 
-def stream(port: int, model: str, prompt: str, tokens: int) -> tuple[float, float, int]:
-    """(time to first token, seconds from first to last token, tokens) of one streamed answer."""
+def stream(
+    port: int,
+    model: str,
+    prompt: str,
+    tokens: int,
+    stop: threading.Event | None = None,
+    times: list[float] | None = None,
+) -> tuple[float, float, int]:
+    """(time to first token, seconds from first to last token, tokens) of one streamed answer;
+    ``times`` collects when each piece of text arrived, and ``stop`` hangs up early."""
     body = {
         "model": model,
         "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}],
@@ -105,6 +118,10 @@ def stream(port: int, model: str, prompt: str, tokens: int) -> tuple[float, floa
                 if (choice.get("delta") or {}).get("content"):
                     last = time.perf_counter()
                     first = first or last
+                    if times is not None:
+                        times.append(last)
+            if stop is not None and stop.is_set():
+                break
             if chunk.get("usage"):
                 count = int(chunk["usage"]["completion_tokens"])
     return first - start, last - first, count
@@ -118,7 +135,47 @@ def concurrent(port: int, model: str, n: int, tokens: int, offset: int) -> float
     return sum(c for _, _, c in results) / (time.perf_counter() - start)
 
 
-def measure(port: int, model: str, round_no: int) -> dict[str, float]:
+def admission_gaps(port: int, model: str, long_prompt: str) -> list[float]:
+    """The gaps between pieces of a running stream's text while a long prompt is admitted
+    (from its request to its answer)."""
+    times: list[float] = []
+    stop = threading.Event()
+    running = threading.Thread(
+        target=stream, args=(port, model, "Write a very long story about a lighthouse.", 1000, stop, times)
+    )
+    running.start()
+    while len(times) < 4 and running.is_alive():
+        time.sleep(0.05)
+    start = time.perf_counter()
+    stream(port, model, long_prompt, 1)
+    end = time.perf_counter()
+    stop.set()
+    running.join()
+    during = [t for t in times if start <= t <= end]
+    before = [t for t in times if t < start][-1:]
+    after = [t for t in times if t > end][:1]
+    marks = before + during + after
+    return [b - a for a, b in itertools.pairwise(marks)]
+
+
+def p99(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] if ordered else float("nan")
+
+
+def long_prompt(model_dir: Path, tokens: int) -> str:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    text = ""
+    i = 0
+    while len(tok.encode(text).ids) < tokens:
+        text += f"Note {i}: the harbour lamp was lit at dusk and put out at dawn. "
+        i += 1
+    return text + "Summarise these notes in one sentence."
+
+
+def measure(port: int, model: str, round_no: int, notes: str) -> dict[str, float]:
     k = 100 * round_no  # prompts no earlier request of this round sent
     repeated = f"Tell me one fact about {TOPICS[round_no % len(TOPICS)]} (round {k})."
     stream(port, model, repeated, 8)
@@ -128,7 +185,16 @@ def measure(port: int, model: str, round_no: int) -> dict[str, float]:
     out["decode"] = (count - 1) / span if span > 0 else 0.0
     out["agg4"] = concurrent(port, model, 4, 32, k + 10)
     out["agg8"] = concurrent(port, model, 8, 32, k + 20)
+    if notes:
+        gaps = admission_gaps(port, model, f"Round {k}. {notes}")
+        out["gap_p99"], out["gap_count"] = p99(gaps), len(gaps)
     return out
+
+
+def raw_concurrent(raw: Raw, n: int, tokens: int, offset: int) -> float:
+    """The same requests as ``concurrent``, in one raw BatchGenerator."""
+    prompts = [f"Write about {TOPICS[(offset + i) % len(TOPICS)]}, part {offset + i}." for i in range(n)]
+    return raw.batch([[{"role": "system", "content": SYSTEM}, {"role": "user", "content": p}] for p in prompts], tokens)
 
 
 ROWS: list[tuple[str, str, Callable[[float, float], float]]] = [
@@ -137,22 +203,32 @@ ROWS: list[tuple[str, str, Callable[[float, float], float]]] = [
     ("decode tok/s, one stream", "decode", lambda ours, theirs: ours / theirs),
     ("4 concurrent, aggregate tok/s", "agg4", lambda ours, theirs: ours / theirs),
     ("8 concurrent, aggregate tok/s", "agg8", lambda ours, theirs: ours / theirs),
+    ("p99 gap between a stream's tokens while a long prompt is admitted", "gap_p99", lambda o, t: t / o),
 ]
+LOWER_BETTER = ("ttft_repeated", "ttft_distinct", "gap_p99")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--model-dir", type=Path, default=None)
+    parser.add_argument("--long-prompt", type=int, default=2000, help="tokens of the admitted prompt (0: skip)")
+    parser.add_argument("--dtype", default="float32", help="raw BatchGenerator's weights (lmspd's auto choice)")
     args = parser.parse_args()
     config = load_config()
     model_dir = (args.model_dir or ModelRegistry(config).resolve(config.default_model).path).resolve()
-    best: dict[str, dict[str, float]] = {"lmspd": {}, "mlx_lm.server": {}}
+    notes = long_prompt(model_dir, args.long_prompt) if args.long_prompt else ""
+    best: dict[str, dict[str, float]] = {"lmspd": {}, "mlx_lm.server": {}, "raw": {}}
     peaks: dict[str, int] = {"lmspd": 0, "mlx_lm.server": 0}
+    raw = Raw(model_dir, args.dtype)
     with tempfile.TemporaryDirectory(prefix="lmspd-peers-") as tmp:
         data = Path(tmp)
         (data / "lmspd.toml").write_text(f'[models.bench]\npath = "{model_dir}"\n[server]\ndata_dir = "{data}"\n')
         for round_no in range(args.rounds):
+            k = 100 * round_no
+            got = {"agg4": raw_concurrent(raw, 4, 32, k + 10), "agg8": raw_concurrent(raw, 8, 32, k + 20)}
+            keep_best(best["raw"], got)
+            print(f"round {round_no + 1} raw BatchGenerator: " + ", ".join(f"{k} {v:.2f}" for k, v in got.items()))
             for name in ("lmspd", "mlx_lm.server") if round_no % 2 == 0 else ("mlx_lm.server", "lmspd"):
                 port = free_port()
                 if name == "lmspd":
@@ -164,23 +240,32 @@ def main() -> None:
                     cmd += ["--decode-concurrency", "8"]
                     server, model, ready = "mlx_lm.server", str(model_dir), "/v1/models"
                 with Server(server, cmd, port, ready, data / f"{server}.log") as srv:
-                    got = measure(port, model, round_no)
+                    got = measure(port, model, round_no, notes)
                 peaks[name] = max(peaks[name], srv.peak)
                 print(f"round {round_no + 1} {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in got.items()), flush=True)
-                for key, value in got.items():
-                    lower_better = key.startswith("ttft")
-                    old = best[name].get(key)
-                    if old is None or (value < old if lower_better else value > old):
-                        best[name][key] = value
+                keep_best(best[name], got)
+    raw.close()
     print(f"\nmodel {model_dir}, {os.cpu_count()} CPUs, best of {args.rounds} rounds\n")
-    print("| | lmspd | mlx_lm.server | lmspd ahead by |\n|---|---|---|---|")
+    print("| | lmspd | mlx_lm.server | lmspd ahead by | raw BatchGenerator | lmspd / raw |")
+    print("|---|---|---|---|---|---|")
     for label, key, ratio in ROWS:
+        if key not in best["lmspd"]:
+            continue
         ours, theirs = best["lmspd"][key], best["mlx_lm.server"][key]
-        unit = "s" if key.startswith("ttft") else ""
-        print(f"| {label} | {ours:.2f}{unit} | {theirs:.2f}{unit} | {ratio(ours, theirs):.2f}x |")
+        unit = "s" if key in LOWER_BETTER else ""
+        row = f"| {label} | {ours:.2f}{unit} | {theirs:.2f}{unit} | {ratio(ours, theirs):.2f}x |"
+        base = best["raw"].get(key)
+        print(row + (f" {base:.2f} | {ours / base:.2f} |" if base else " | |"))
     ours_mib, theirs_mib = peaks["lmspd"] / 1024, peaks["mlx_lm.server"] / 1024
     rss = f"{ours_mib:.0f} MiB | {theirs_mib:.0f} MiB | {theirs_mib / ours_mib:.2f}x"
-    print(f"| peak RSS (server and children) | {rss} |")
+    print(f"| peak RSS (server and children) | {rss} | | |")
+
+
+def keep_best(best: dict[str, float], got: dict[str, float]) -> None:
+    for key, value in got.items():
+        old = best.get(key)
+        if old is None or (value < old if key in LOWER_BETTER else value > old):
+            best[key] = value
 
 
 if __name__ == "__main__":

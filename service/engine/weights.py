@@ -130,5 +130,9 @@ def apply_weight_dtype(model: nn.Module, setting: str) -> str:
 
     dequantize_model(model)
     model.set_dtype(getattr(mx, choice))
-    mx.eval(model.parameters())
+    # One weight at a time: each quantized original is freed as its dense copy is made, so
+    # the load never holds both models (the peak stays near the dense model's size).
+    for _, weight in tree_flatten(model.parameters()):
+        mx.eval(weight)
+    mx.clear_cache()
     return choice

@@ -21,6 +21,7 @@ import logging
 import os
 import time
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,7 @@ SUFFIX = ".safetensors"
 # Entries, at most, whatever their size: the trie and the LRU bookkeeping stay small.
 MAX_ENTRIES = 1024
 # Written while the engine is busy only when this long has passed since the last write.
-BUSY_FLUSH_SECS = 30.0
+BUSY_FLUSH_SECS = 10.0
 
 Namespace = tuple[str, str]  # (model fingerprint, client cache key)
 Key = tuple[Namespace, tuple[int, ...]]
@@ -70,6 +71,10 @@ class PromptCache:
         self.disk = DiskCache(directory, disk_max_bytes) if directory is not None and disk_max_bytes > 0 else None
         self.dirty: OrderedDict[Key, None] = OrderedDict()
         self.flushed_at = time.monotonic()
+        # Files are written on a thread of their own: hashing and fsyncing a large cache takes
+        # seconds on a slow disk, and the engine loop must not stall its streams meanwhile.
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="prompt-cache-disk") if self.disk else None
+        self._writing: Future[None] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -112,6 +117,7 @@ class PromptCache:
         """Bring a model's disk entries into memory (oldest first, so the newest stay hottest)."""
         if self.disk is None or not self.enabled:
             return 0
+        self.wait()  # the writer's files are complete, and ``disk.files`` is ours again
         loaded = 0
         for key, cache in self.disk.load(fingerprint):
             self.lru.insert_cache(key[0], list(key[1]), cache)
@@ -119,19 +125,54 @@ class PromptCache:
         return loaded
 
     def flush(self, idle: bool) -> None:
-        """Write new entries to disk: whenever the engine is idle, and while it is busy at most
-        every BUSY_FLUSH_SECS (a write stalls decoding for as long as it takes)."""
-        if self.disk is None or not self.dirty:
+        """Hand new entries to the disk writer: whenever the engine is idle, and while it is
+        busy at most every BUSY_FLUSH_SECS. One write runs at a time; what is added meanwhile
+        waits for the next. The entries' arrays are never changed in place (a fetch copies),
+        so the writer reads them safely while the engine goes on."""
+        if self.disk is None or self._writer is None or not self.dirty or self.writing:
             return
         if not idle and time.monotonic() - self.flushed_at < BUSY_FLUSH_SECS:
             return
         self.flushed_at = time.monotonic()
         dirty, self.dirty = self.dirty, OrderedDict()
-        for key in dirty:
-            entry = self._entry(key)
-            if entry is not None:  # evicted or superseded by a longer entry since: skip
-                self.disk.write(key, entry.prompt_cache)
-        self.disk.prune(keep=lambda key: self._entry(key) is not None)
+        # Evicted or superseded by a longer entry since: skipped. Serialized here, on the
+        # engine's thread (MLX may evaluate the cache's state to save it); the writer thread
+        # then hashes, fsyncs and renames, the slow part. With no write running, ``disk``'s
+        # bookkeeping is this thread's to touch.
+        staged = [
+            (key, tmp)
+            for n, key in enumerate(dirty)
+            if (entry := self._entry(key)) is not None and (tmp := self.disk.stage(key, entry.prompt_cache, n))
+        ]
+        keep = {key for key, _ in staged} | {key for key in self.disk.files if self._entry(key) is not None}
+        self._writing = self._writer.submit(self._write, self.disk, staged, keep)
+
+    @property
+    def unflushed(self) -> bool:
+        """Entries wait for the disk writer."""
+        return self.disk is not None and bool(self.dirty)
+
+    @property
+    def writing(self) -> bool:
+        return self._writing is not None and not self._writing.done()
+
+    @staticmethod
+    def _write(disk: DiskCache, staged: list[tuple[Key, Path]], keep: set[Key]) -> None:
+        try:
+            for key, tmp in staged:
+                disk.commit(key, tmp)
+            disk.prune(keep=keep.__contains__)
+        except Exception:  # a cache that is not written is only slower later
+            log.exception("prompt cache not written")
+
+    def wait(self) -> None:
+        """Until the write in progress (if any) is on disk."""
+        if self._writing is not None:
+            self._writing.result()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
 
 
 class DiskCache:
@@ -142,26 +183,40 @@ class DiskCache:
         self.max_bytes = max_bytes
         self.files: dict[Key, Path] = {}
 
-    def write(self, key: Key, cache: list[Any]) -> None:
+    def stage(self, key: Key, cache: list[Any], n: int) -> Path | None:
+        """Serialize an entry to a temporary file (not yet durable, not yet found by a load)."""
         namespace, tokens = key
         folder = self.directory / namespace[0]
         try:
             folder.mkdir(parents=True, exist_ok=True)
-            tmp = folder / f".tmp-{os.getpid()}{SUFFIX}"
+            tmp = folder / f".tmp-{os.getpid()}-{n}{SUFFIX}"
             metadata = {"format": FORMAT, "model": namespace[0], "namespace": namespace[1]}
             metadata["tokens"] = json.dumps(tokens)
             save_prompt_cache(str(tmp), cache, metadata)
+        except OSError as exc:
+            log.warning("prompt cache not written to %s: %s", folder, exc)
+            return None
+        return tmp
+
+    def commit(self, key: Key, tmp: Path) -> None:
+        """Make a staged file durable under the name of its SHA-256."""
+        try:
             digest = _sha256(tmp)
             with tmp.open("rb") as f:
                 os.fsync(f.fileno())
-            final = folder / f"{digest}{SUFFIX}"
+            final = tmp.parent / f"{digest}{SUFFIX}"
             os.replace(tmp, final)  # atomic: a reader sees the whole file or none
             old = self.files.pop(key, None)
             if old is not None and old != final:
                 old.unlink(missing_ok=True)
             self.files[key] = final
         except OSError as exc:
-            log.warning("prompt cache not written to %s: %s", folder, exc)
+            log.warning("prompt cache not written to %s: %s", tmp.parent, exc)
+            tmp.unlink(missing_ok=True)
+
+    def write(self, key: Key, cache: list[Any]) -> None:
+        if (tmp := self.stage(key, cache, 0)) is not None:
+            self.commit(key, tmp)
 
     def prune(self, keep: Any) -> None:
         """Drop files whose entries left memory, then the oldest beyond the byte budget."""

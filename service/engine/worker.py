@@ -245,14 +245,15 @@ class Engine:
         )
         while self.running:
             busy = bool(self.by_id) or bool(self.waiting)
-            timeout: float | None = 0 if busy else None
+            # Idle with entries the disk writer has yet to take: come back for them soon.
+            timeout: float | None = 0 if busy else (0.1 if self.prompt_cache.unflushed else None)
             try:
                 while self.running and self.conn.poll(timeout):
                     self._handle_safely(self.conn.recv_bytes())
                     timeout = 0
             except EOFError:
                 log.warning("the server went away; engine exiting")
-                return
+                break
             self._admit_waiting()
             deltas: list[p.Delta] = []
             for lm in list(self.models.values()):
@@ -265,6 +266,7 @@ class Engine:
                 self.send(reply)
             self.finished.clear()
             self.prompt_cache.flush(idle=not self.by_id and not self.waiting)
+        self.prompt_cache.close()  # the write in progress completes: its files are whole
 
     def _handle_safely(self, data: bytes) -> None:
         """One bad command fails alone; it never takes the engine down."""

@@ -20,7 +20,7 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
 class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    max_concurrency: int = 4
+    max_concurrency: int = 8
     max_loaded_models: int = 1
     weight_dtype: WeightDtype = "auto"
     prefill_step_size: int = 512

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_defaults() -> None:
     config = load_config(environ={})
     assert config.default_model == "smollm2-135m-instruct"
-    assert (config.engine.max_concurrency, config.engine.max_loaded_models) == (4, 1)
+    assert (config.engine.max_concurrency, config.engine.max_loaded_models) == (8, 1)
     assert config.engine.weight_dtype == "auto"
     assert config.model_cache_dir == Path.home() / ".cache" / "lmspd" / "models"
 

@@ -184,8 +184,10 @@ class Supervisor:
         await self.store.append_events(task_id, events)
         self.hub.notify(task_id)
 
-    async def _to(self, task_id: str, status: TaskStatus, events: list[EventBuilder]) -> bool:
-        done = await self.store.transition(task_id, status, events=events)
+    async def _to(
+        self, task_id: str, status: TaskStatus, events: list[EventBuilder], via: TaskStatus | None = None
+    ) -> bool:
+        done = await self.store.transition(task_id, status, events=events, via=via)
         self.hub.notify(task_id)
         return done is not None
 
@@ -219,14 +221,23 @@ class Supervisor:
     async def _run_inner(self, task_id: str) -> None:
         task = await self.store.get(task_id)
         state = ResponseState.from_events(await self._all_events(task_id))
-        if not await self._to(task_id, "loading", []):
-            return  # cancelled (or claimed) first
         request = msgspec.json.decode(task.request, type=TaskRequest)
+        name = request.model or self.config.default_model
+        # A model already in memory: claimed and running in one commit, with no round trip to
+        # an engine that answers only between its decode steps.
+        resident = self.engine.resident(name)
+        if resident:
+            claimed = await self._to(task_id, "running", state.in_progress(), via="loading")
+        else:
+            claimed = await self._to(task_id, "loading", [])
+        if not claimed:
+            return  # cancelled (or claimed) first
         try:
-            model = await asyncio.to_thread(self.registry.resolve, request.model or self.config.default_model)
-            await self.engine.load(model.name, str(model.path))
-            if not await self._to(task_id, "running", state.in_progress()):
-                return await self._settle_cancel(task_id, state)
+            model = await asyncio.to_thread(self.registry.resolve, name)
+            if not resident:
+                await self.engine.load(model.name, str(model.path))
+                if not await self._to(task_id, "running", state.in_progress()):
+                    return await self._settle_cancel(task_id, state)
             self.metrics.first_token_stages.mark(task_id, "claim")
             history = await history_for(
                 self.store, task.owner, task.previous_response_id, task.conversation, before=task.id

@@ -142,6 +142,22 @@ async def test_state_machine_first_committed_transition_wins(store: TaskStore) -
     assert (await store.get(task.id)).status == "succeeded"
 
 
+async def test_a_transition_via_a_status_takes_both_steps_or_neither(store: TaskStore) -> None:
+    task, _ = await create(store)
+    moved = await store.transition(task.id, "running", via="loading")
+    assert moved is not None and moved.status == "running"
+    # From running, "loading" is not allowed: neither step happens.
+    other, _ = await create(store)
+    assert await store.transition(other.id, "loading") is not None
+    assert await store.transition(other.id, "running", via="loading") is None
+    assert (await store.get(other.id)).status == "loading"
+    # The first step fails (a cancelled task): nothing changes either.
+    gone, _ = await create(store)
+    assert await store.transition(gone.id, "cancelled") is not None
+    assert await store.transition(gone.id, "running", via="loading") is None
+    assert (await store.get(gone.id)).status == "cancelled"
+
+
 @pytest.mark.parametrize("terminal", sorted(TERMINAL))
 async def test_terminal_states_never_change(store: TaskStore, terminal: str) -> None:
     task, _ = await create(store)

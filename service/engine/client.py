@@ -131,6 +131,8 @@ class EngineClient:
             for fut in self._loads.pop(reply.model, []):
                 if not fut.done():
                     fut.set_result(reply)
+        elif isinstance(reply, p.ModelEvicted):
+            self.loaded.pop(reply.model, None)
         elif isinstance(reply, p.ModelLoading):
             log.info("engine loading model %s", reply.model)
         elif isinstance(reply, p.Ready) and self._ready and not self._ready.done():
@@ -166,6 +168,10 @@ class EngineClient:
             await asyncio.get_running_loop().run_in_executor(self._writer, conn.send_bytes, data)
         except (OSError, ValueError) as exc:
             raise EngineCrashedError(f"the engine process is gone: {exc}") from exc
+
+    def resident(self, model: str) -> bool:
+        """The model is in the engine's memory, as far as its replies have said."""
+        return self.alive and model in self.loaded
 
     async def load(self, model: str, path: str) -> p.ModelLoaded:
         fut: asyncio.Future[p.ModelLoaded] = asyncio.get_running_loop().create_future()

@@ -108,6 +108,12 @@ class ModelLoading(msgspec.Struct, tag=True, frozen=True):
     model: str
 
 
+class ModelEvicted(msgspec.Struct, tag=True, frozen=True):
+    """The model left memory (to make room for another, or after a failed step)."""
+
+    model: str
+
+
 class ModelLoaded(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     model: str
     weight_dtype: str
@@ -170,7 +176,7 @@ class Failed(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     model: str | None = None
 
 
-Reply = Ready | ModelLoading | ModelLoaded | Deltas | Finished | Failed
+Reply = Ready | ModelLoading | ModelLoaded | ModelEvicted | Deltas | Finished | Failed
 
 command_encoder = msgspec.msgpack.Encoder()
 command_decoder = msgspec.msgpack.Decoder(Command)

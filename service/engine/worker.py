@@ -350,6 +350,7 @@ class Engine:
             lm = self.models.pop(idle.pop(0))
             lm.batch.close()
             log.info("evicted model %s", lm.name)
+            self.send(p.ModelEvicted(lm.name))
         import mlx.core as mx
 
         mx.clear_cache()
@@ -616,7 +617,8 @@ class Engine:
             del lm.requests[req.uid]
             del self.by_id[req.cmd.request_id]
             self._fail(req.cmd, "server_error", message)
-        self.models.pop(lm.name, None)
+        if self.models.pop(lm.name, None) is not None:
+            self.send(p.ModelEvicted(lm.name))
         lm.batch.close()
 
 

@@ -102,6 +102,10 @@ def new_ids() -> tuple[str, str]:
     return f"task_{ulid.new()}", f"resp_{ulid.new()}"
 
 
+class _Lost(Exception):
+    """A transition's compare-and-set found another status: the job's savepoint undoes it."""
+
+
 def _now() -> int:
     return int(time.time())
 
@@ -238,16 +242,24 @@ class TaskStore:
         response: bytes | None = None,
         error: bytes | None = None,
         also: Callable[[sqlite3.Connection], object] | None = None,
+        via: TaskStatus | None = None,
     ) -> TaskRecord | None:
         """Move a task to ``to`` if its current status allows; None if another transition won.
-        ``also`` runs in the same transaction when the transition happens (it must not raise)."""
+        ``also`` runs in the same transaction when the transition happens (it must not raise).
+        ``via``: first through that status, in the same transaction (both or neither)."""
 
-        params = {"id": task_id, "to": to, "response": response, "error": error}
-        params["sources"] = msgspec.json.encode(sorted(sources(to))).decode()
+        def params(step: TaskStatus, response: bytes | None = None, error: bytes | None = None) -> dict[str, Any]:
+            allowed = msgspec.json.encode(sorted(sources(step))).decode()
+            return {"id": task_id, "to": step, "response": response, "error": error, "sources": allowed}
+
+        steps = ([params(via)] if via else []) + [params(to, response, error)]
 
         def job(conn: sqlite3.Connection) -> TaskRecord | None:
-            if conn.execute(q("transition"), {**params, "now": _now()}).rowcount != 1:
-                return None  # another transition committed first, or the task is terminal
+            for step in steps:
+                if conn.execute(q("transition"), {**step, "now": _now()}).rowcount != 1:
+                    # Another transition committed first, or the task is terminal; an earlier
+                    # step is undone with the job's savepoint.
+                    raise _Lost
             if also is not None:
                 also(conn)
             task = _append(conn, _get(conn, task_id), events)
@@ -255,7 +267,10 @@ class TaskStore:
                 self.metrics.tasks_finished.labels(to).inc()
             return task
 
-        return await self.db.writer.submit(job)
+        try:
+            return await self.db.writer.submit(job)
+        except _Lost:
+            return None
 
     async def append_events(self, task_id: str, events: Sequence[EventBuilder]) -> TaskRecord:
         """Append events (group-committed with whatever else is being written)."""

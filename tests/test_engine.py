@@ -256,8 +256,10 @@ async def test_lru_eviction_switches_models(engine: EngineClient, tiny: Resolved
     assert engine.config.max_loaded_models == 1
     a1 = await collect(engine, request(tiny, PROMPTS[0], max_tokens=8))
     b = await collect(engine, request(tiny2, PROMPTS[0], max_tokens=8))
-    assert set(engine.loaded) >= {"tiny2"}
+    # The engine says what it evicted, so the client knows what is resident.
+    assert set(engine.loaded) == {"tiny2"} and engine.resident("tiny2") and not engine.resident("tiny")
     a2 = await collect(engine, request(tiny, PROMPTS[0], max_tokens=8))
+    assert set(engine.loaded) == {"tiny"}
     assert a1[0] == a2[0] != b[0]
     # Two models wanted at once with room for one: the second waits, then runs.
     both = await asyncio.gather(

@@ -36,6 +36,13 @@ MARKERS = frozenset(
 )
 
 
+# What ``render_chat`` passes a chat template itself: a client's chat_template_kwargs may not
+# set these (a duplicate keyword is a TypeError; a replaced global breaks the template).
+TEMPLATE_ARGUMENTS = frozenset(
+    {"messages", "add_generation_prompt", "bos_token", "eos_token", "unk_token", "pad_token", "raise_exception"}
+)
+
+
 class Tokenizer:
     def __init__(self, model_dir: Path) -> None:
         from tokenizers import Tokenizer as HFTokenizer

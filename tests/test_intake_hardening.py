@@ -1,0 +1,174 @@
+"""What a client can send that used to answer 500 or be misread: deep JSON, odd digits, long
+names, template keyword collisions, huge integers, the wrong Content-Type (issue 12)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from engine_host import Host, Hosts
+from starlette.testclient import TestClient
+
+from service.config import Config, EngineConfig, ModelEntry, ServerConfig
+from service.models.registry import ResolvedModel
+
+TOKENS = {"alice": "alice-secret-token"}
+ALICE = {"Authorization": f"Bearer {TOKENS['alice']}"}
+ENGINE = EngineConfig(weight_dtype="quantized")  # test_api_tasks' engine: one host for both
+QUICK: dict[str, Any] = {"input": "Hi", "temperature": 0, "max_output_tokens": 2}
+
+
+@pytest.fixture(scope="module")
+def host(engine_hosts: Hosts) -> Host:
+    return engine_hosts.get(ENGINE)
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, tiny_long: ResolvedModel) -> Config:
+    return Config(
+        default_model="tiny",
+        cache_dir=str(model_cache),
+        models={"tiny": ModelEntry(path=str(tiny_long.path))},
+        engine=ENGINE,
+        server=ServerConfig(
+            data_dir=str(tmp_path_factory.mktemp("intake") / "data"), tokens=TOKENS, keepalive_secs=0.5
+        ),
+    )
+
+
+@pytest.fixture(scope="module")
+def client(host: Host, config: Config) -> Iterator[TestClient]:
+    with host.serve(config) as c:
+        yield c
+
+
+def error_of(r: Any) -> tuple[int, str | None, str | None]:
+    """(status, code, param) from a problem object or an OpenAI envelope."""
+    body = r.json()
+    if "error" in body and isinstance(body["error"], dict):
+        return r.status_code, body["error"]["code"], body["error"]["param"]
+    return r.status_code, body.get("code"), body.get("param")
+
+
+def as_task(request: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "response", "input": request}
+
+
+def as_compact(request: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in request.items() if k in ("model", "input", "max_output_tokens")}
+
+
+def as_chat(request: dict[str, Any]) -> dict[str, Any]:
+    chat = {k: v for k, v in request.items() if k not in ("input", "max_output_tokens")}
+    if "max_output_tokens" in request:
+        chat["max_tokens"] = request["max_output_tokens"]
+    return {"messages": [{"role": "user", "content": request["input"]}], **chat}
+
+
+def same(request: dict[str, Any]) -> dict[str, Any]:
+    return request
+
+
+# Every POST route that takes a JSON body, with how it carries a Responses-shaped request.
+POSTS: list[tuple[str, Any]] = [
+    ("/v1/responses", same),
+    ("/v1/responses/input_tokens", same),
+    ("/v1/responses/compact", as_compact),
+    ("/v1/chat/completions", as_chat),
+    ("/lmsp/v1/tasks", as_task),
+    ("/lmsp/v1/responses", same),
+]
+
+
+@pytest.mark.parametrize(("route", "wrap"), POSTS, ids=[p for p, _ in POSTS])
+def test_json_nested_too_deep_is_a_400_naming_the_field(client: TestClient, route: str, wrap: Any) -> None:
+    deep = b"[" * 5000 + b"]" * 5000
+    request = wrap({"input": "hi"}) if route.endswith("/chat/completions") else wrap({"input": ["x"]})
+    if route.endswith("/chat/completions"):
+        request["response_format"] = {"type": "json_schema", "json_schema": ["x"]}
+    raw = msgspec.json.encode(request).replace(b'["x"]', deep)
+    r = client.post(route, content=raw, headers={**ALICE, "Content-Type": "application/json"})
+    status, _, param = error_of(r)
+    assert status == 400, r.text
+    named = {"/lmsp/v1/tasks": "input.input", "/v1/chat/completions": "response_format.json_schema"}
+    expected = named.get(route, "input")
+    assert param == expected, r.text
+
+
+@pytest.mark.parametrize(("route", "wrap"), POSTS, ids=[p for p, _ in POSTS])
+def test_a_body_that_is_not_json_by_its_content_type_is_a_415(client: TestClient, route: str, wrap: Any) -> None:
+    raw = msgspec.json.encode(wrap(QUICK))
+    for kind in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
+        r = client.post(route, content=raw, headers={**ALICE, "Content-Type": kind})
+        assert error_of(r)[0::2] == (415, "Content-Type"), r.text
+        assert r.headers["content-type"] == ("application/problem+json" if "lmsp" in route else "application/json")
+    # JSON by any of its names, with or without a charset, is JSON.
+    for kind in ("application/json; charset=utf-8", "Application/JSON"):
+        r = client.post(route, content=raw, headers={**ALICE, "Content-Type": kind})
+        assert r.status_code in (200, 202) or error_of(r)[0:2] == (400, "context_length_exceeded"), r.text
+
+
+def test_a_model_name_longer_than_a_file_name_is_not_found(client: TestClient) -> None:
+    for name in ("m" * 300, "a/" + "b" * 300, "/tmp/" + "c" * 4000):
+        for route, wrap in POSTS:
+            r = client.post(route, json=wrap({**QUICK, "model": name}), headers=ALICE)
+            assert error_of(r)[0::2] == (404, "model"), (route, r.text)
+
+
+@pytest.mark.parametrize("kwarg", ["pad_token", "unk_token", "bos_token", "messages", "raise_exception"])
+def test_chat_template_kwargs_may_not_collide_with_the_renderers(client: TestClient, kwarg: str) -> None:
+    request = {**QUICK, "chat_template_kwargs": {kwarg: "x"}}
+    for route, wrap in POSTS:
+        if route.endswith(("/compact", "/chat/completions")):
+            continue  # they take no chat_template_kwargs
+        r = client.post(route, json=wrap(request), headers=ALICE)
+        status, _, param = error_of(r)
+        assert status == 400 and param is not None and param.endswith("chat_template_kwargs"), (route, r.text)
+
+
+def test_integers_beyond_what_the_engine_takes_are_refused(client: TestClient) -> None:
+    for value in (2**31, 2**64, 10**30):
+        for route, wrap in POSTS:
+            body = wrap({**QUICK, "max_output_tokens": value})
+            param = "max_tokens" if route.endswith("/chat/completions") else "max_output_tokens"
+            r = client.post(route, json=body, headers=ALICE)
+            status, _, got = error_of(r)
+            assert status == 400 and got is not None and got.endswith(param), (route, r.text)
+
+
+@pytest.mark.parametrize("value", ["\u00b2", "\u0661", "+3", "1_0", " 3", "3 ", "-0", "0x1", "", "1e1"])
+def test_list_limits_take_ascii_digits_only(client: TestClient, value: str) -> None:
+    value = value.encode().decode("unicode_escape")
+    response = client.post("/v1/responses", json=QUICK, headers=ALICE).json()
+    for path in ("/lmsp/v1/tasks", f"/v1/responses/{response['id']}/input_items"):
+        r = client.get(path, params={"limit": value}, headers=ALICE)
+        assert error_of(r)[0::2] == (400, "limit"), (path, r.text)
+        assert client.get(path, params={"limit": "3"}, headers=ALICE).status_code == 200
+
+
+@pytest.mark.parametrize("value", ["+0", "0_0", "\\u0660", " 0", "0 ", "--1", "0x0"])
+def test_event_resume_points_take_ascii_digits_only(client: TestClient, value: str) -> None:
+    value = value.encode().decode("unicode_escape")
+    task = client.post("/lmsp/v1/tasks", json=as_task({**QUICK, "max_output_tokens": 16}), headers=ALICE).json()
+    header = {**ALICE, "Last-Event-ID": value.encode()}  # as a client's raw bytes
+    r = client.get(f"/lmsp/v1/tasks/{task['id']}/events", headers=header)  # type: ignore[arg-type]
+    assert error_of(r)[0::2] == (400, "Last-Event-ID"), r.text
+    r = client.get(f"/lmsp/v1/tasks/{task['id']}/events", params={"after": value}, headers=ALICE)
+    assert error_of(r)[0::2] == (400, "after"), r.text
+    background = client.post("/v1/responses", json={**QUICK, "background": True}, headers=ALICE).json()
+    r = client.get(
+        f"/v1/responses/{background['id']}", params={"stream": "true", "starting_after": value}, headers=ALICE
+    )
+    assert error_of(r)[0::2] == (400, "starting_after"), r.text
+
+
+def test_a_task_list_cursor_must_be_a_task_id(client: TestClient) -> None:
+    for after in ("garbage", "task_", "resp_01JABCDEFGHJKMNPQRSTVWXYZ0", "task_01jabcdefghjkmnpqrstvwxyz0"):
+        r = client.get("/lmsp/v1/tasks", params={"after": after}, headers=ALICE)
+        assert error_of(r)[0::2] == (400, "after"), r.text
+    task = client.post("/lmsp/v1/tasks", json=as_task(QUICK), headers=ALICE).json()
+    r = client.get("/lmsp/v1/tasks", params={"after": task["id"]}, headers=ALICE)
+    assert r.status_code == 200 and task["id"] not in [t["id"] for t in r.json()["data"]]

@@ -3,6 +3,7 @@ names, template keyword collisions, huge integers, the wrong Content-Type (issue
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -172,3 +173,14 @@ def test_a_task_list_cursor_must_be_a_task_id(client: TestClient) -> None:
     task = client.post("/lmsp/v1/tasks", json=as_task(QUICK), headers=ALICE).json()
     r = client.get("/lmsp/v1/tasks", params={"after": task["id"]}, headers=ALICE)
     assert r.status_code == 200 and task["id"] not in [t["id"] for t in r.json()["data"]]
+
+
+def test_the_hub_keeps_nothing_for_tasks_no_one_follows(client: TestClient) -> None:
+    hub = client.app.state.lmsp.core.hub  # type: ignore[attr-defined]
+    for i in range(12):  # sync responses wait on their task; streams and task reads follow it
+        client.post("/v1/responses", json={**QUICK, "input": f"Hi {i}"}, headers=ALICE)
+        task = client.post("/lmsp/v1/tasks", json=as_task(QUICK), headers=ALICE).json()
+        with client.stream("GET", f"/lmsp/v1/tasks/{task['id']}/events", headers=ALICE) as r:
+            r.read()
+    gc.collect()  # not needed in CPython today; keeps the count from depending on when cycles go
+    assert len(hub) == 0

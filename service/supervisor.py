@@ -257,7 +257,8 @@ class Supervisor:
             prompt = await asyncio.to_thread(prompt_for, model, request, history, after)
             # A resumed task: the parser catches up with the text already generated.
             state.outputs.attach(prompt.parser(), tokenizer_for(model).decode(state.tokens))
-            cmd = build_generate(
+            cmd = await asyncio.to_thread(  # tokenizing a long prompt takes a while
+                build_generate,
                 model,
                 prompt,
                 request_id=task_id,

@@ -15,6 +15,7 @@ from starlette.testclient import TestClient
 
 from service.config import Config, EngineConfig, ModelEntry, ServerConfig
 from service.models.registry import ResolvedModel
+from service.tokenizer import Tokenizer, _shrink_bound
 
 TOKENS = {"alice": "alice-secret-token"}
 ALICE = {"Authorization": f"Bearer {TOKENS['alice']}"}
@@ -184,3 +185,40 @@ def test_the_hub_keeps_nothing_for_tasks_no_one_follows(client: TestClient) -> N
             r.read()
     gc.collect()  # not needed in CPython today; keeps the count from depending on when cycles go
     assert len(hub) == 0
+
+
+def test_the_size_bound_never_refuses_a_prompt_that_fits(smol_dir: Path) -> None:
+    tok = Tokenizer(smol_dir)
+    per = tok.max_bytes_per_token
+    assert per is not None
+    longest = max(tok.vocab, key=len)  # byte-level: its characters spell bytes
+    texts = [tok.decode([tok.vocab[longest]]) * 50, "=" * 5000, " " * 5000, "\u00e9\u6f22\U0001f600" * 500, "ab1" * 999]
+    for text in texts:
+        assert tok.count(text) * per >= len(text.encode()), text[:20]
+
+
+@pytest.mark.parametrize(
+    ("spec", "bound"),
+    [
+        ({"model": {"type": "BPE"}, "pre_tokenizer": {"type": "ByteLevel"}}, 1.0),
+        ({"model": {"type": "WordPiece"}}, None),  # one [UNK] stands for a whole word
+        ({"model": {"type": "BPE"}, "pre_tokenizer": {"type": "Whitespace"}}, None),  # drops spaces
+        ({"model": {"type": "BPE", "fuse_unk": True}, "pre_tokenizer": {"type": "Metaspace"}}, None),
+        (
+            {
+                "model": {"type": "BPE", "byte_fallback": True, "fuse_unk": True},
+                "normalizer": {
+                    "type": "Sequence",
+                    "normalizers": [
+                        {"type": "NFKC"},
+                        {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"},
+                    ],
+                },
+            },
+            3.0,
+        ),
+        ({"model": {"type": "BPE"}, "normalizer": {"type": "Strip"}}, None),
+    ],
+)
+def test_which_tokenizers_give_a_size_bound(spec: dict[str, Any], bound: float | None) -> None:
+    assert _shrink_bound(spec) == bound

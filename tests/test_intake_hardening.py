@@ -4,6 +4,8 @@ names, template keyword collisions, huge integers, the wrong Content-Type (issue
 from __future__ import annotations
 
 import gc
+import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +16,8 @@ from engine_host import Host, Hosts
 from starlette.testclient import TestClient
 
 from service.config import Config, EngineConfig, ModelEntry, ServerConfig
-from service.models.registry import ResolvedModel
+from service.errors import ModelNotFoundError
+from service.models.registry import ModelRegistry, ResolvedModel
 from service.tokenizer import Tokenizer, _shrink_bound
 
 TOKENS = {"alice": "alice-secret-token"}
@@ -222,3 +225,105 @@ def test_the_size_bound_never_refuses_a_prompt_that_fits(smol_dir: Path) -> None
 )
 def test_which_tokenizers_give_a_size_bound(spec: dict[str, Any], bound: float | None) -> None:
     assert _shrink_bound(spec) == bound
+
+
+# --- models a request may name (allow_model_paths on: directories, and hub ids already cached)
+
+
+@pytest.fixture(scope="module")
+def paths_client(
+    host: Host,
+    tmp_path_factory: pytest.TempPathFactory,
+    model_cache: Path,
+    tiny_long: ResolvedModel,
+    tiny2: ResolvedModel,
+) -> Iterator[TestClient]:
+    config = Config(
+        default_model="tiny",
+        cache_dir=str(model_cache),
+        models={"tiny": ModelEntry(path=str(tiny_long.path)), "other": ModelEntry(path=str(tiny2.path))},
+        engine=ENGINE,
+        server=ServerConfig(
+            data_dir=str(tmp_path_factory.mktemp("paths") / "data"),
+            tokens=TOKENS,
+            keepalive_secs=0.5,
+            allow_model_paths=True,
+        ),
+    )
+    with host.serve(config) as c:
+        yield c
+
+
+def spellings(path: Path, tmp: Path) -> list[str]:
+    link = tmp / "link"
+    link.symlink_to(path)
+    return [str(path), f"{path}/", f"{path}/./", f"{path.parent}/../{path.parent.name}/{path.name}", str(link)]
+
+
+def test_each_spelling_of_a_directory_is_one_model(
+    tmp_path: Path, tiny_long: ResolvedModel, tiny2: ResolvedModel, model_cache: Path
+) -> None:
+    config = Config(cache_dir=str(model_cache), models={"tiny": ModelEntry(path=str(tiny_long.path))})
+    registry = ModelRegistry(config)
+    assert {registry.resolve(s).name for s in ["tiny", *spellings(tiny_long.path, tmp_path)]} == {"tiny"}
+    (tmp_path / "two").mkdir()
+    names = {registry.resolve(s).name for s in spellings(tiny2.path, tmp_path / "two")}
+    assert names == {str(tiny2.path.resolve())}
+
+
+def test_a_hub_id_a_request_names_is_never_downloaded(
+    tmp_path: Path, model_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+
+    def no_network(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a download was attempted")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    config = Config(cache_dir=str(model_cache), server=ServerConfig(allow_model_paths=True))
+    registry = ModelRegistry(config)
+    registry.check_requested("someone/some-model")
+    with pytest.raises(ModelNotFoundError, match="local Hugging Face cache"):
+        registry.resolve_local("someone/some-model")
+    with pytest.raises(ModelNotFoundError, match="local Hugging Face cache"):
+        registry.resolve("someone/some-model")
+
+
+def test_requests_name_models_by_any_spelling_without_reloads(
+    paths_client: TestClient, host: Host, tmp_path: Path, tiny_long: ResolvedModel
+) -> None:
+    before = set(host.engine.loaded)
+    for model in spellings(tiny_long.path, tmp_path):
+        r = paths_client.post("/v1/responses", json={**QUICK, "model": model}, headers=ALICE)
+        assert r.status_code == 200 and r.json()["status"] in ("completed", "incomplete"), r.text
+        assert r.json()["model"] == model  # echoed as the client named it
+    assert set(host.engine.loaded) - before <= {"tiny"}  # one model, under its alias
+    # A hub id not in the local cache, a name no file system takes, a NUL: 404 at once,
+    # not a 200 with a failed response after a download attempt.
+    for model in ("someone/not-cached-here", "a/" + "b" * 300, "m" * 300, "bad\x00name", "/no/such/dir"):
+        for route, wrap in POSTS:
+            r = paths_client.post(route, json=wrap({**QUICK, "model": model}), headers=ALICE)
+            assert error_of(r)[0::2] == (404, "model"), (route, model, r.text)
+
+
+def test_max_loaded_models_is_a_hard_bound(paths_client: TestClient) -> None:
+    """One model resident (ENGINE's max_loaded_models = 1): a task on another model waits in
+    ``loading`` while the first generates, and runs once it is done."""
+    long = as_task({**QUICK, "input": "Tell me a story.", "max_output_tokens": 3000})
+    first = paths_client.post("/lmsp/v1/tasks", json=long, headers=ALICE).json()
+    deadline = time.monotonic() + 60
+    while paths_client.get(f"/lmsp/v1/tasks/{first['id']}", headers=ALICE).json()["status"] != "running":
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    second = paths_client.post("/lmsp/v1/tasks", json=as_task({**QUICK, "model": "other"}), headers=ALICE).json()
+    time.sleep(1.0)  # ample for the tiny model to load, were it allowed to
+    assert paths_client.get(f"/lmsp/v1/tasks/{second['id']}", headers=ALICE).json()["status"] == "loading"
+    assert paths_client.get(f"/lmsp/v1/tasks/{first['id']}", headers=ALICE).json()["status"] == "running"
+    paths_client.post(f"/lmsp/v1/tasks/{first['id']}/cancel", headers=ALICE)
+    while (task := paths_client.get(f"/lmsp/v1/tasks/{second['id']}", headers=ALICE).json())["status"] not in (
+        "succeeded",
+        "failed",
+    ):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert task["status"] == "succeeded", task

@@ -244,7 +244,11 @@ class Core:
 
         model, prepared = await asyncio.to_thread(prepare)
         async with self._compactions:
-            summary, finished = await compactor.summarize(self.supervisor.engine, model, prepared.generate)
+            await self.supervisor.slots.acquire(item_id, model.name)
+            try:
+                summary, finished = await compactor.summarize(self.supervisor.engine, model, prepared.generate)
+            finally:
+                self.supervisor.slots.release(item_id)
         if finished.reason == "cancelled":
             raise ServerOverloadedError("the summarising generation was cancelled")
         item = compactor.item(prepared, summary, item_id)

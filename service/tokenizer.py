@@ -12,7 +12,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from .errors import ModelError
+from .errors import InvalidRequestError, LmspdError, ModelError
 
 # Special tokens that carry structure the server parses (reasoning blocks, tool calls):
 # detokenized text keeps them, while other special tokens (turn ends, padding) are hidden.
@@ -143,9 +143,15 @@ class Tokenizer:
         """Render messages through the model's chat template (as transformers does)."""
         special = {k: self.config.get(k) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
         special = {k: (v.get("content") if isinstance(v, dict) else v) for k, v in special.items()}
-        return str(
-            self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **special, **kwargs)
-        )
+        try:
+            rendered = self._template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt, **special, **kwargs
+            )
+        except LmspdError:
+            raise
+        except Exception as exc:  # a jinja2 error, or a value of a shape the template cannot use
+            raise InvalidRequestError(f"the chat template cannot render this request: {exc}", param="input") from exc
+        return str(rendered)
 
     def encode_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
         return self.encode(self.render_chat(messages, **kwargs))
@@ -194,7 +200,8 @@ def _nodes(node: Any, children: str) -> list[dict[str, Any]]:
 
 
 def _raise_template_error(message: str) -> None:
-    raise ModelError(f"chat template error: {message}")
+    # What a template refuses is the request's shape (roles that must alternate, say).
+    raise InvalidRequestError(f"chat template error: {message}", param="input")
 
 
 class IncrementalDetokenizer:

@@ -16,8 +16,10 @@ from engine_host import Host, Hosts
 from starlette.testclient import TestClient
 
 from service.config import Config, EngineConfig, ModelEntry, ServerConfig
-from service.errors import ModelNotFoundError
+from service.errors import InvalidRequestError, ModelNotFoundError
 from service.models.registry import ModelRegistry, ResolvedModel
+from service.prompt import build_prompt
+from service.responses.schema import ResponseRequest
 from service.tokenizer import Tokenizer, _shrink_bound
 
 TOKENS = {"alice": "alice-secret-token"}
@@ -327,3 +329,22 @@ def test_max_loaded_models_is_a_hard_bound(paths_client: TestClient) -> None:
         assert time.monotonic() < deadline
         time.sleep(0.02)
     assert task["status"] == "succeeded", task
+
+
+@pytest.mark.parametrize(
+    ("template", "kwargs", "param"),
+    [
+        ("{{ tools | length }}{{ messages[0]['content'] }}", {"tools": 5}, "chat_template_kwargs"),
+        ("{% for m in messages %}{{ m['content'] + extra }}{% endfor %}", {"extra": 5}, "chat_template_kwargs"),
+        ("{{ raise_exception('Conversation roles must alternate') }}", {}, "input"),
+    ],
+)
+def test_a_template_that_cannot_render_a_request_is_a_400(
+    smol_dir: Path, template: str, kwargs: dict[str, Any], param: str
+) -> None:
+    tok = Tokenizer(smol_dir)
+    tok.chat_template = template
+    request = ResponseRequest(input="Hi", chat_template_kwargs=kwargs or None)
+    with pytest.raises(InvalidRequestError) as caught:
+        build_prompt(tok, request, [])
+    assert caught.value.param == param and caught.value.status == 400

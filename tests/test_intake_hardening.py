@@ -183,7 +183,7 @@ def test_a_task_list_cursor_must_be_a_task_id(client: TestClient) -> None:
 
 def test_the_hub_keeps_nothing_for_tasks_no_one_follows(client: TestClient) -> None:
     hub = client.app.state.lmsp.core.hub  # type: ignore[attr-defined]
-    for i in range(12):  # sync responses wait on their task; streams and task reads follow it
+    for i in range(6):  # sync responses wait on their task; streams and task reads follow it
         client.post("/v1/responses", json={**QUICK, "input": f"Hi {i}"}, headers=ALICE)
         task = client.post("/lmsp/v1/tasks", json=as_task(QUICK), headers=ALICE).json()
         with client.stream("GET", f"/lmsp/v1/tasks/{task['id']}/events", headers=ALICE) as r:
@@ -318,7 +318,7 @@ def test_max_loaded_models_is_a_hard_bound(paths_client: TestClient) -> None:
         assert time.monotonic() < deadline
         time.sleep(0.02)
     second = paths_client.post("/lmsp/v1/tasks", json=as_task({**QUICK, "model": "other"}), headers=ALICE).json()
-    time.sleep(1.0)  # ample for the tiny model to load, were it allowed to
+    time.sleep(0.6)  # ample for the tiny model to load, were it allowed to
     assert paths_client.get(f"/lmsp/v1/tasks/{second['id']}", headers=ALICE).json()["status"] == "loading"
     assert paths_client.get(f"/lmsp/v1/tasks/{first['id']}", headers=ALICE).json()["status"] == "running"
     paths_client.post(f"/lmsp/v1/tasks/{first['id']}/cancel", headers=ALICE)

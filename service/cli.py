@@ -126,7 +126,7 @@ def cmd_models_pull(args: argparse.Namespace) -> int:
     name = args.name or config.default_model
     start = time.perf_counter()
     with pull_progress() as progress:
-        model = ModelRegistry(config).resolve(name, progress=progress)
+        model = ModelRegistry(config).resolve(name, progress=progress, download=True)
     print(f"{name}: {model.path} ({time.perf_counter() - start:.1f}s)")
     return 0
 
@@ -157,7 +157,7 @@ async def _generate(args: argparse.Namespace) -> int:
     config = _config(args)
     name = args.model or config.default_model
     with pull_progress() as progress:
-        model = ModelRegistry(config).resolve(name, progress=progress)
+        model = ModelRegistry(config).resolve(name, progress=progress, download=True)
     messages = [{"role": "user", "content": args.prompt}]
     if args.instructions:
         messages.insert(0, {"role": "system", "content": args.instructions})

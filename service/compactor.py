@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from .engine import protocol as p
 from .engine.client import EngineClient
 from .errors import ContextLengthExceededError, EngineError
-from .generation import build_generate, prompt_for, tokenizer_for
+from .generation import build_generate, count_tokens, prompt_for, tokenizer_for
 from .models.registry import ResolvedModel
 from .responses import compaction
 from .responses.inputs import CompactionItem, Item, encode_payload
@@ -24,7 +24,7 @@ GREEDY = p.SamplingParams(temperature=0.0)
 
 def count(model: ResolvedModel, request: ResponseRequest, history: list[Item], after: list[Item] | None = None) -> int:
     """The rendered input's tokens, as ``/v1/responses/input_tokens`` counts them."""
-    return len(tokenizer_for(model).encode(prompt_for(model, request, history, after).text))
+    return tokenizer_for(model).count(prompt_for(model, request, history, after).text)
 
 
 @dataclass(frozen=True)
@@ -48,8 +48,8 @@ def prepare(
     """Split the history and build the summarising generation (runs in a worker thread)."""
     tok = tokenizer_for(model)
     context = model.context_length
-    if before is None:
-        before = count(model, request, history)
+    if before is None:  # what cannot fit is refused by its size, before it is tokenized
+        before = count_tokens(model, prompt_for(model, request, history).text)
     if before >= context:
         raise ContextLengthExceededError(
             f"the history is {before} tokens, longer than the model's context ({context} tokens): "
@@ -59,7 +59,7 @@ def prepare(
     plan = compaction.plan(
         [*history, *request.items()],
         keep_tokens,
-        lambda items: len(tok.encode(compaction.transcript(None, items))),
+        lambda items: tok.count(compaction.transcript(None, items)),
     )
     messages = compaction.summary_messages(plan)
     prompt = len(tok.encode_chat(messages))

@@ -120,6 +120,14 @@ class UnsupportedCapabilityError(InvalidRequestError):
     openai_code = "unsupported_capability"
 
 
+class UnsupportedMediaTypeError(InvalidRequestError):
+    """A body that is not JSON by its Content-Type (OpenAI's status and code)."""
+
+    status = 415
+    title = "Unsupported media type"
+    openai_code = "unsupported_content_type"
+
+
 class UnauthorizedError(LmspdError):
     code = "unauthorized"
     status = 401

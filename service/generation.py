@@ -38,6 +38,42 @@ def _too_long(tokens: int, model: ResolvedModel) -> ContextLengthExceededError:
     )
 
 
+def count_tokens(model: ResolvedModel, text: str) -> int:
+    """``text``'s length in tokens; ContextLengthExceededError at once, without tokenizing,
+    when its size alone shows it cannot fit the context (a megabyte prompt is seconds of
+    tokenizer work, and nothing but an error comes of it)."""
+    refuse_by_size(model, len(text.encode()))
+    return tokenizer_for(model).count(text)
+
+
+def refuse_by_size(model: ResolvedModel, size: int) -> None:
+    """ContextLengthExceededError if a prompt of at least ``size`` bytes cannot fit."""
+    per = tokenizer_for(model).max_bytes_per_token
+    if per is not None and size > per * model.context_length:
+        raise ContextLengthExceededError(
+            f"the input is {size} bytes, more than the model's context of {model.context_length} tokens "
+            f"can hold (a token is at most {per:.0f} bytes)",
+            param="input",
+        )
+
+
+def user_text_bytes(request: ResponseRequest) -> int:
+    """A lower bound on the rendered prompt's size, known before rendering it (rendering a
+    megabyte holds the GIL for a while): the user's own text, which every template renders."""
+    if isinstance(request.input, str):
+        return len(request.input.encode())
+    size = 0
+    for item in request.input:
+        if not isinstance(item, dict) or item.get("role") != "user" or item.get("type", "message") != "message":
+            continue
+        content = item.get("content")
+        parts = [content] if isinstance(content, str) else content if isinstance(content, list) else []
+        for part in parts:
+            text = part.get("text") if isinstance(part, dict) else part
+            size += len(text.encode()) if isinstance(text, str) else 0
+    return size
+
+
 def prompt_for(
     model: ResolvedModel, request: ResponseRequest, history: list[Item], after: list[Item] | None = None
 ) -> Prompt:
@@ -69,7 +105,7 @@ def check_request(
     rendered = _text(tok, prompt, template_kwargs)
     if not check_length or len(rendered.encode()) + 8 < model.context_length:
         return None
-    if (tokens := len(tok.encode(rendered))) >= model.context_length:
+    if (tokens := count_tokens(model, rendered)) >= model.context_length:
         raise _too_long(tokens, model)
     return tokens
 

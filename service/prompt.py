@@ -102,7 +102,12 @@ def build_prompt(
             system = f"{system}\n\n{_hermes_block(options.tools)}" if system else _hermes_block(options.tools)
     if system:
         messages = [{"role": "system", "content": system}, *messages]
-    text = tok.render_chat(messages, **kwargs)
+    try:
+        text = tok.render_chat(messages, **kwargs)
+    except InvalidRequestError as exc:
+        if request.chat_template_kwargs and "chat template error" not in exc.message:
+            raise InvalidRequestError(exc.message, param="chat_template_kwargs") from exc
+        raise
     reasoning_open = think is not None and text.rstrip().endswith(think[0])
     parse_format = tool_format if options.active else None
     if options.active and options.choice != "auto" and tool_format not in grammar.SYNTAXES:

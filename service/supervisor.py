@@ -26,6 +26,7 @@ from .generation import build_generate, cache_key, prompt_for, tokenizer_for
 from .hub import Hub
 from .metrics import Metrics
 from .models.registry import ModelRegistry, ResolvedModel
+from .models.slots import ModelSlots
 from .responses import schema as s
 from .responses.builder import ResponseState
 from .responses.compaction import default_keep_tokens
@@ -62,6 +63,7 @@ class Supervisor:
         self._loop_task: asyncio.Task[None] | None = None
         self._stopping = False
         self._backoff = 0.5
+        self.slots = ModelSlots(config.engine.max_loaded_models)
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -175,6 +177,7 @@ class Supervisor:
                 await self._fail(task_id, state, "server_error", "internal error while running the task")
         finally:
             self.running.pop(task_id, None)
+            self.slots.release(task_id)
             self.engine.forget(task_id)  # a cancel that came before a Generate that never went
             self.engine.forget(summary_id(task_id))
             self.hub.notify(task_id)
@@ -234,6 +237,7 @@ class Supervisor:
             return  # cancelled (or claimed) first
         try:
             model = await asyncio.to_thread(self.registry.resolve, name)
+            await self.slots.acquire(task_id, model.name)  # given back when _run ends
             if not resident:
                 await self.engine.load(model.name, str(model.path))
                 if not await self._to(task_id, "running", state.in_progress()):
@@ -257,7 +261,8 @@ class Supervisor:
             prompt = await asyncio.to_thread(prompt_for, model, request, history, after)
             # A resumed task: the parser catches up with the text already generated.
             state.outputs.attach(prompt.parser(), tokenizer_for(model).decode(state.tokens))
-            cmd = build_generate(
+            cmd = await asyncio.to_thread(  # tokenizing a long prompt takes a while
+                build_generate,
                 model,
                 prompt,
                 request_id=task_id,

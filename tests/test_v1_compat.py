@@ -5,9 +5,11 @@ streams, accepted fields, input items, chat completions, and LangChain's default
 from __future__ import annotations
 
 import sqlite3
+import statistics
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -269,3 +271,61 @@ def test_chat_openai_invoke_and_stream(server: Server, use_responses_api: bool) 
     assert answer.usage_metadata is not None and answer.usage_metadata["output_tokens"] == 6
     streamed = "".join(chunk.text for chunk in llm.stream(messages))
     assert streamed == answer.text  # greedy: the same answer, streamed
+
+
+# A long prompt must not stall other clients (issue 12): the tokenizer runs where the event
+# loop does not wait for it, and what cannot fit is refused by its size before that. Probed
+# from this process, so the server's stall cannot delay the probes' own clock.
+HUGE = "The quick brown fox jumps over the lazy dog. " * 160_000  # 7.2 MB: refused by its size
+LARGE = HUGE[:320_000]  # could fit by its size: tokenized (about a second here) to learn it does not
+LONG_ROUTES: list[tuple[str, Any]] = [
+    ("/v1/responses", lambda text: {"input": text, "max_output_tokens": 2}),
+    ("/v1/responses/input_tokens", lambda text: {"input": text}),
+    ("/v1/responses/compact", lambda text: {"input": text}),
+    ("/v1/chat/completions", lambda text: {"messages": [{"role": "user", "content": text}], "max_tokens": 2}),
+    ("/lmsp/v1/tasks", lambda text: {"type": "response", "input": {"input": text, "max_output_tokens": 2}}),
+    ("/lmsp/v1/responses", lambda text: {"input": text, "max_output_tokens": 2}),
+]
+
+
+def probe_while(url: str, busy: threading.Thread) -> list[float]:
+    """Health-check latencies (seconds, from when each was due): one probe due every 20 ms
+    while ``busy`` runs, at least five. A stalled event loop delays every probe due meanwhile."""
+
+    def probe(due: float) -> float:
+        assert http.get(f"{url}/lmsp/v1/healthz").status_code == 200
+        return time.perf_counter() - due
+
+    with httpx.Client(timeout=30) as http, ThreadPoolExecutor(8) as pool:  # one client: no TLS setup per probe
+        probes: list[Future[float]] = []
+        while busy.is_alive() or len(probes) < 5:
+            probes.append(pool.submit(probe, time.perf_counter()))
+            time.sleep(0.02)
+        return [p.result() for p in probes]
+
+
+@pytest.mark.parametrize("size", ["huge", "large"])
+@pytest.mark.parametrize(("route", "body"), LONG_ROUTES, ids=[r for r, _ in LONG_ROUTES])
+def test_a_long_prompt_does_not_stall_other_clients(server: Server, route: str, body: Any, size: str) -> None:
+    results: list[httpx.Response] = []
+    raw = msgspec.json.encode(body(HUGE if size == "huge" else LARGE))
+    headers = {"Content-Type": "application/json"}
+    busy = threading.Thread(
+        target=lambda: results.append(httpx.post(f"{server.url}{route}", content=raw, headers=headers, timeout=60))
+    )
+    started = time.perf_counter()
+    busy.start()
+    latencies = probe_while(server.url, busy)
+    busy.join()
+    took, median = time.perf_counter() - started, statistics.median(latencies)
+    print(f"{route} {size}: {took:.2f}s, {len(latencies)} probes, median {median * 1000:.0f} ms")
+    assert median < 0.1, (took, latencies)
+    answer = results[0]
+    if route.endswith("/input_tokens") and size == "large":
+        assert answer.status_code == 200 and answer.json()["input_tokens"] > 4096
+        return
+    error = answer.json().get("error") or answer.json()
+    assert answer.status_code == 400 and error["code"] == "context_length_exceeded", answer.text
+    assert error["param"] == "input"
+    if size == "huge":
+        assert "bytes" in answer.text  # refused by its size, not tokenized

@@ -10,10 +10,11 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from ..core import Core
-from ..errors import EventHistoryExpiredError, InvalidRequestError
+from ..errors import EventHistoryExpiredError
 from ..store.status import TERMINAL
 from ..store.tasks import Event, TaskRecord
 from .state import state_of
+from .wire import ascii_int
 
 T = TypeVar("T")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -21,17 +22,7 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 def resume_point(raw: str | None, param: str, next_seq: int) -> int:
     """A client's resume point: -1 for the start, else a sequence number the task has."""
-    if raw is None:
-        return -1
-    try:
-        after = int(raw)
-    except ValueError:
-        raise InvalidRequestError(f"{param} must be an integer, got {raw!r}", param=param) from None
-    if not -1 <= after < next_seq:
-        raise InvalidRequestError(
-            f"{param} {after} is not a sequence number of this task (last is {next_seq - 1})", param=param
-        )
-    return after
+    return -1 if raw is None else ascii_int(raw, param, -1, next_seq - 1)
 
 
 async def task_events(request: Request) -> Response:

@@ -77,7 +77,7 @@ def _header(name: str, description: str) -> Param:
 # --- the contracts, by handler ---------------------------------------------------------------
 
 _AUTH = (e.UnauthorizedError,)
-_BODY = (e.InvalidRequestError, e.PayloadTooLargeError)
+_BODY = (e.InvalidRequestError, e.PayloadTooLargeError, e.UnsupportedMediaTypeError)
 _GENERATE = (*_BODY, e.ContextLengthExceededError, e.UnsupportedCapabilityError, e.ModelNotFoundError)
 _INTAKE = (e.QueueFullError, e.ServerOverloadedError)
 

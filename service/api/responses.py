@@ -24,6 +24,7 @@ from .wire import (
     InputTokens,
     Model,
     ModelList,
+    ascii_int,
     decode,
     fingerprint,
     idempotency_key,
@@ -146,7 +147,7 @@ async def list_input_items(request: Request) -> Response:
     query = request.query_params
     page = input_items_of.page(
         input_items_of.resources(task.response_id, await app.core.input_items(task)),
-        limit=query.get("limit", "20"),
+        limit=ascii_int(query.get("limit", "20"), "limit", 1, 100),
         order=query.get("order", "desc"),
         after=query.get("after"),
         include=query.getlist("include"),

@@ -10,7 +10,17 @@ from ..errors import InvalidRequestError
 from ..responses.schema import TaskCreate
 from ..store.status import STATUSES
 from .state import state_of
-from .wire import TaskList, decode, etag, fingerprint, idempotency_key, read_body, task_object
+from .wire import (
+    TaskList,
+    ascii_int,
+    decode,
+    etag,
+    fingerprint,
+    idempotency_key,
+    read_body,
+    task_cursor,
+    task_object,
+)
 
 
 def _json(obj: object, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -55,11 +65,8 @@ async def list_tasks(request: Request) -> Response:
     statuses = request.query_params.getlist("status")
     if bad := [s for s in statuses if s not in STATUSES]:
         raise InvalidRequestError(f"unknown status {bad[0]!r}", param="status")
-    raw_limit = request.query_params.get("limit", "20")
-    if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= 100:
-        raise InvalidRequestError("limit must be an integer from 1 to 100", param="limit")
-    limit = int(raw_limit)
-    after = request.query_params.get("after")
+    limit = ascii_int(request.query_params.get("limit", "20"), "limit", 1, 100)
+    after = task_cursor(request.query_params.get("after"))
     tasks, has_more = await app.core.tasks(owner, limit=limit, after=after, statuses=statuses or None)
     data = [task_object(t) for t in tasks]
     return _json(

@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import re
 from typing import Any, Literal, TypeVar
 
 import msgspec
 from starlette.requests import Request
 
-from ..errors import InvalidRequestError, PayloadTooLargeError
+from ..errors import InvalidRequestError, PayloadTooLargeError, UnsupportedMediaTypeError
 from ..store.tasks import TaskRecord
 
 T = TypeVar("T")
 _UNKNOWN = re.compile(r"unknown field `([^`]+)`")
 _PATH = re.compile(r"at `\$\.?([^`]*)`")
+# JSON's structural tokens, strings skipped whole (a bracket inside a string is text).
+_TOKENS = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}:,]')
+_TOO_DEEP, _SCAN_TOKENS = 256, 200_000
+_ASCII_INT = re.compile(r"-?[0-9]{1,18}")
+_TASK_ID = re.compile(r"task_[0-9A-HJKMNP-TV-Z]{26}")
 
 
 class TaskObject(msgspec.Struct, kw_only=True):
@@ -138,9 +144,41 @@ def etag(task: TaskRecord) -> str:
     return f'"{digest[:32]}"'
 
 
+def ascii_int(raw: str, param: str, low: int, high: int) -> int:
+    """An integer a client wrote in a query or header: ASCII digits (and a leading ``-``)
+    only. Python's ``int()`` also takes ``+3``, ``1_0``, spaces and any Unicode digit."""
+    if not _ASCII_INT.fullmatch(raw):
+        raise InvalidRequestError(f"{param} must be an integer from {low} to {high}, got {raw!r}", param=param)
+    value = int(raw)
+    if not low <= value <= high:
+        raise InvalidRequestError(f"{param} must be an integer from {low} to {high}, got {raw!r}", param=param)
+    return value
+
+
+def task_cursor(raw: str | None) -> str | None:
+    """A task list's ``after``: a task id (one no longer there still marks a place)."""
+    if raw is not None and not _TASK_ID.fullmatch(raw):
+        raise InvalidRequestError(f"after must be a task id, got {raw!r}", param="after")
+    return raw
+
+
+def _require_json(request: Request) -> None:
+    """A body must say it is JSON, or say nothing (curl without -H, urllib): a form or text
+    body is refused rather than read as what it does not claim to be (OpenAI answers 415)."""
+    declared = request.headers.get("content-type")
+    if declared is None:
+        return
+    kind = declared.partition(";")[0].strip().lower()
+    if kind != "application/json" and not (kind.startswith("application/") and kind.endswith("+json")):
+        raise UnsupportedMediaTypeError(
+            f"Content-Type {declared!r} is not supported: send application/json", param="Content-Type"
+        )
+
+
 async def read_body(request: Request, limit: int) -> bytes:
+    _require_json(request)
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
+    if declared is not None and declared.isascii() and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLargeError(f"the body is larger than {limit} bytes")
     chunks, size = [], 0
     async for chunk in request.stream():
@@ -159,6 +197,38 @@ def decode(body: bytes, kind: type[T]) -> T:
         raise InvalidRequestError(str(exc), param=_param(str(exc))) from exc
     except msgspec.DecodeError as exc:
         raise InvalidRequestError(f"malformed JSON: {exc}") from exc
+    except RecursionError:  # msgspec's bound, about 1,000 levels into an untyped field
+        where = _deepest_field(body)
+        raise InvalidRequestError(f"{where or 'the body'} is nested too deeply", param=where) from None
+
+
+def _deepest_field(body: bytes) -> str | None:
+    """The field nested too deeply: its object keys, down to its first array. Only on the
+    error path, and bounded: it walks the tokens in Python, on the event loop."""
+    keys: list[str | None] = []  # per open container: its current key (None: an array)
+    expecting_key = False
+    for m in itertools.islice(_TOKENS.finditer(body), _SCAN_TOKENS):
+        token = m.group()
+        if token in (b"{", b"["):
+            if len(keys) >= _TOO_DEEP:
+                break
+            keys.append("" if token == b"{" else None)
+            expecting_key = token == b"{"
+        elif token in (b"}", b"]"):
+            if keys:
+                keys.pop()
+        elif token == b",":
+            expecting_key = bool(keys) and keys[-1] is not None
+        elif token == b":":
+            expecting_key = False
+        elif expecting_key and keys:
+            try:
+                keys[-1] = msgspec.json.decode(token, type=str)
+            except msgspec.DecodeError:
+                keys[-1] = "?"
+    # Where the walk stopped: at the deep value, or (past its bound) in the bulk before it.
+    path = [k for k in itertools.takewhile(lambda key: key is not None, keys) if k]
+    return ".".join(path[:3]) or None  # a field's name, not the whole descent
 
 
 def _param(message: str) -> str | None:

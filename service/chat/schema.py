@@ -15,7 +15,7 @@ from typing import Any, Literal
 import msgspec
 
 from ..errors import InvalidRequestError
-from ..responses.schema import ResponseRequest
+from ..responses.schema import MAX_TOKENS, ResponseRequest
 from ..responses.tools import text_param
 
 MAX_STOP = 4
@@ -294,8 +294,8 @@ class ChatCompletionRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=
         if not self.messages:
             raise InvalidRequestError("messages must not be empty", param="messages")
         for param, value in (("max_tokens", self.max_tokens), ("max_completion_tokens", self.max_completion_tokens)):
-            if value is not None and value < 1:
-                raise InvalidRequestError(f"{param} must be >= 1", param=param)
+            if value is not None and not 1 <= value <= MAX_TOKENS:
+                raise InvalidRequestError(f"{param} must be from 1 to {MAX_TOKENS}", param=param)
         if len(self.stop_sequences) > MAX_STOP:
             raise InvalidRequestError(f"stop has more than {MAX_STOP} sequences", param="stop")
         if "" in self.stop_sequences:

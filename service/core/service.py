@@ -29,7 +29,7 @@ from ..errors import (
     ServerOverloadedError,
     TaskNotCancelableError,
 )
-from ..generation import cache_key, check_request, prompt_for, tokenizer_for
+from ..generation import cache_key, check_request, count_tokens, prompt_for, refuse_by_size, user_text_bytes
 from ..hub import Hub
 from ..metrics import Metrics
 from ..models.registry import ModelInfo, ModelRegistry
@@ -191,6 +191,8 @@ class Core:
         else:
             # With context_management, a prompt too long is compacted (or the task fails).
             check = request.compact_threshold() is None
+            if check:
+                refuse_by_size(model, user_text_bytes(request))
             check_request(model, prompt_for(model, request, turns), sampling, check_length=check)
 
     async def input_tokens(self, owner: str, request: s.ResponseRequest) -> int:
@@ -200,7 +202,8 @@ class Core:
         def count() -> int:
             self.registry.check_requested(request.model)
             model = self.registry.resolve(request.model or self.config.default_model)
-            return len(tokenizer_for(model).encode(prompt_for(model, request, turns).text))
+            refuse_by_size(model, user_text_bytes(request))
+            return count_tokens(model, prompt_for(model, request, turns).text)
 
         return await asyncio.to_thread(count)
 
@@ -226,6 +229,7 @@ class Core:
         def prepare() -> tuple[Any, compactor.Prepared]:
             self.registry.check_requested(body.model)
             model = self.registry.resolve(model_name)
+            refuse_by_size(model, user_text_bytes(request))  # it must fit to be summarized
             keep = body.keep_tokens or default_keep_tokens(model.context_length)
             prepared = compactor.prepare(
                 model,
@@ -240,7 +244,11 @@ class Core:
 
         model, prepared = await asyncio.to_thread(prepare)
         async with self._compactions:
-            summary, finished = await compactor.summarize(self.supervisor.engine, model, prepared.generate)
+            await self.supervisor.slots.acquire(item_id, model.name)
+            try:
+                summary, finished = await compactor.summarize(self.supervisor.engine, model, prepared.generate)
+            finally:
+                self.supervisor.slots.release(item_id)
         if finished.reason == "cancelled":
             raise ServerOverloadedError("the summarising generation was cancelled")
         item = compactor.item(prepared, summary, item_id)

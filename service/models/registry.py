@@ -53,8 +53,14 @@ class ModelRegistry:
     def known_names(self) -> list[str]:
         return sorted(set(self.config.models) | set(BUILTIN_MODELS))
 
-    def resolve(self, name: str, *, pull: bool = True, progress: Progress | None = None) -> ResolvedModel:
-        """Find (and, for a built-in, pull) the model; ModelNotFoundError names the known ones."""
+    def resolve(
+        self, name: str, *, pull: bool = True, progress: Progress | None = None, download: bool = False
+    ) -> ResolvedModel:
+        """Find (and, for a built-in, pull) the model; ModelNotFoundError names the known ones.
+        The resolved name is the model's one identity, whatever the spelling: a built-in's
+        name, else the first alias of its directory, else the directory itself. A hub id is
+        downloaded only when the configuration names it or ``download`` (the command line)
+        says so; a request's is looked up in the local cache only."""
         target = name
         if name in self.config.models:
             target = self.config.models[name].path
@@ -66,42 +72,62 @@ class ModelRegistry:
                         f"model '{name}' is not pulled yet: run `lmspd models pull {target}`", param="model"
                     )
                 path = pull_builtin(BUILTIN_MODELS[target], self.cache_dir, progress=progress or _quiet)
-            return ResolvedModel(name=name, path=path)
+            return ResolvedModel(name=target, path=path)
         local = Path(target).expanduser()
-        if (local / "config.json").is_file():
-            return ResolvedModel(name=name, path=local.resolve())
-        if _HF_REPO.match(target) and not local.exists():
-            return ResolvedModel(name=name, path=_hf_snapshot(target))
+        if _is_model_dir(local):
+            return self._canonical(local.resolve())
+        if _HF_REPO.match(target) and not _exists(local):
+            return self._canonical(_hf_snapshot(target, download=download or self._configured(name)))
         raise ModelNotFoundError(
-            f"model '{name}' not found; known models: {', '.join(self.known_names())} "
+            f"model '{_shown(name)}' not found; known models: {', '.join(self.known_names())} "
             "(or a local mlx-lm directory, or a Hugging Face repo id)",
             param="model",
         )
 
+    def _configured(self, name: str) -> bool:
+        return name in self.config.models or name == self.config.default_model
+
+    def _canonical(self, path: Path) -> ResolvedModel:
+        for alias in sorted(self.config.models):
+            alias_path = Path(self.config.models[alias].path).expanduser()
+            if _is_model_dir(alias_path) and alias_path.resolve() == path:
+                return ResolvedModel(name=alias, path=path)
+        return ResolvedModel(name=str(path), path=path)
+
     def check_requested(self, name: str | None) -> None:
-        """A model a client named: configured aliases, built-ins and the default model; a
-        directory or hub id only with ``server.allow_model_paths`` (a client must not make the
-        server read arbitrary paths)."""
-        if name is None or self.config.server.allow_model_paths:
+        """A model a client named: configured aliases, the default model and pulled built-ins;
+        a directory or a hub id in the local cache only with ``server.allow_model_paths`` (a
+        client must not make the server read arbitrary paths, nor download anything)."""
+        if name is None or self._configured(name):
             return
-        if name in self.config.models or name in BUILTIN_MODELS or name == self.config.default_model:
+        if name in BUILTIN_MODELS:
+            if is_pulled(self.cache_dir / name):
+                return
+            raise ModelNotFoundError(f"model '{name}' is not pulled yet: run `lmspd models pull {name}`", param="model")
+        if self.config.server.allow_model_paths:
             return
         raise ModelNotFoundError(
-            f"model '{name}' not found; known models: {', '.join(self.known_names())} "
+            f"model '{_shown(name)}' not found; known models: {', '.join(self.known_names())} "
             "(directories and Hugging Face repo ids need [server] allow_model_paths = true)",
             param="model",
         )
 
     def resolve_local(self, name: str) -> ResolvedModel | None:
-        """Resolve without network or pulls: None for a Hugging Face id or an unpulled built-in
-        (those are fetched when the task runs); ModelNotFoundError for anything unknown."""
+        """Resolve without network or pulls: None for a configured hub id not yet downloaded
+        or an unpulled built-in (those are fetched when the task runs); ModelNotFoundError
+        for anything unknown."""
         target = self.config.models[name].path if name in self.config.models else name
         if target in BUILTIN_MODELS:
             return self.resolve(name) if is_pulled(self.cache_dir / target) else None
-        if (Path(target).expanduser() / "config.json").is_file():
+        if _is_model_dir(Path(target).expanduser()):
             return self.resolve(name)
-        if _HF_REPO.match(target) and not Path(target).expanduser().exists():
-            return None
+        if _HF_REPO.match(target) and not _exists(Path(target).expanduser()):
+            try:
+                return self._canonical(_hf_snapshot(target, download=False))
+            except ModelNotFoundError:
+                if self._configured(name):
+                    return None
+                raise
         return self.resolve(name)  # raises ModelNotFoundError naming the known models
 
     def list(self) -> list[ModelInfo]:
@@ -132,8 +158,27 @@ def _quiet(stage: str, done: int, total: int) -> None:
     pass
 
 
-def _hf_snapshot(repo: str) -> Path:
-    """Download (or find in the local HF cache) a Hugging Face mlx-lm repo."""
+def _is_model_dir(path: Path) -> bool:
+    try:
+        return (path / "config.json").is_file()
+    except (OSError, ValueError):  # a name too long for the file system, a NUL byte
+        return False
+
+
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except (OSError, ValueError):
+        return False
+
+
+def _shown(name: str) -> str:
+    """A client's model name as an error message repeats it: bounded."""
+    return name if len(name) <= 200 else f"{name[:200]}..."
+
+
+def _hf_snapshot(repo: str, *, download: bool) -> Path:
+    """A Hugging Face mlx-lm repo from the local HF cache, downloaded first if ``download``."""
     try:
         from huggingface_hub import snapshot_download
 
@@ -141,9 +186,16 @@ def _hf_snapshot(repo: str) -> Path:
             snapshot_download(
                 repo,
                 allow_patterns=["*.json", "*.safetensors", "*.py", "*.jinja", "tokenizer.model", "*.tiktoken", "*.txt"],
+                local_files_only=not download,
             )
         )
-    except Exception as exc:  # network errors, missing repos, gated repos
+    except Exception as exc:  # network errors, missing repos, gated repos, not in the cache
+        if not download:
+            raise ModelNotFoundError(
+                f"model '{_shown(repo)}' is not in the local Hugging Face cache (a request cannot make the server "
+                "download it: run `lmspd models pull` or configure it as an alias)",
+                param="model",
+            ) from None
         raise ModelNotFoundError(
             f"model '{repo}' could not be fetched from Hugging Face: {exc}", param="model"
         ) from exc

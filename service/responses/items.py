@@ -94,11 +94,10 @@ def resources(response_id: str, items: list[Item]) -> list[dict[str, Any]]:
 
 
 def page(
-    listed: list[dict[str, Any]], *, limit: str, order: str, after: str | None, include: list[str]
+    listed: list[dict[str, Any]], *, limit: int, order: str, after: str | None, include: list[str]
 ) -> InputItemList:
-    """One page of ``listed`` (oldest first) per OpenAI's ``limit``, ``order``, ``after``."""
-    if not limit.isdigit() or not 1 <= int(limit) <= 100:
-        raise InvalidRequestError("limit must be an integer from 1 to 100", param="limit")
+    """One page of ``listed`` (oldest first) per OpenAI's ``limit`` (parsed by the caller),
+    ``order``, ``after``."""
     if order not in ("asc", "desc"):
         raise InvalidRequestError("order must be 'asc' or 'desc'", param="order")
     if bad := [value for value in include if value not in INCLUDABLE]:
@@ -109,7 +108,7 @@ def page(
         if after not in ids:
             raise InvalidRequestError(f"item '{after}' is not an input item of this response", param="after")
         ordered = ordered[ids.index(after) + 1 :]
-    data = ordered[: int(limit)]
+    data = ordered[:limit]
     return InputItemList(
         data=data,
         first_id=data[0]["id"] if data else None,

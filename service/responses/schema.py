@@ -13,6 +13,7 @@ import msgspec
 
 from ..engine.protocol import SamplingParams, TokenLogprob, validate_top_logprobs
 from ..errors import InvalidRequestError
+from ..tokenizer import TEMPLATE_ARGUMENTS
 from .tools import (
     FunctionTool,
     JsonObjectFormat,
@@ -30,6 +31,9 @@ from .tools import (
 
 LOGPROBS = "message.output_text.logprobs"
 MAX_COMPACT_THRESHOLD = 100_000_000
+# A token count a client may ask for: what the engine's 32-bit counters take (a context is
+# far smaller; the supervisor clamps to it).
+MAX_TOKENS = 2**31 - 1
 
 
 class ResponseRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
@@ -85,8 +89,8 @@ class ResponseRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, 
             if not self.input:
                 raise InvalidRequestError("input must not be empty", param="input")
             parse_items(self.input)
-        if self.max_output_tokens is not None and self.max_output_tokens < 1:
-            raise InvalidRequestError("max_output_tokens must be >= 1", param="max_output_tokens")
+        if self.max_output_tokens is not None and not 1 <= self.max_output_tokens <= MAX_TOKENS:
+            raise InvalidRequestError(f"max_output_tokens must be from 1 to {MAX_TOKENS}", param="max_output_tokens")
         if self.metadata is not None:
             if len(self.metadata) > 16:
                 raise InvalidRequestError("metadata has more than 16 keys", param="metadata")
@@ -109,8 +113,8 @@ class ResponseRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, 
                 raise InvalidRequestError(f"{name} is not supported: only 0", param=name)
         if self.prompt is not None:
             raise InvalidRequestError("stored prompt templates are not available on a local server", param="prompt")
-        if self.max_tool_calls is not None and self.max_tool_calls < 1:
-            raise InvalidRequestError("max_tool_calls must be >= 1", param="max_tool_calls")
+        if self.max_tool_calls is not None and not 1 <= self.max_tool_calls <= MAX_TOKENS:
+            raise InvalidRequestError(f"max_tool_calls must be from 1 to {MAX_TOKENS}", param="max_tool_calls")
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options needs stream: true", param="stream_options")
         if self.conversation is not None:
@@ -121,10 +125,7 @@ class ResponseRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, 
             if not self.conversation_id:
                 raise InvalidRequestError("conversation must be an id or {'id': ...}", param="conversation")
         self.compact_threshold()  # validates context_management
-        reserved = {"messages", "add_generation_prompt", "bos_token", "eos_token"} & set(
-            self.chat_template_kwargs or {}
-        )
-        if reserved:
+        if reserved := TEMPLATE_ARGUMENTS & set(self.chat_template_kwargs or {}):
             raise InvalidRequestError(
                 f"chat_template_kwargs may not set {sorted(reserved)}", param="chat_template_kwargs"
             )
@@ -258,8 +259,8 @@ class CompactRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise InvalidRequestError("input must not be empty", param="input")
         if not 1 <= self.max_output_tokens <= 16384:
             raise InvalidRequestError("max_output_tokens must be from 1 to 16384", param="max_output_tokens")
-        if self.keep_tokens is not None and self.keep_tokens < 1:
-            raise InvalidRequestError("keep_tokens must be > 0", param="keep_tokens")
+        if self.keep_tokens is not None and not 1 <= self.keep_tokens <= MAX_TOKENS:
+            raise InvalidRequestError(f"keep_tokens must be from 1 to {MAX_TOKENS}", param="keep_tokens")
         self.request()  # parses the input items
 
     def request(self) -> ResponseRequest:

@@ -40,6 +40,9 @@ from .store.tasks import Event, EventBuilder, TaskRecord, TaskStore
 
 log = logging.getLogger("lmspd.supervisor")
 
+# Model spellings remembered with their canonical names (forgotten all at once past this).
+CANONICAL_NAMES_KEPT = 256
+
 
 class Supervisor:
     def __init__(
@@ -64,6 +67,7 @@ class Supervisor:
         self._stopping = False
         self._backoff = 0.5
         self.slots = ModelSlots(config.engine.max_loaded_models)
+        self._canonical: dict[str, str] = {}  # requested model name -> the engine's name for it
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -227,8 +231,9 @@ class Supervisor:
         request = msgspec.json.decode(task.request, type=TaskRequest)
         name = request.model or self.config.default_model
         # A model already in memory: claimed and running in one commit, with no round trip to
-        # an engine that answers only between its decode steps.
-        resident = self.engine.resident(name)
+        # an engine that answers only between its decode steps. (The engine knows models by
+        # their canonical names; a spelling seen before maps to one without resolving it.)
+        resident = self.engine.resident(self._canonical.get(name, name))
         if resident:
             claimed = await self._to(task_id, "running", state.in_progress(), via="loading")
         else:
@@ -237,6 +242,9 @@ class Supervisor:
             return  # cancelled (or claimed) first
         try:
             model = await asyncio.to_thread(self.registry.resolve, name)
+            if len(self._canonical) >= CANONICAL_NAMES_KEPT:
+                self._canonical.clear()
+            self._canonical[name] = model.name
             await self.slots.acquire(task_id, model.name)  # given back when _run ends
             if not resident:
                 await self.engine.load(model.name, str(model.path))

@@ -99,7 +99,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_bind(config)
     with pull_progress() as progress:  # the default model is ready before the first request
         ModelRegistry(config).resolve(config.default_model, progress=progress)
-    logging.getLogger("lmspd").setLevel(logging.INFO)
+    logging.getLogger("lmspd").setLevel(logging.DEBUG if args.verbose else logging.INFO)
     print(
         f"lmspd serving on http://{config.server.host}:{config.server.port} (database {config.server.database_path})",
         file=sys.stderr,

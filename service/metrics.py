@@ -12,6 +12,7 @@ Counters start at zero with the process, as Prometheus expects of counters.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import OrderedDict
 from typing import Protocol
@@ -27,6 +28,8 @@ from prometheus_client import (
 )
 
 from .store.status import STATUSES
+
+log = logging.getLogger("lmspd.metrics")
 
 __all__ = ["CONTENT_TYPE", "FirstTokenStages", "Metrics", "StatusCounts"]
 
@@ -68,16 +71,13 @@ class FirstTokenStages:
         while len(self._open) > STAGES_OPEN_MAX:
             self._open.popitem(last=False)
 
-    def expects(self, task_id: str, stage: str) -> bool:
-        entry = self._open.get(task_id)
-        return entry is not None and STAGES[entry[0]] == stage
-
     def mark(self, task_id: str, stage: str) -> None:
         entry = self._open.get(task_id)
         if entry is None or STAGES[entry[0]] != stage:
             return
         now = time.perf_counter()
         self.histogram.labels(stage).observe(now - entry[1])
+        log.debug("first token of %s: %s took %.1f ms", task_id, stage, (now - entry[1]) * 1e3)
         if entry[0] + 1 == len(STAGES):
             del self._open[task_id]
         else:

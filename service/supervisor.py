@@ -21,7 +21,14 @@ from . import compactor
 from .config import Config
 from .engine import protocol as p
 from .engine.client import EngineClient
-from .errors import ContextLengthExceededError, EngineCrashedError, InvalidPromptError, LmspdError, error_for
+from .errors import (
+    ContextLengthExceededError,
+    EngineCrashedError,
+    InvalidPromptError,
+    LmspdError,
+    StorageFullError,
+    error_for,
+)
 from .generation import build_generate, cache_key, prompt_for, tokenizer_for
 from .hub import Hub
 from .metrics import Metrics
@@ -34,10 +41,14 @@ from .responses.inputs import CompactionItem, Item
 from .responses.reasoning_echo import ReasoningEcho
 from .responses.schema import TaskRequest
 from .store.db import Job
-from .store.status import TaskStatus
+from .store.status import TERMINAL, TaskStatus
 from .store.tasks import Event, EventBuilder, TaskRecord, TaskStore
 
 log = logging.getLogger("lmspd.supervisor")
+# While the database is full, tasks are neither claimed nor settled more often than this
+# backoff allows; it doubles from the first up to the last while the writes keep failing.
+STORAGE_BACKOFF_SECS = (0.5, 8.0)
+STORAGE_SAY_AGAIN_SECS = 300.0
 
 
 class Supervisor:
@@ -62,6 +73,11 @@ class Supervisor:
         self._loop_task: asyncio.Task[None] | None = None
         self._stopping = False
         self._backoff = 0.5
+        # Storage full: the tasks whose generation it stopped (settled by their policy once a
+        # write succeeds again), and the backoff meanwhile (None: storage is fine).
+        self._stalled: set[str] = set()
+        self._storage_backoff: float | None = None
+        self._storage_said: float | None = None  # when the warning was last logged
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -103,6 +119,8 @@ class Supervisor:
             if not self.engine.alive:
                 await self._restart_engine()
                 continue
+            if (self._stalled or self._storage_backoff is not None) and not await self._settle_stalled():
+                continue
             room = 2 * self.config.engine.max_concurrency - len(self.running)
             if room <= 0:
                 continue
@@ -126,17 +144,97 @@ class Supervisor:
     # --- recovery (LMSP 7.5) --------------------------------------------------------------------
 
     async def recover(self) -> None:
-        """Settle every unfinished task by its policy before new work is accepted."""
+        """Settle every unfinished task by its policy before new work is accepted. A task
+        whose record cannot be read fails alone; with the storage full, the rest wait."""
         for task_id in await self.store.unfinished_ids():
-            task = await self.store.get(task_id)
-            if task.status == "queued":
-                continue  # never started: nothing was lost, it runs in turn
-            state = ResponseState.from_events(await self._all_events(task_id))
-            if task.status == "cancelling":
-                await self._settle_cancel(task_id, state)
-            else:
-                await self._interrupted(task, state, "server_restarted", "the server restarted during generation")
+            try:
+                await self._recover_one(task_id)
+            except StorageFullError:
+                self._storage_full(task_id)
+            except Exception as exc:
+                log.error("task %s could not be recovered (%s: %s)", task_id, type(exc).__name__, exc)
             self.hub.notify(task_id)
+
+    async def _recover_one(self, task_id: str) -> None:
+        task = await self.store.get(task_id)
+        if task.status == "queued":
+            return  # never started: nothing was lost, it runs in turn
+        state = await self._state(task)
+        if state is None:
+            return
+        if task.status == "cancelling":
+            await self._settle_cancel(task_id, state)
+        else:
+            await self._interrupted(task, state, "server_restarted", "the server restarted during generation")
+
+    async def _state(self, task: TaskRecord) -> ResponseState | None:
+        """The task's response as its event log left it; None if the log cannot be read, and
+        then the task has failed with ``task_corrupt`` (one damaged row stops only its task)."""
+        try:
+            return ResponseState.from_events(await self._all_events(task.id))
+        except StorageFullError:
+            raise
+        except Exception as exc:
+            cause = f"{type(exc).__name__}: {exc}"
+        log.error("task %s failed: its event log cannot be read back (%s)", task.id, cause)
+        blank = s.Response(id=task.response_id, created_at=task.created_at, status="in_progress", model="")
+        state = ResponseState(blank)
+        await self._fail(task.id, state, "task_corrupt", f"the task's stored events cannot be read back ({cause})")
+        return None
+
+    # --- storage full ---------------------------------------------------------------------------
+
+    def _storage_full(self, task_id: str | None = None) -> None:
+        """A write failed for want of room: the task stops here (settled by its policy once
+        writes succeed again) and the supervisor backs off. Said once, not per attempt."""
+        if task_id is not None:
+            self._stalled.add(task_id)
+        if self._storage_backoff is not None:
+            self._storage_backoff = min(self._storage_backoff * 2, STORAGE_BACKOFF_SECS[1])
+            return
+        self._storage_backoff = STORAGE_BACKOFF_SECS[0]
+        now = time.monotonic()
+        if self._storage_said is None or now - self._storage_said > STORAGE_SAY_AGAIN_SECS:
+            self._storage_said = now
+            log.warning(
+                "the database %s is full: generation stops and intake answers 503 until there is room; "
+                "the interrupted tasks then follow their on_restart policy",
+                self.config.server.database_path,
+            )
+
+    def _storage_ok(self) -> None:
+        """A write succeeded: the storage has room again."""
+        if self._storage_backoff is not None:
+            self._storage_backoff = None
+            log.warning("the database %s has room again", self.config.server.database_path)
+
+    async def _settle_stalled(self) -> bool:
+        """Wait out the backoff, then settle the tasks the full storage stopped by their
+        policy. False: still full (nothing is claimed this round)."""
+        if self._storage_backoff is not None:
+            await asyncio.sleep(self._storage_backoff)
+        wrote = False
+        try:
+            for task_id in sorted(self._stalled):
+                if task_id in self.running:
+                    continue  # still winding down: settled on a later round
+                task = await self.store.get(task_id)
+                if task.status not in TERMINAL and task.status != "queued":
+                    if (state := await self._state(task)) is not None:
+                        if task.status == "cancelling":
+                            await self._settle_cancel(task_id, state)
+                        else:
+                            detail = "the server's storage was full during generation"
+                            await self._interrupted(task, state, "storage_full", detail)
+                    wrote = True
+                self._stalled.discard(task_id)
+                self.hub.notify(task_id)
+        except StorageFullError:
+            self._storage_full()
+            return False
+        if wrote:
+            self._storage_ok()
+        return True  # a claim that fails for want of room backs off again
 
     async def _interrupted(self, task: TaskRecord, state: ResponseState, code: str, detail: str) -> None:
         if task.on_restart == "retry":
@@ -168,11 +266,13 @@ class Supervisor:
             await self._run_inner(task_id)
         except asyncio.CancelledError:
             raise
+        except StorageFullError:
+            self._storage_full(task_id)
         except Exception:
             log.exception("task %s failed unexpectedly", task_id)
             with contextlib.suppress(Exception):
-                state = ResponseState.from_events(await self._all_events(task_id))
-                await self._fail(task_id, state, "server_error", "internal error while running the task")
+                if (state := await self._state(await self.store.get(task_id))) is not None:
+                    await self._fail(task_id, state, "server_error", "internal error while running the task")
         finally:
             self.running.pop(task_id, None)
             self.engine.forget(task_id)  # a cancel that came before a Generate that never went
@@ -183,10 +283,12 @@ class Supervisor:
     async def _commit(self, task_id: str, events: list[EventBuilder]) -> None:
         await self.store.append_events(task_id, events)
         self.hub.notify(task_id)
+        self._storage_ok()
 
     async def _to(self, task_id: str, status: TaskStatus, events: list[EventBuilder]) -> bool:
         done = await self.store.transition(task_id, status, events=events)
         self.hub.notify(task_id)
+        self._storage_ok()
         return done is not None
 
     async def _settle_cancel(self, task_id: str, state: ResponseState) -> None:
@@ -218,7 +320,8 @@ class Supervisor:
 
     async def _run_inner(self, task_id: str) -> None:
         task = await self.store.get(task_id)
-        state = ResponseState.from_events(await self._all_events(task_id))
+        if (state := await self._state(task)) is None:
+            return
         if not await self._to(task_id, "loading", []):
             return  # cancelled (or claimed) first
         request = msgspec.json.decode(task.request, type=TaskRequest)
@@ -262,6 +365,8 @@ class Supervisor:
             if task.status == "cancelling":
                 return await self._settle_cancel(task_id, state)
             return await self._interrupted(task, state, "engine_crashed", exc.message)
+        except StorageFullError:
+            raise  # not the task's fault: it is settled by its policy once there is room
         except LmspdError as exc:
             return await self._fail(task_id, state, exc.code, exc.message)
         if finished.reason == "cancelled":

@@ -40,15 +40,12 @@ from .responses.history import history as history_for
 from .responses.inputs import CompactionItem, Item
 from .responses.reasoning_echo import ReasoningEcho
 from .responses.schema import TaskRequest
+from .storage_backoff import StorageBackoff
 from .store.db import Job
 from .store.status import TERMINAL, TaskStatus
 from .store.tasks import Event, EventBuilder, TaskRecord, TaskStore
 
 log = logging.getLogger("lmspd.supervisor")
-# While the database is full, tasks are neither claimed nor settled more often than this
-# backoff allows; it doubles from the first up to the last while the writes keep failing.
-STORAGE_BACKOFF_SECS = (0.5, 8.0)
-STORAGE_SAY_AGAIN_SECS = 300.0
 
 
 class Supervisor:
@@ -73,11 +70,7 @@ class Supervisor:
         self._loop_task: asyncio.Task[None] | None = None
         self._stopping = False
         self._backoff = 0.5
-        # Storage full: the tasks whose generation it stopped (settled by their policy once a
-        # write succeeds again), and the backoff meanwhile (None: storage is fine).
-        self._stalled: set[str] = set()
-        self._storage_backoff: float | None = None
-        self._storage_said: float | None = None  # when the warning was last logged
+        self.storage = StorageBackoff(config.server.database_path)
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -119,7 +112,7 @@ class Supervisor:
             if not self.engine.alive:
                 await self._restart_engine()
                 continue
-            if (self._stalled or self._storage_backoff is not None) and not await self._settle_stalled():
+            if self.storage.active and not await self._settle_stalled():
                 continue
             room = 2 * self.config.engine.max_concurrency - len(self.running)
             if room <= 0:
@@ -150,7 +143,7 @@ class Supervisor:
             try:
                 await self._recover_one(task_id)
             except StorageFullError:
-                self._storage_full(task_id)
+                self.storage.full(task_id)
             except Exception as exc:
                 log.error("task %s could not be recovered (%s: %s)", task_id, type(exc).__name__, exc)
             self.hub.notify(task_id)
@@ -184,38 +177,14 @@ class Supervisor:
 
     # --- storage full ---------------------------------------------------------------------------
 
-    def _storage_full(self, task_id: str | None = None) -> None:
-        """A write failed for want of room: the task stops here (settled by its policy once
-        writes succeed again) and the supervisor backs off. Said once, not per attempt."""
-        if task_id is not None:
-            self._stalled.add(task_id)
-        if self._storage_backoff is not None:
-            self._storage_backoff = min(self._storage_backoff * 2, STORAGE_BACKOFF_SECS[1])
-            return
-        self._storage_backoff = STORAGE_BACKOFF_SECS[0]
-        now = time.monotonic()
-        if self._storage_said is None or now - self._storage_said > STORAGE_SAY_AGAIN_SECS:
-            self._storage_said = now
-            log.warning(
-                "the database %s is full: generation stops and intake answers 503 until there is room; "
-                "the interrupted tasks then follow their on_restart policy",
-                self.config.server.database_path,
-            )
-
-    def _storage_ok(self) -> None:
-        """A write succeeded: the storage has room again."""
-        if self._storage_backoff is not None:
-            self._storage_backoff = None
-            log.warning("the database %s has room again", self.config.server.database_path)
-
     async def _settle_stalled(self) -> bool:
         """Wait out the backoff, then settle the tasks the full storage stopped by their
         policy. False: still full (nothing is claimed this round)."""
-        if self._storage_backoff is not None:
-            await asyncio.sleep(self._storage_backoff)
+        if self.storage.wait is not None:
+            await asyncio.sleep(self.storage.wait)
         wrote = False
         try:
-            for task_id in sorted(self._stalled):
+            for task_id in sorted(self.storage.stalled):
                 if task_id in self.running:
                     continue  # still winding down: settled on a later round
                 task = await self.store.get(task_id)
@@ -227,13 +196,13 @@ class Supervisor:
                             detail = "the server's storage was full during generation"
                             await self._interrupted(task, state, "storage_full", detail)
                     wrote = True
-                self._stalled.discard(task_id)
+                self.storage.stalled.discard(task_id)
                 self.hub.notify(task_id)
         except StorageFullError:
-            self._storage_full()
+            self.storage.full()
             return False
         if wrote:
-            self._storage_ok()
+            self.storage.ok()
         return True  # a claim that fails for want of room backs off again
 
     async def _interrupted(self, task: TaskRecord, state: ResponseState, code: str, detail: str) -> None:
@@ -267,7 +236,7 @@ class Supervisor:
         except asyncio.CancelledError:
             raise
         except StorageFullError:
-            self._storage_full(task_id)
+            self.storage.full(task_id)
         except Exception:
             log.exception("task %s failed unexpectedly", task_id)
             with contextlib.suppress(Exception):
@@ -283,12 +252,12 @@ class Supervisor:
     async def _commit(self, task_id: str, events: list[EventBuilder]) -> None:
         await self.store.append_events(task_id, events)
         self.hub.notify(task_id)
-        self._storage_ok()
+        self.storage.ok()
 
     async def _to(self, task_id: str, status: TaskStatus, events: list[EventBuilder]) -> bool:
         done = await self.store.transition(task_id, status, events=events)
         self.hub.notify(task_id)
-        self._storage_ok()
+        self.storage.ok()
         return done is not None
 
     async def _settle_cancel(self, task_id: str, state: ResponseState) -> None:

@@ -68,6 +68,10 @@ def _run_batch(conn: sqlite3.Connection, jobs: list[Job]) -> list[tuple[bool, An
                 results.append((True, job(conn)))
                 conn.execute("RELEASE job")
             except Exception as exc:
+                if not conn.in_transaction:
+                    # SQLite rolled the whole transaction back itself (a full disk does that):
+                    # nothing in the batch happened, and every job fails with the cause.
+                    raise exc from None
                 conn.execute("ROLLBACK TO job")
                 conn.execute("RELEASE job")
                 results.append((False, exc))

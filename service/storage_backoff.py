@@ -35,8 +35,7 @@ class StorageBackoff:
         if task_id is not None:
             self.stalled.add(task_id)
         if self.wait is not None:
-            self.wait = min(self.wait * 2, LAST_SECS)
-            return
+            return  # the wait grows per round of tries (longer), not per failed write
         self.wait = FIRST_SECS
         now = time.monotonic()
         if self._said is None or now - self._said > SAY_AGAIN_SECS:
@@ -46,6 +45,11 @@ class StorageBackoff:
                 "the interrupted tasks then follow their on_restart policy",
                 self.database,
             )
+
+    def longer(self) -> None:
+        """Waited once: the next wait is longer, unless a write succeeds meanwhile."""
+        if self.wait is not None:
+            self.wait = min(self.wait * 2, LAST_SECS)
 
     def ok(self) -> None:
         """A write succeeded: there is room again."""

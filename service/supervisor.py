@@ -182,6 +182,7 @@ class Supervisor:
         policy. False: still full (nothing is claimed this round)."""
         if self.storage.wait is not None:
             await asyncio.sleep(self.storage.wait)
+            self.storage.longer()
         wrote = False
         try:
             for task_id in sorted(self.storage.stalled):

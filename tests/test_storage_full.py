@@ -7,6 +7,7 @@ room, after a backoff, said once in the log; and all of it recovers by itself.""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sqlite3
 import time
@@ -14,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from engine_host import Host, Hosts
 from starlette.testclient import TestClient
@@ -144,3 +146,65 @@ def test_generation_stopped_by_a_full_disk_follows_each_policy(
     ]
     assert not [r for r in said if r.exc_info], "a traceback was logged"
     assert [r.getMessage() for r in said if "has room again" in r.getMessage()]
+
+
+async def test_restart_with_the_disk_still_full_waits_and_then_follows_each_policy(
+    tmp_path: Path, model_cache: Path, tiny_long: ResolvedModel, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Recovery at start cannot write either: the server starts anyway (reads still work),
+    the interrupted tasks wait, said once, and are settled by their policies once there is room."""
+    from service.core.service import Core
+    from service.engine.client import EngineClient
+    from service.hub import Hub
+    from service.models.registry import ModelRegistry
+    from service.responses.schema import ResponseRequest
+    from service.store.tasks import TaskStore
+    from service.supervisor import Supervisor
+
+    caplog.set_level(logging.INFO, logger="lmspd")
+    config = Config(
+        default_model="tiny",
+        cache_dir=str(model_cache),
+        models={"tiny": ModelEntry(path=str(tiny_long.path))},
+        server=ServerConfig(data_dir=str(tmp_path)),
+    )
+    db = await Database.open(config.server.database_path)
+    store, hub, registry = TaskStore(db), Hub(), ModelRegistry(config)
+    supervisor = Supervisor(config, store, EngineClient(EngineConfig()), hub, registry)
+    core = Core(config, store, hub, supervisor, registry, store.metrics)
+    request = msgspec.json.decode(b'{"input": "hi", "max_output_tokens": 4}', type=ResponseRequest)
+    ids = {
+        policy: (await core.submit("alice", request, kind="task", on_restart=policy))[0].id
+        for policy in ("fail", "retry", "resume")
+    }
+
+    # As a kill -9 mid-generation leaves them; then the disk fills up: every page is taken
+    # and the pages' free space filled (by another connection, as another writer would).
+    with contextlib.closing(sqlite3.connect(config.server.database_path, isolation_level=None)) as other:
+        other.execute("UPDATE tasks SET status = 'running'")
+        other.execute(f"PRAGMA max_page_count = {other.execute('PRAGMA page_count').fetchone()[0]}")
+        for task_id in ids.values():  # events sort by task: fill the pages next to each one's
+            with contextlib.suppress(sqlite3.OperationalError):
+                for i in range(100_000):
+                    add = "INSERT INTO events (task_id, seq, type, data) VALUES (?, ?, 'x', x'00')"
+                    other.execute(add, (f"{task_id}~", i))
+    set_limit = "PRAGMA max_page_count = 1"  # no page more than it has now
+    await on_thread(db._writer_conn, lambda conn: conn.execute(set_limit))
+    await supervisor.recover()  # does not raise: the start goes on
+    # The failure's event needs room; a resume's requeue (a status change) may fit in place.
+    assert ids["fail"] in supervisor.storage.stalled
+    assert {(await store.get(i)).status for i in supervisor.storage.stalled} == {"running"}
+    assert not await supervisor._settle_stalled()  # still full: backs off
+    await on_thread(db._writer_conn, lambda conn: conn.execute(f"PRAGMA max_page_count = {2**31 - 2}"))
+    assert await supervisor._settle_stalled()
+    tasks = {policy: await store.get(i) for policy, i in ids.items()}
+    assert (tasks["fail"].status, msgspec.json.decode(tasks["fail"].error or b"{}")["code"]) == (
+        "failed",
+        "storage_full",
+    )
+    assert (tasks["retry"].status, tasks["retry"].attempt) == ("queued", 2)
+    assert (tasks["resume"].status, tasks["resume"].attempt) == ("queued", 1)
+    said = [r.getMessage() for r in caplog.records if r.name.startswith("lmspd")]
+    assert len([m for m in said if " is full: " in m]) == 1 and any("has room again" in m for m in said)
+    assert not [r for r in caplog.records if r.exc_info]
+    await db.close()

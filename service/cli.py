@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
+import os
 import sys
+import threading
 import time
 import uuid
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +24,8 @@ from .logs import ENV as LOG_FORMAT_ENV
 from .logs import FORMATS as LOG_FORMATS
 from .logs import default_format
 from .logs import setup as setup_logging
+
+EXIT_GRACE_SECS = 5.0  # a failed start exits within this, whatever is left running
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -93,10 +99,17 @@ def _config(args: argparse.Namespace) -> Config:
 def cmd_serve(args: argparse.Namespace) -> int:
     from .models.registry import ModelRegistry
     from .progress import pull_progress
-    from .serve import check_bind, run
+    from .serve import StartupError, check_bind, check_port, run
+    from .store.check import check as check_database
 
     config = _config(args)
     check_bind(config)
+    try:
+        # First, and read-only: a damaged file or a taken port is refused before any model is fetched.
+        check_database(config.server.database_path)
+        check_port(config)
+    except LmspdError as exc:
+        return _start_failed(StartupError(exc.message))
     with pull_progress() as progress:  # the default model is ready before the first request
         ModelRegistry(config).resolve(config.default_model, progress=progress)
     logging.getLogger("lmspd").setLevel(logging.DEBUG if args.verbose else logging.INFO)
@@ -105,13 +118,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
-    try:
+    runner: Callable[[Coroutine[Any, Any, None]], None] = asyncio.run
+    with contextlib.suppress(ImportError):  # not on Windows
         import uvloop  # about 10% more requests per second, measured with bench/tasks.py
-    except ImportError:  # not on Windows
-        asyncio.run(run(config))
-    else:
-        uvloop.run(run(config))
+
+        runner = uvloop.run
+    try:
+        runner(run(config))
+    except StartupError as exc:
+        return _start_failed(exc)
     return 0
+
+
+def _start_failed(exc: LmspdError) -> int:
+    """One line, in the server's log format, for systemd's journal (the traceback only with
+    --verbose), and exit 1. What started was stopped; should anything still hold the process
+    (a thread stuck in a library), it exits anyway: a failed start must never hang."""
+    log = logging.getLogger("lmspd.server")
+    log.error("cannot start: %s", exc.message)
+    log.debug("startup failure", exc_info=exc.__cause__)
+    exit_anyway = threading.Timer(EXIT_GRACE_SECS, os._exit, args=(1,))
+    exit_anyway.daemon = True
+    exit_anyway.start()
+    return 1
 
 
 def cmd_service_print(args: argparse.Namespace) -> int:

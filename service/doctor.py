@@ -41,6 +41,12 @@ print(json.dumps(info))
 """
 
 
+_REPAIR = (
+    "lmspd serve refuses this file and never changes it: stop lmspd, move the file aside with its -wal "
+    "and -shm files (sqlite3's .recover may save its rows), and start again, or upgrade lmspd if it is newer"
+)
+
+
 @dataclass(frozen=True)
 class Finding:
     level: Level
@@ -90,6 +96,7 @@ def _data_dir(config: Config) -> Finding:
 
 
 def _database(config: Config) -> list[Finding]:
+    from .store.check import problem
     from .store.migrate import migrations
 
     path = config.server.database_path
@@ -101,6 +108,7 @@ def _database(config: Config) -> list[Finding]:
         return [Finding("FAIL", "database", "this lmspd found no migrations: it cannot create its database")]
     if not path.exists():
         return [Finding("ok", "database", f"{path} does not exist yet (created at schema {latest} on first start)")]
+    cause = problem(path)  # what lmspd serve would refuse the file for
     try:
         conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=5)
         try:
@@ -109,7 +117,9 @@ def _database(config: Config) -> list[Finding]:
         finally:
             conn.close()
     except sqlite3.Error as exc:
-        return [Finding("FAIL", "database", f"{path}: {exc}")]
+        return [Finding("FAIL", "database", f"{path}: {cause or exc}"), Finding("FAIL", "database", _REPAIR)]
+    if cause is not None and current <= latest:
+        return [Finding("FAIL", "database", f"{path}: {cause}"), Finding("FAIL", "database", _REPAIR)]
     if current > latest:
         schema = Finding("FAIL", "schema", f"version {current}, newer than this lmspd ({latest}): upgrade lmspd")
     elif current < latest:

@@ -201,7 +201,22 @@ class ServerOverloadedError(LmspdError):
     openai_code = "server_overloaded"
 
 
+class StorageFullError(ServerOverloadedError):
+    """The database cannot grow (its disk, or its size limit, is full): nothing was written,
+    and the same request succeeds once there is room again."""
+
+    code = "storage_full"
+    title = "Storage full"
+
+
 # --- failures of accepted work (a failed task's error) --------------------------------------
+
+
+class TaskCorruptError(LmspdError):
+    """A task's stored record or event log cannot be read back: it fails, the others run."""
+
+    code = "task_corrupt"
+    title = "Stored task unreadable"
 
 
 class ServerRestartedError(LmspdError):

@@ -6,9 +6,10 @@ import asyncio
 import ipaddress
 import logging
 import signal
+import socket
 
 from .config import Config
-from .errors import ConfigError
+from .errors import ConfigError, LmspdError
 from .systemd import notify, notify_address, notify_when_ready
 
 log = logging.getLogger("lmspd.server")
@@ -21,6 +22,36 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+class StartupError(LmspdError):
+    """``lmspd serve`` could not start; the message says why and what to do, in one line."""
+
+    code = "startup_failed"
+    title = "Startup failed"
+
+
+def startup_error(config: Config, cause: BaseException | None) -> StartupError:
+    from .store.check import DatabaseUnusableError
+
+    if isinstance(cause, DatabaseUnusableError):
+        return StartupError(cause.message)  # it names the file, the cause and `lmspd doctor`
+    what = cause.message if isinstance(cause, LmspdError) else f"{type(cause).__name__}: {cause}"
+    return StartupError(f"{what} (database {config.server.database_path}); run `lmspd doctor` for details")
+
+
+def check_port(config: Config) -> None:
+    """Bind the address for a moment, before anything starts, as the server will (SO_REUSEADDR)."""
+    host, port = config.server.host, config.server.port
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(address)
+    except OSError as exc:
+        raise StartupError(
+            f"cannot listen on {host}:{port}: {exc.strerror or exc}; run `lmspd doctor` for details", param="port"
+        ) from exc
 
 
 def check_bind(config: Config) -> None:
@@ -37,6 +68,7 @@ async def run(config: Config) -> None:
     # Imported here: check_bind's other callers (lmspd doctor) need neither the app nor Hypercorn.
     from hypercorn.asyncio import serve as hypercorn_serve
     from hypercorn.config import Config as HypercornConfig
+    from hypercorn.utils import LifespanFailureError
 
     from .api.app import create_app
 
@@ -75,6 +107,9 @@ async def run(config: Config) -> None:
         loop.add_signal_handler(sig, on_signal)
     try:
         await hypercorn_serve(app, hc, shutdown_trigger=stop.wait)  # type: ignore[arg-type]
+    except LifespanFailureError as exc:
+        cause = getattr(app.state, "startup_error", None)
+        raise startup_error(config, cause) from cause or exc
     finally:
         if ready is not None:
             ready.cancel()

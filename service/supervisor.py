@@ -21,7 +21,14 @@ from . import compactor
 from .config import Config
 from .engine import protocol as p
 from .engine.client import EngineClient
-from .errors import ContextLengthExceededError, EngineCrashedError, InvalidPromptError, LmspdError, error_for
+from .errors import (
+    ContextLengthExceededError,
+    EngineCrashedError,
+    InvalidPromptError,
+    LmspdError,
+    StorageFullError,
+    error_for,
+)
 from .generation import build_generate, cache_key, prompt_for, tokenizer_for
 from .hub import Hub
 from .metrics import Metrics
@@ -34,8 +41,9 @@ from .responses.history import history as history_for
 from .responses.inputs import CompactionItem, Item
 from .responses.reasoning_echo import ReasoningEcho
 from .responses.schema import TaskRequest
+from .storage_backoff import StorageBackoff
 from .store.db import Job
-from .store.status import TaskStatus
+from .store.status import TERMINAL, TaskStatus
 from .store.tasks import Event, EventBuilder, TaskRecord, TaskStore
 
 log = logging.getLogger("lmspd.supervisor")
@@ -68,6 +76,7 @@ class Supervisor:
         self._backoff = 0.5
         self.slots = ModelSlots(config.engine.max_loaded_models)
         self._canonical: dict[str, str] = {}  # requested model name -> the engine's name for it
+        self.storage = StorageBackoff(config.server.database_path)
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -109,6 +118,8 @@ class Supervisor:
             if not self.engine.alive:
                 await self._restart_engine()
                 continue
+            if self.storage.active and not await self._settle_stalled():
+                continue
             room = 2 * self.config.engine.max_concurrency - len(self.running)
             if room <= 0:
                 continue
@@ -132,17 +143,74 @@ class Supervisor:
     # --- recovery (LMSP 7.5) --------------------------------------------------------------------
 
     async def recover(self) -> None:
-        """Settle every unfinished task by its policy before new work is accepted."""
+        """Settle every unfinished task by its policy before new work is accepted. A task
+        whose record cannot be read fails alone; with the storage full, the rest wait."""
         for task_id in await self.store.unfinished_ids():
-            task = await self.store.get(task_id)
-            if task.status == "queued":
-                continue  # never started: nothing was lost, it runs in turn
-            state = ResponseState.from_events(await self._all_events(task_id))
-            if task.status == "cancelling":
-                await self._settle_cancel(task_id, state)
-            else:
-                await self._interrupted(task, state, "server_restarted", "the server restarted during generation")
+            try:
+                await self._recover_one(task_id)
+            except StorageFullError:
+                self.storage.full(task_id)
+            except Exception as exc:
+                log.error("task %s could not be recovered (%s: %s)", task_id, type(exc).__name__, exc)
             self.hub.notify(task_id)
+
+    async def _recover_one(self, task_id: str) -> None:
+        task = await self.store.get(task_id)
+        if task.status == "queued":
+            return  # never started: nothing was lost, it runs in turn
+        state = await self._state(task)
+        if state is None:
+            return
+        if task.status == "cancelling":
+            await self._settle_cancel(task_id, state)
+        else:
+            await self._interrupted(task, state, "server_restarted", "the server restarted during generation")
+
+    async def _state(self, task: TaskRecord) -> ResponseState | None:
+        """The task's response as its event log left it; None if the log cannot be read, and
+        then the task has failed with ``task_corrupt`` (one damaged row stops only its task)."""
+        try:
+            return ResponseState.from_events(await self._all_events(task.id))
+        except StorageFullError:
+            raise
+        except Exception as exc:
+            cause = f"{type(exc).__name__}: {exc}"
+        log.error("task %s failed: its event log cannot be read back (%s)", task.id, cause)
+        blank = s.Response(id=task.response_id, created_at=task.created_at, status="in_progress", model="")
+        state = ResponseState(blank)
+        await self._fail(task.id, state, "task_corrupt", f"the task's stored events cannot be read back ({cause})")
+        return None
+
+    # --- storage full ---------------------------------------------------------------------------
+
+    async def _settle_stalled(self) -> bool:
+        """Wait out the backoff, then settle the tasks the full storage stopped by their
+        policy. False: still full (nothing is claimed this round)."""
+        if self.storage.wait is not None:
+            await asyncio.sleep(self.storage.wait)
+            self.storage.longer()
+        wrote = False
+        try:
+            for task_id in sorted(self.storage.stalled):
+                if task_id in self.running:
+                    continue  # still winding down: settled on a later round
+                task = await self.store.get(task_id)
+                if task.status not in TERMINAL and task.status != "queued":
+                    if (state := await self._state(task)) is not None:
+                        if task.status == "cancelling":
+                            await self._settle_cancel(task_id, state)
+                        else:
+                            detail = "the server's storage was full during generation"
+                            await self._interrupted(task, state, "storage_full", detail)
+                    wrote = True
+                self.storage.stalled.discard(task_id)
+                self.hub.notify(task_id)
+        except StorageFullError:
+            self.storage.full()
+            return False
+        if wrote:
+            self.storage.ok()
+        return True  # a claim that fails for want of room backs off again
 
     async def _interrupted(self, task: TaskRecord, state: ResponseState, code: str, detail: str) -> None:
         if task.on_restart == "retry":
@@ -174,11 +242,13 @@ class Supervisor:
             await self._run_inner(task_id)
         except asyncio.CancelledError:
             raise
+        except StorageFullError:
+            self.storage.full(task_id)
         except Exception:
             log.exception("task %s failed unexpectedly", task_id)
             with contextlib.suppress(Exception):
-                state = ResponseState.from_events(await self._all_events(task_id))
-                await self._fail(task_id, state, "server_error", "internal error while running the task")
+                if (state := await self._state(await self.store.get(task_id))) is not None:
+                    await self._fail(task_id, state, "server_error", "internal error while running the task")
         finally:
             self.running.pop(task_id, None)
             self.slots.release(task_id)
@@ -190,12 +260,14 @@ class Supervisor:
     async def _commit(self, task_id: str, events: list[EventBuilder]) -> None:
         await self.store.append_events(task_id, events)
         self.hub.notify(task_id)
+        self.storage.ok()
 
     async def _to(
         self, task_id: str, status: TaskStatus, events: list[EventBuilder], via: TaskStatus | None = None
     ) -> bool:
         done = await self.store.transition(task_id, status, events=events, via=via)
         self.hub.notify(task_id)
+        self.storage.ok()
         return done is not None
 
     async def _settle_cancel(self, task_id: str, state: ResponseState) -> None:
@@ -227,7 +299,8 @@ class Supervisor:
 
     async def _run_inner(self, task_id: str) -> None:
         task = await self.store.get(task_id)
-        state = ResponseState.from_events(await self._all_events(task_id))
+        if (state := await self._state(task)) is None:
+            return
         request = msgspec.json.decode(task.request, type=TaskRequest)
         name = request.model or self.config.default_model
         # A model already in memory: claimed and running in one commit, with no round trip to
@@ -288,6 +361,8 @@ class Supervisor:
             if task.status == "cancelling":
                 return await self._settle_cancel(task_id, state)
             return await self._interrupted(task, state, "engine_crashed", exc.message)
+        except StorageFullError:
+            raise  # not the task's fault: it is settled by its policy once there is room
         except LmspdError as exc:
             return await self._fail(task_id, state, exc.code, exc.message)
         if finished.reason == "cancelled":

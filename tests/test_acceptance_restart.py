@@ -103,11 +103,11 @@ def server(tmp_path: Path, model_cache: Path, tiny_long: ResolvedModel) -> Itera
         yield srv
 
 
-def submit(url: str, on_restart: str, max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
+def submit(url: str, on_restart: str, max_tokens: int = MAX_TOKENS, text: str = PROMPT) -> dict[str, Any]:
     body = {
         "type": "response",
         "on_restart": on_restart,
-        "input": {"input": PROMPT, "temperature": 0, "max_output_tokens": max_tokens},
+        "input": {"input": text, "temperature": 0, "max_output_tokens": max_tokens},
     }
     r = httpx.post(f"{url}/lmsp/v1/tasks", json=body, timeout=30)
     assert r.status_code == 202, r.text

@@ -153,7 +153,11 @@ def test_doctor_database_and_port_checks(tmp_path: Path) -> None:
     assert absent.detail.endswith(f"does not exist yet (created at schema {len(migrations())} on first start)")
     assert doctor._port(config).level == "ok"
     config.server.database_path.write_bytes(b"not a database " * 300)
-    [finding] = doctor._database(config)
-    assert (finding.level, finding.detail) == ("FAIL", f"{config.server.database_path}: file is not a database")
+    finding, repair = doctor._database(config)
+    assert (finding.level, finding.detail) == (
+        "FAIL",
+        f"{config.server.database_path}: it is not an SQLite database (its header is not SQLite's)",
+    )
+    assert repair.level == "FAIL" and "move the file aside" in repair.detail
     remote = _config(tmp_path, host="0.0.0.0", port=_free_port())
     assert doctor._port(remote).level == "FAIL"  # no tokens: lmspd serve would refuse this address

@@ -31,7 +31,7 @@ from ..config import Config
 from ..core import Core
 from ..engine.client import EngineClient
 from ..engine.protocol import SamplingParams
-from ..errors import InvalidRequestError, LmspdError, MethodNotAllowedError, NotFoundError
+from ..errors import InvalidRequestError, LmspdError, MethodNotAllowedError, NotFoundError, StorageFullError
 from ..generation import check_request
 from ..hub import Hub
 from ..metrics import CONTENT_TYPE, Metrics
@@ -171,6 +171,8 @@ async def _janitor(config: Config, store: TaskStore) -> None:
             )
             evicted = await store.enforce_response_limits(config.responses)
             log.info("retention purge: %s; response store evictions: %d", counts, evicted)
+        except StorageFullError as exc:
+            log.warning("retention purge postponed: %s", exc.message)
         except Exception:
             log.exception("retention purge failed")
 
@@ -189,31 +191,41 @@ def create_app(config: Config, engine: EngineClient | None = None, shutdown: asy
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        # Whatever started is stopped again, in reverse order, also when a later step fails:
+        # an open database or engine left behind keeps a failed server alive, never serving.
+        async with contextlib.AsyncExitStack() as stack:
+            try:
+                await _start(app, stack)
+            except Exception as exc:
+                app.state.startup_error = exc  # for `lmspd serve`, which says why in one line
+                raise
+            yield
+
+    async def _start(app: Starlette, stack: contextlib.AsyncExitStack) -> None:
         metrics = Metrics()  # this app's own registry: many apps may share a process
         db = await Database.open(config.server.database_path, on_commit=metrics.observe_commit)
+        stack.push_async_callback(db.close)
         store = TaskStore(db, max_queued=config.server.max_queued_tasks, metrics=metrics)
         hub = Hub()
         registry = ModelRegistry(config)
         runner = engine or EngineClient(config.engine, config.server.prompt_cache_dir)
         supervisor = Supervisor(config, store, runner, hub, registry, metrics)
+        # A handed-in engine is the caller's to close.
+        stack.push_async_callback(supervisor.stop, close_engine=engine is None)
         await supervisor.start()  # recovers unfinished tasks before any request is served
         # Foreground store:false responses a crash left between their end and their release. Only
         # at start: while serving, a slow reader may still be streaming a finished one.
-        await store.delete_finished_unstored()
+        with contextlib.suppress(StorageFullError):  # deleting needs room too: the janitor retries
+            await store.delete_finished_unstored()
         core = Core(config, store, hub, supervisor, registry, metrics)
+        stack.push_async_callback(core.close)
         app.state.lmsp = AppState(config, core, Authenticator(config.server.tokens))
         await asyncio.to_thread(_warm_up, config, registry)
         chores = [asyncio.create_task(_janitor(config, store))]
         if shutdown is not None:
             chores.append(asyncio.create_task(_on_shutdown(shutdown, core)))
-        try:
-            yield
-        finally:
-            for chore in chores:
-                chore.cancel()
-            await core.close()
-            await supervisor.stop(close_engine=engine is None)  # a handed-in engine is the caller's
-            await db.close()
+        for chore in chores:
+            stack.callback(chore.cancel)
 
     return Starlette(
         routes=ROUTES,

@@ -630,6 +630,9 @@ def main(
     log_format: LogFormat = "text",
 ) -> None:
     """Entry point of the spawned engine process."""
+    from .lifeline import bind_to_parent
+
+    bind_to_parent(os.getppid())  # first: a server killed from now on takes its engine with it
     # The server's format, and its level for its own loggers (the root stays at its default
     # for libraries').
     text = "%(asctime)s engine %(levelname)s %(message)s"

@@ -21,6 +21,8 @@ from typing import Any, TypeVar
 
 import aiosqlite
 
+from ..errors import LmspdError, StorageFullError
+from .check import DatabaseUnusableError, check, refusal
 from .migrate import migrate
 
 T = TypeVar("T")
@@ -28,6 +30,17 @@ Job = Callable[[sqlite3.Connection], Any]
 # Told of each group commit: its duration in seconds and its number of jobs (the metrics).
 CommitHook = Callable[[float, int], None]
 MAX_BATCH = 512
+SQLITE_FULL = 13
+
+
+def storage_error(exc: BaseException) -> BaseException:
+    """SQLite's "database or disk is full" as the error clients see (503, retry later);
+    any other error as it is."""
+    if isinstance(exc, sqlite3.Error) and (getattr(exc, "sqlite_errorcode", 0) or 0) & 0xFF == SQLITE_FULL:
+        full = StorageFullError("the server's storage is full: nothing was written; retry later")
+        full.__cause__ = exc
+        return full
+    return exc
 
 
 def _configure(conn: sqlite3.Connection, writer: bool) -> None:
@@ -55,6 +68,10 @@ def _run_batch(conn: sqlite3.Connection, jobs: list[Job]) -> list[tuple[bool, An
                 results.append((True, job(conn)))
                 conn.execute("RELEASE job")
             except Exception as exc:
+                if not conn.in_transaction:
+                    # SQLite rolled the whole transaction back itself (a full disk does that):
+                    # nothing in the batch happened, and every job fails with the cause.
+                    raise exc from None
                 conn.execute("ROLLBACK TO job")
                 conn.execute("RELEASE job")
                 results.append((False, exc))
@@ -106,7 +123,7 @@ class Writer:
             except Exception as exc:  # the COMMIT itself failed: nothing in the batch happened
                 for _, fut in batch:
                     if not fut.done():
-                        fut.set_exception(exc)
+                        fut.set_exception(storage_error(exc))
                 continue
             for (_, fut), (ok, value) in zip(batch, results, strict=True):
                 if fut.done():
@@ -114,7 +131,7 @@ class Writer:
                 if ok:
                     fut.set_result(value)
                 else:
-                    fut.set_exception(value)
+                    fut.set_exception(storage_error(value))
             if self._on_commit is not None:
                 with contextlib.suppress(Exception):  # a metric must never stop the writer
                     self._on_commit(seconds, len(batch))
@@ -137,12 +154,27 @@ class Database:
     async def open(
         cls, path: Path, migrations_dir: Path | None = None, *, on_commit: CommitHook | None = None
     ) -> Database:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        writer = await aiosqlite.connect(path, isolation_level=None)
-        await on_thread(writer, _configure, True)
-        await on_thread(writer, migrate, migrations_dir)
-        reader = await aiosqlite.connect(path, isolation_level=None)
-        await on_thread(reader, _configure, False)
+        # Read-only, before anything opens it for writing: a damaged file is refused as it is.
+        await asyncio.to_thread(check, path, migrations_dir)
+        opened: list[aiosqlite.Connection] = []
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            writer = await aiosqlite.connect(path, isolation_level=None)
+            opened.append(writer)
+            await on_thread(writer, _configure, True)
+            await on_thread(writer, migrate, migrations_dir)
+            reader = await aiosqlite.connect(path, isolation_level=None)
+            opened.append(reader)
+            await on_thread(reader, _configure, False)
+        except BaseException as exc:
+            # Each connection is a thread that would keep the process alive after a failed start.
+            for conn in opened:
+                with contextlib.suppress(Exception):
+                    await conn.close()
+            if isinstance(exc, DatabaseUnusableError) or not isinstance(exc, sqlite3.Error | OSError | LmspdError):
+                raise
+            cause = exc.message if isinstance(exc, LmspdError) else str(exc)
+            raise DatabaseUnusableError(refusal(path, cause)) from exc
         return cls(writer, reader, on_commit)
 
     # Each read runs, and finishes, in one hop on the reader's thread. Cursors left open

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 
 import msgspec
 import ulid
@@ -31,7 +30,7 @@ from .errors import (
 )
 from .generation import build_generate, cache_key, prompt_for, tokenizer_for
 from .hub import Hub
-from .metrics import Metrics
+from .metrics import Metrics, TokenTimer
 from .models.registry import ModelRegistry, ResolvedModel
 from .models.slots import ModelSlots
 from .responses import schema as s
@@ -430,7 +429,7 @@ class Supervisor:
         queue: asyncio.Queue[p.Delta | p.Finished | Exception] = asyncio.Queue()
 
         async def pump() -> None:
-            timer = _TokenTimer(self.metrics, task_id)
+            timer = TokenTimer(self.metrics, task_id)
             try:
                 async for ev in self.engine.generate(cmd):
                     timer.saw(ev)
@@ -465,41 +464,6 @@ class Supervisor:
             producer.cancel()
             with contextlib.suppress(BaseException):
                 await producer
-
-
-class _TokenTimer:
-    """A generation's metrics, as its events arrive from the engine: time to the first
-    token, time per later token, tokens generated; at the end, the finish reason and the
-    prompt cache's share of the prompt."""
-
-    def __init__(self, metrics: Metrics, task_id: str) -> None:
-        self.metrics = metrics
-        self.task_id = task_id
-        self.last = time.perf_counter()  # the Generate is sent when the stream is first read
-        self.first = True
-
-    def saw(self, ev: p.Delta | p.Finished) -> None:
-        m = self.metrics
-        if isinstance(ev, p.Finished):
-            m.generations_finished.labels(ev.reason).inc()
-            if ev.reason != "cancelled":  # an early cancel never reached the engine
-                m.prompt_tokens.inc(ev.prompt_tokens)
-                if ev.cached_tokens:
-                    m.prompt_cache_hits.inc()
-                    m.prompt_cached_tokens.inc(ev.cached_tokens)
-            return
-        if not (n := len(ev.token_ids)):
-            return
-        now = time.perf_counter()
-        m.output_tokens.inc(n)
-        if self.first:
-            self.first = False
-            m.time_to_first_token.observe(now - self.last)
-            m.first_token_stages.mark(self.task_id, "engine")
-        else:
-            for _ in range(n):
-                m.token_latency.observe((now - self.last) / n)
-        self.last = now
 
 
 def summary_id(task_id: str) -> str:

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import httpx
 
-from .checks import INVARIANTS, Report, check, read_db, snapshot_of
+from .checks import INVARIANTS, Report, check, read_db, resumed_mid_generation, snapshot_of
 from .ledger import Ledger, Snapshot
 from .load import Load
 from .server import Server, write_config
@@ -44,8 +44,10 @@ async def kill_engine(server: Server, ledger: Ledger) -> None:
     old = server.engine_pid()
     if old is None:
         return
+    running = await asyncio.to_thread(server.count, ("running",))
     os.kill(old, signal.SIGKILL)
     ledger.engine_kills += 1
+    ledger.running_at_engine_kills += running
     async with httpx.AsyncClient(base_url=server.url, timeout=5) as client:
         while time.monotonic() < deadline + 120:
             await asyncio.sleep(0.1)
@@ -62,12 +64,16 @@ def snapshot(server: Server, ledger: Ledger, cycle: int) -> None:
 
 async def cycles(args: argparse.Namespace, server: Server, ledger: Ledger, load: Load) -> None:
     rng = random.Random(args.seed)
-    engine_at = [rng.randrange(args.cycles) for _ in range(args.engine_kills)]
+    # The plan first: which kills come during startup (never the first: nothing to recover
+    # yet), and in which of the other cycles the engine is killed.
+    early = {c for c in range(1, args.cycles) if rng.random() < args.early_kills}
+    served = [c for c in range(args.cycles) if c not in early]
+    engine_at = [rng.choice(served) for _ in range(args.engine_kills)]
     for cycle in range(args.cycles):
         ledger.cycles += 1
         began = time.monotonic()
         server.spawn()
-        if cycle > 0 and rng.random() < args.early_kills:
+        if cycle in early:
             await asyncio.sleep(rng.uniform(0.5, 4.0))  # mid-startup: recovery interrupted
             server.kill9()
             ledger.early_kills += 1
@@ -107,12 +113,19 @@ async def final_run(args: argparse.Namespace, server: Server, load: Load) -> int
         await asyncio.wait_for(load.life(server.url, submit=False), args.drain_timeout)
     except TimeoutError:
         load.ledger.errors.append(f"the readers did not all reach a final event within {args.drain_timeout}s")
-    deadline = time.monotonic() + args.drain_timeout
-    while await asyncio.to_thread(server.count) and time.monotonic() < deadline:
-        await asyncio.sleep(0.2)
+    await drain(server, args.drain_timeout)
+    resumed = resumed_mid_generation(read_db(server.db, integrity=False))
+    await load.references(server.url, sorted(set(resumed.values())))
+    await drain(server, args.drain_timeout)
     await load.verify(server.url)
     say(f"final run: drained in {time.monotonic() - began:.1f}s")
     return server.stop()
+
+
+async def drain(server: Server, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while await asyncio.to_thread(server.count) and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
 
 
 def table(args: argparse.Namespace, ledger: Ledger, report: Report, seconds: float, stop_code: int) -> str:
@@ -131,6 +144,7 @@ def table(args: argparse.Namespace, ledger: Ledger, report: Report, seconds: flo
         f"  events      {report.events} in the logs; {sum(len(r.events) for r in ledger.received.values())} received "
         f"by clients over {len(ledger.connections)} SSE connections",
         f"  SSE resumes {ledger.sse_resumes} (Last-Event-ID, after, starting_after)",
+        f"  engine      {ledger.engine_kills} kills with {ledger.running_at_engine_kills} tasks running",
         f"  retries     {ledger.replays} idempotent replays; restarts: {restarts}; {ledger.cancels} cancels",
         f"  lost        {report.lost}",
         f"  clean stop  exit {stop_code}",

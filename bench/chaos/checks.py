@@ -25,6 +25,7 @@ INVARIANTS: dict[str, str] = {
     "client_events": "no event a client received differs",
     "stuck": "nothing left queued/loading/running/cancelling",
     "idempotency": "an Idempotency-Key makes exactly one task",
+    "resume_text": "a resumed task's text = an uninterrupted run's",
     "integrity": "PRAGMA integrity_check is ok",
     "answers": "no 5xx, no valid request or resume refused",
 }
@@ -49,6 +50,7 @@ class DbTask:
     error_code: str | None
     response: dict[str, Any] | None
     marker: str | None
+    prompt: str  # the request's input and max_output_tokens, as JSON: equal ones generate alike
 
 
 @dataclass
@@ -62,10 +64,13 @@ class DbState:
         return {t.response_id: t for t in self.tasks.values()}
 
 
-def _marker(request: bytes) -> str | None:
-    metadata = msgspec.json.decode(request).get("metadata") or {}
-    marker = metadata.get("chaos")
+def _marker(request: dict[str, Any]) -> str | None:
+    marker = (request.get("metadata") or {}).get("chaos")
     return marker if isinstance(marker, str) else None
+
+
+def _prompt(request: dict[str, Any]) -> str:
+    return msgspec.json.encode([request.get("input"), request.get("max_output_tokens")]).decode()
 
 
 def read_db(path: Path, *, integrity: bool = True) -> DbState:
@@ -78,6 +83,7 @@ def read_db(path: Path, *, integrity: bool = True) -> DbState:
             "SELECT id, status, on_restart, attempt, response_id, next_seq, error, response, request FROM tasks"
         ):
             error = msgspec.json.decode(row[6]) if row[6] else None
+            request = msgspec.json.decode(row[8])
             tasks[row[0]] = DbTask(
                 id=row[0],
                 status=row[1],
@@ -87,7 +93,8 @@ def read_db(path: Path, *, integrity: bool = True) -> DbState:
                 next_seq=row[5],
                 error_code=error.get("code") if isinstance(error, dict) else None,
                 response=msgspec.json.decode(row[7]) if row[7] else None,
-                marker=_marker(row[8]),
+                marker=_marker(request),
+                prompt=_prompt(request),
             )
         events: dict[str, list[tuple[int, str, bytes]]] = {t: [] for t in tasks}
         for task_id, seq, kind, data in conn.execute(
@@ -142,6 +149,46 @@ def status_event_violations(db: DbState) -> list[str]:
     return out
 
 
+def _final_text(response: dict[str, Any]) -> str:
+    return "".join(
+        part.get("text", "")
+        for item in response.get("output") or []
+        if item.get("type") == "message"
+        for part in item.get("content") or []
+    )
+
+
+def resumed_mid_generation(db: DbState) -> dict[str, str]:
+    """Resume tasks that succeeded after a restart cut their text (a ``response.in_progress``
+    after a delta): task id -> prompt. The final run makes an uninterrupted reference of each."""
+    found = {}
+    for task in db.tasks.values():
+        if task.on_restart == "resume" and task.status == "succeeded":
+            types = [kind for _, kind, _ in db.events.get(task.id, [])]
+            first = types.index("response.output_text.delta") if "response.output_text.delta" in types else None
+            if first is not None and "response.in_progress" in types[first:]:
+                found[task.id] = task.prompt
+    return found
+
+
+def _resume_text(db: DbState) -> tuple[list[str], int]:
+    """With greedy decoding a resumed task's text is an uninterrupted run's: the reference
+    tasks (marker ``ref-``, run in the final, clean run) of the same input."""
+    references = {
+        t.prompt: _final_text(t.response)
+        for t in db.tasks.values()
+        if (t.marker or "").startswith("ref-") and t.status == "succeeded" and t.response is not None
+    }
+    out, resumed = [], resumed_mid_generation(db)
+    for task_id, prompt in resumed.items():
+        response = db.tasks[task_id].response
+        if prompt not in references:
+            out.append(f"{task_id}: no reference run of {prompt[:60]}")
+        elif response is None or _final_text(response) != references[prompt]:
+            out.append(f"{task_id}: resumed text differs from an uninterrupted run of {prompt[:60]}")
+    return out, len(resumed)
+
+
 def snapshot_of(db: DbState) -> tuple[dict[str, TaskState], dict[str, list[str]]]:
     """What a kill left: each task's status and attempt, and the state invariants' violations."""
     tasks = {t.id: TaskState(t.status, t.attempt) for t in db.tasks.values()}
@@ -165,15 +212,6 @@ class Report:
     @property
     def ok(self) -> bool:
         return not any(self.violations.values())
-
-
-def _final_text(response: dict[str, Any]) -> str:
-    return "".join(
-        part.get("text", "")
-        for item in response.get("output") or []
-        if item.get("type") == "message"
-        for part in item.get("content") or []
-    )
 
 
 def _policy(ack: Ack, task: DbTask, log: list[tuple[int, str, bytes]], starts: set[int], ledger: Ledger) -> list[str]:
@@ -300,6 +338,7 @@ def check(db: DbState, ledger: Ledger) -> Report:
         if len(made) != 1 or db.keys.get(ack.key or "") != made[0]:
             v["idempotency"].append(f"key {ack.key}: tasks {made}, key names {db.keys.get(ack.key or '')}")
     report.checked["idempotency"] = len(keyed) + ledger.replays
+    v["resume_text"], report.checked["resume_text"] = _resume_text(db)
     if db.integrity != "ok":
         v["integrity"].append(db.integrity)
     report.checked["integrity"] = 1 + len(ledger.snapshots)

@@ -95,6 +95,7 @@ class Ledger:
     cycles: int = 0
     early_kills: int = 0  # kills before the server was ready (recovery interrupted)
     engine_kills: int = 0
+    running_at_engine_kills: int = 0
     sse_resumes: int = 0  # connections that resumed (Last-Event-ID, after, starting_after)
     replays: int = 0  # idempotent retries answered with the original task
     cancels: int = 0

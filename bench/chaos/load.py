@@ -275,6 +275,20 @@ class Load:
 
     # --- at the end -------------------------------------------------------------------------------
 
+    async def references(self, url: str, prompts: list[str]) -> None:
+        """Uninterrupted runs of these inputs (``checks._prompt``), to compare resumed tasks to."""
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            for i, prompt in enumerate(prompts):
+                text, tokens = msgspec.json.decode(prompt)
+                marker = f"ref-{i}"
+                body = {"input": text, "temperature": 0, "max_output_tokens": tokens, "metadata": {"chaos": marker}}
+                r = await client.post("/lmsp/v1/tasks", json={"type": "response", "on_restart": "fail", "input": body})
+                if r.status_code != 202:
+                    self._unexpected("POST /lmsp/v1/tasks (reference)", r)
+                    continue
+                task = r.json()
+                self.ledger.acks[task["response_id"]] = Ack("task", task["response_id"], task["id"], "fail", marker)
+
     async def verify(self, url: str) -> None:
         """Every acknowledged task and response is there for its client too."""
         async with httpx.AsyncClient(base_url=url, timeout=30) as client:

@@ -87,6 +87,11 @@ async def cycles(args: argparse.Namespace, server: Server, ledger: Ledger, load:
             await asyncio.sleep(rng.uniform(0.5, 2.0))
             await kill_engine(server, ledger)
         await asyncio.sleep(rng.uniform(0.2, args.max_kill_delay))
+        if rng.random() < args.term_kills:  # SIGKILL during a clean shutdown, as systemd does when it is slow
+            load.stopping = True
+            server.terminate()
+            ledger.term_kills += 1
+            await asyncio.sleep(rng.uniform(0.0, 1.0))
         server.kill9()
         life.cancel()
         await asyncio.gather(life, return_exceptions=True)
@@ -130,21 +135,22 @@ async def drain(server: Server, timeout: float) -> None:
 
 def table(args: argparse.Namespace, ledger: Ledger, report: Report, seconds: float, stop_code: int) -> str:
     acks = list(ledger.acks.values())
-    policies = ", ".join(
-        f"{sum(a.kind == 'task' and a.policy == p for a in acks)} {p}" for p in ("fail", "retry", "resume")
-    )
-    kinds = {k: sum(a.kind == k for a in acks) for k in ("task", "background", "stream")}
+    tasks = [a for a in acks if a.kind == "task"]
+    policies = ", ".join(f"{sum(a.policy == p for a in tasks)} {p}" for p in ("fail", "retry", "resume"))
+    kinds = {k: sum(a.kind == k for a in acks) for k in ("background", "stream")}
     restarts = ", ".join(f"{n} {reason}" for reason, n in sorted(report.restarts.items())) or "none"
+    received = sum(len(r.events) for r in ledger.received.values())
     lines = [
-        f"chaos: {ledger.cycles} kill -9 cycles ({ledger.early_kills} during startup) + {ledger.engine_kills} engine "
-        f"kills, seed {args.seed}, model {args.model or 'tiny (random weights)'}, {seconds:.0f} s",
-        f"  tasks       {kinds['task']} acknowledged ({policies}); "
-        f"{report.interrupted_by_kill} of all were loading/running at a kill",
+        f"chaos: seed {args.seed}, model {args.model or 'tiny (random weights)'}, {seconds:.0f} s",
+        f"  kills       {ledger.cycles} SIGKILL of server + engine ({ledger.early_kills} during startup, "
+        f"{ledger.term_kills} during a SIGTERM shutdown); {ledger.engine_kills} of the engine alone "
+        f"({ledger.running_at_engine_kills} tasks running)",
+        f"  tasks       {len(tasks)} acknowledged ({policies}); "
+        f"{report.interrupted_by_kill} tasks/responses were loading/running at a kill",
         f"  responses   {kinds['background']} background, {kinds['stream']} streamed (/v1)",
-        f"  events      {report.events} in the logs; {sum(len(r.events) for r in ledger.received.values())} received "
-        f"by clients over {len(ledger.connections)} SSE connections",
+        f"  events      {report.events} in the logs; {received} received by clients "
+        f"over {len(ledger.connections)} SSE connections",
         f"  SSE resumes {ledger.sse_resumes} (Last-Event-ID, after, starting_after)",
-        f"  engine      {ledger.engine_kills} kills with {ledger.running_at_engine_kills} tasks running",
         f"  retries     {ledger.replays} idempotent replays; restarts: {restarts}; {ledger.cancels} cancels",
         f"  lost        {report.lost}",
         f"  clean stop  exit {stop_code}",
@@ -191,6 +197,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", default=None, help="a model name (default: a tiny random-weight model)")
     parser.add_argument("--max-kill-delay", type=float, default=6.0, help="seconds after ready, at most")
     parser.add_argument("--early-kills", type=float, default=0.1, help="share of kills during startup")
+    parser.add_argument("--term-kills", type=float, default=0.15, help="share of kills during a SIGTERM shutdown")
     parser.add_argument("--max-active", type=int, default=16, help="unfinished tasks before submitters wait")
     parser.add_argument("--drain-timeout", type=float, default=300.0)
     parser.add_argument("--keep", action="store_true", help="keep the data directory")

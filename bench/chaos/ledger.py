@@ -93,7 +93,8 @@ class Ledger:
     errors: list[str] = field(default_factory=list)  # answers no valid request should get (5xx, ...)
     api_missing: list[str] = field(default_factory=list)  # acknowledged, but the API says 404 at the end
     cycles: int = 0
-    early_kills: int = 0  # kills before the server was ready (recovery interrupted)
+    early_kills: int = 0  # kills before the server was ready
+    term_kills: int = 0  # kills during a clean (SIGTERM) shutdown
     engine_kills: int = 0
     running_at_engine_kills: int = 0
     sse_resumes: int = 0  # connections that resumed (Last-Event-ID, after, starting_after)

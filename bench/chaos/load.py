@@ -59,13 +59,14 @@ class Load:
         self.client: httpx.AsyncClient | None = None
         self.group: asyncio.TaskGroup | None = None
         self.draining = False
+        self.stopping = False  # a SIGTERM was sent: 503s and closed streams are expected
 
     # --- one life of the server -------------------------------------------------------------------
 
     async def life(self, url: str, *, submit: bool) -> None:
         """Run against the server at ``url``: until cancelled (it was killed), or with
         ``submit`` false (the final, clean run) until every reader got its final event."""
-        self.draining = not submit
+        self.draining, self.stopping = not submit, False
         limits = httpx.Limits(max_connections=200, max_keepalive_connections=50)
         timeout = httpx.Timeout(60, connect=5)
         async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as client:
@@ -101,8 +102,8 @@ class Load:
         return self.client
 
     def _unexpected(self, what: str, r: httpx.Response) -> None:
-        if r.status_code == 429:
-            self.ledger.refused[429] = self.ledger.refused.get(429, 0) + 1
+        if r.status_code == 429 or (r.status_code == 503 and self.stopping):
+            self.ledger.refused[r.status_code] = self.ledger.refused.get(r.status_code, 0) + 1
         else:
             self.ledger.errors.append(f"{what}: {r.status_code} {r.text[:200]}")
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sqlite3
@@ -89,7 +90,8 @@ class Server:
         """SIGKILL to the whole process group at once, as a power cut would; returns once
         none of them is left."""
         assert self.proc is not None
-        os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):  # all gone already (after a SIGTERM)
+            os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:  # the engine, now an orphan, is reaped by init
@@ -98,6 +100,11 @@ class Server:
             except ProcessLookupError:
                 return
             time.sleep(0.01)
+
+    def terminate(self) -> None:
+        """SIGTERM to the server only: a clean shutdown begins."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
 
     def stop(self) -> int:
         """SIGTERM to the server only (it stops its engine): the clean shutdown's exit code."""

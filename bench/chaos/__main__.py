@@ -69,12 +69,13 @@ async def cycles(args: argparse.Namespace, server: Server, ledger: Ledger, load:
     early = {c for c in range(1, args.cycles) if rng.random() < args.early_kills}
     served = [c for c in range(args.cycles) if c not in early]
     engine_at = [rng.choice(served) for _ in range(args.engine_kills)]
+    startup = 5.0  # seconds the last start took: early kills spread over a whole startup
     for cycle in range(args.cycles):
         ledger.cycles += 1
         began = time.monotonic()
         server.spawn()
         if cycle in early:
-            await asyncio.sleep(rng.uniform(0.5, 4.0))  # mid-startup: recovery interrupted
+            await asyncio.sleep(rng.uniform(0.2, 1.0) * startup)  # imports, recovery, engine, preload
             server.kill9()
             ledger.early_kills += 1
             snapshot(server, ledger, cycle)
@@ -82,6 +83,7 @@ async def cycles(args: argparse.Namespace, server: Server, ledger: Ledger, load:
             continue
         await asyncio.to_thread(server.ready)
         ready = time.monotonic()
+        startup = ready - began
         life = asyncio.create_task(load.life(server.url, submit=True))
         for _ in range(engine_at.count(cycle)):
             await asyncio.sleep(rng.uniform(0.5, 2.0))

@@ -5,7 +5,7 @@ background and streaming responses, most with an Idempotency-Key (some sent twic
 once); a create whose answer was lost to a kill is sent again, same key and body, in the
 next life. SSE readers follow tasks (``/lmsp/v1/.../events``) and background responses
 (``/v1/responses/{id}?stream=true``), drop now and then, and resume with ``Last-Event-ID``,
-``?after=`` or ``starting_after``, in the same life or the next. A canceller cancels a few.
+``?after=`` or ``starting_after``, in the same life or the next. One in ten is cancelled.
 Everything a client is told or receives goes into the :class:`Ledger`.
 """
 
@@ -81,7 +81,6 @@ class Load:
                 if submit:
                     self._spawn(self._submitter())
                     self._spawn(self._submitter())
-                    self._spawn(self._canceller())
 
     def _spawn(self, job: Coroutine[Any, Any, None]) -> None:
         assert self.group is not None
@@ -161,6 +160,8 @@ class Load:
                 self.ledger.acks[rid] = Ack(p.kind, rid, task_id, p.policy, p.marker, p.key or None)
                 if self.rng.random() < (0.7 if p.kind == "task" else 0.5):
                     self._spawn(self._follow(self.ledger.acks[rid]))
+                if self.rng.random() < 0.1:
+                    self._spawn(self._cancel(self.ledger.acks[rid], self.rng.uniform(0, 4)))
         self.ledger.unanswered.pop(p.key, None)
 
     async def _stream(self, body: dict[str, Any], marker: str) -> None:
@@ -251,28 +252,22 @@ class Load:
 
     # --- cancelling -------------------------------------------------------------------------------
 
-    async def _canceller(self) -> None:
-        while True:
-            await asyncio.sleep(self.rng.uniform(0.3, 1.5))
-            open_ = [
-                a
-                for a in self.ledger.acks.values()
-                if a.kind != "stream" and not a.cancel_sent and not self._final(a.response_id)
-            ]
-            if not open_ or self.rng.random() > 0.3:
-                continue
-            ack = self.rng.choice(open_)
-            ack.cancel_sent = True
-            self.ledger.cancels += 1
-            self.ledger.requests += 1
-            if ack.kind == "task":
-                r = await self.http.post(f"/lmsp/v1/tasks/{ack.task_id}/cancel")
-                ack.must_cancel = r.status_code == 200 and r.json()["status"] in ("cancelling", "cancelled")
-            else:
-                r = await self.http.post(f"/v1/responses/{ack.response_id}/cancel")
-                ack.must_cancel = r.status_code == 200 and r.json()["status"] in ("cancelled", "queued", "in_progress")
-            if r.status_code not in (200, 409):
-                self._unexpected("cancel", r)
+    async def _cancel(self, ack: Ack, delay: float) -> None:
+        """Cancel it after ``delay`` seconds, unless a reader saw it end first."""
+        await asyncio.sleep(delay)
+        if self._final(ack.response_id):
+            return
+        ack.cancel_sent = True
+        self.ledger.cancels += 1
+        self.ledger.requests += 1
+        if ack.kind == "task":
+            r = await self.http.post(f"/lmsp/v1/tasks/{ack.task_id}/cancel")
+            ack.must_cancel = r.status_code == 200 and r.json()["status"] in ("cancelling", "cancelled")
+        else:
+            r = await self.http.post(f"/v1/responses/{ack.response_id}/cancel")
+            ack.must_cancel = r.status_code == 200 and r.json()["status"] in ("cancelled", "queued", "in_progress")
+        if r.status_code not in (200, 409):
+            self._unexpected("cancel", r)
 
     # --- at the end -------------------------------------------------------------------------------
 

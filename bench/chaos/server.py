@@ -67,9 +67,11 @@ class Server:
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         cmd = [sys.executable, "-m", "service.cli", "serve", "--config", str(self.config), "--port", str(port)]
+        # Only the config written here: no LMSPD_* variable may point it at a real data directory.
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("LMSPD_", "LMSP_"))}
         with self.log.open("ab") as log:
             log.write(f"\n===== chaos: {' '.join(cmd)}\n".encode())
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     def ready(self, timeout: float = 180) -> None:
         """Wait until /readyz answers 200 (recovery done, the engine up)."""

@@ -161,7 +161,7 @@ class Load:
                 if self.rng.random() < (0.7 if p.kind == "task" else 0.5):
                     self._spawn(self._follow(self.ledger.acks[rid]))
                 if self.rng.random() < 0.1:
-                    self._spawn(self._cancel(self.ledger.acks[rid], self.rng.uniform(0, 4)))
+                    self._spawn(self._cancel(self.ledger.acks[rid], self.rng.uniform(0, 2)))
         self.ledger.unanswered.pop(p.key, None)
 
     async def _stream(self, body: dict[str, Any], marker: str) -> None:

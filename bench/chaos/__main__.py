@@ -3,16 +3,19 @@
     python -m bench.chaos [--cycles 20] [--engine-kills 2] [--seed 0] [--model NAME]
 
 Each cycle starts the server on the same data directory, runs a mixed load against it
-(:mod:`bench.chaos.load`) and kills the whole process group (server and engine) at a random
-moment; now and then the kill comes during startup, while recovery runs. ``--engine-kills``
-more times, only the engine process is killed mid-generation while the server lives on.
-After the last cycle a clean run drains everything, every reader resumes to its final event,
-and the invariants (:mod:`bench.chaos.checks`) are checked on the database and on what the
-clients were told. Prints a table; exits 1 if any invariant was violated.
+(:mod:`bench.chaos.load`) and kills the whole process group (server and engine) with SIGKILL
+at a random moment. Some kills come during startup (``--early-kills``), some during a clean
+SIGTERM shutdown that has begun (``--term-kills``). ``--engine-kills`` more times, only the
+engine process is killed mid-generation while the server lives on. After the last cycle a
+clean run resumes every reader to its final event and drains every task, runs uninterrupted
+references of the resumed tasks' inputs, and stops with SIGTERM; then the invariants
+(:mod:`bench.chaos.checks`) are checked on the database and on what the clients were told.
+Prints a table; exits 1 if any invariant was violated or the clean stop did not exit 0.
 
 Kill moments and the load's choices come from ``--seed``; the timing of a real process does
 not repeat exactly, so a failing seed reproduces the conditions, not the exact interleaving.
-Default model: the test suite's tiny random-weight model (a cycle takes seconds).
+Default model: the test suite's tiny random-weight model (a cycle takes seconds); with a
+real ``--model``, raise ``--max-kill-delay`` so that kills find it generating.
 """
 
 from __future__ import annotations
@@ -156,6 +159,7 @@ def table(args: argparse.Namespace, ledger: Ledger, report: Report, seconds: flo
         f"  retries     {ledger.replays} idempotent replays; restarts: {restarts}; {ledger.cancels} cancels",
         f"  lost        {report.lost}",
         f"  clean stop  exit {stop_code}",
+        f"  machine     {os.cpu_count()} CPUs, load average {os.getloadavg()[1]:.1f} over the last 5 minutes",
         "",
         f"  {'invariant':<48} {'checked':>9} {'violations':>11}",
     ]

@@ -29,6 +29,9 @@ PROMPTS = (
     "Explain how bread is made, step by step.",
 )
 TOKENS = (8, 32, 96, 200, 300)
+# A retry task starts over after each kill: one longer than a life between kills would run
+# forever (as documented for ``retry``) and, first in the queue, hold its slots.
+RETRY_TOKENS = (8, 32, 96)
 POLICIES: tuple[Policy, ...] = ("fail", "retry", "resume")
 
 
@@ -124,6 +127,8 @@ class Load:
             twice = key is not None and self.rng.random() < 0.2
             if roll < 0.6:
                 policy = self.rng.choice(POLICIES)
+                if policy == "retry":
+                    body["max_output_tokens"] = self.rng.choice(RETRY_TOKENS)
                 task = {"type": "response", "on_restart": policy, "input": body}
                 await self._create(self._pending("task", policy, marker, key, "/lmsp/v1/tasks", task), twice)
             elif roll < 0.8:

@@ -270,3 +270,45 @@ def test_kill_9_mid_generation_then_restart(server: Server, procs: list[subproce
     assert reference["response"]["usage"]["output_tokens"] == MAX_TOKENS  # as long as the margin above says
 
     assert server.stop() == 0  # SIGTERM: a clean exit
+
+
+def test_a_sigterm_shutdown_leaves_foreground_streams_to_their_policy(
+    tmp_path: Path, model_cache: Path, tiny_long: ResolvedModel
+) -> None:
+    """The shutdown ends every stream, which is not the client going away: the responses it
+    closes, generating or waiting for a slot, are not cancelled; the restart settles them by
+    their policy."""
+    with tiny_server(tmp_path, model_cache, tiny_long, engine="max_concurrency = 1\n") as server:
+        server.start()
+        ids: list[str] = []
+        deltas = threading.Semaphore(0)
+
+        def stream() -> None:
+            body = {"input": PROMPT, "temperature": 0, "max_output_tokens": MAX_TOKENS, "stream": True}
+            with (
+                contextlib.suppress(httpx.HTTPError),
+                httpx.stream("POST", f"{server.url}/v1/responses", json=body, timeout=60) as r,
+            ):
+                for line in r.iter_lines():
+                    if line.startswith("data: ") and '"response.created"' in line:
+                        ids.append(msgspec.json.decode(line[6:])["response"]["id"])
+                    elif '"response.output_text.delta"' in line:
+                        deltas.release()
+
+        readers = [threading.Thread(target=stream, daemon=True) for _ in range(4)]
+        for reader in readers:
+            reader.start()
+        assert deltas.acquire(timeout=60)  # one generates, the others wait for the slot
+        deadline = time.monotonic() + 30
+        while len(ids) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert server.stop() == 0
+        for reader in readers:
+            reader.join(10)
+        assert len(ids) == 4
+        server.start()
+        statuses = [httpx.get(f"{server.url}/v1/responses/{i}").json()["status"] for i in ids]
+        # The default policy of a /v1 response is fail: the one generating failed with the
+        # restart; the waiting ones run after it. None was cancelled.
+        assert "cancelled" not in statuses and "failed" in statuses, statuses
+        assert server.stop() == 0

@@ -395,7 +395,11 @@ class Core:
 
     def abandon(self, task: TaskRecord) -> None:
         """The client of a foreground request went away: cancel it, and forget it once it
-        ends if it was not to be stored. Runs detached: the request's own scope is cancelled."""
+        ends if it was not to be stored. Runs detached: the request's own scope is cancelled.
+        A stream that ends because the server is shutting down was not abandoned by its
+        client: the task stays as it is, for its on_restart policy after the restart."""
+        if self.hub.closing.is_set():
+            return
         chore = asyncio.create_task(self._abandon(task), name=f"abandon {task.id}")
         self._chores.add(chore)
         chore.add_done_callback(self._chores.discard)

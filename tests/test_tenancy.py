@@ -118,7 +118,7 @@ def calls(path: str, method: str, alice: Alice) -> list[Call]:
     if route == "/tasks":
         return [
             Call("POST", url, {"type": "response", "input": quick | ref}, names_alices=True)
-            for ref in ({"previous_response_id": alice.response_id}, {"previous_response_id": alice.task_response_id})
+            for ref in [*references, {"previous_response_id": alice.task_response_id}]
         ]
     if route == "/responses/compact":
         return [Call("POST", url, {"input": "Hello", "max_output_tokens": 2})]

@@ -8,7 +8,8 @@ first bytes; then ``--slow`` readers that never read (a small receive buffer, so
 writes block at once). The server disconnects the slow readers after two keep-alive intervals
 (5 s here). Measured from /proc: the server's open file descriptors and RSS before, at the
 peak and after each phase, and memory per slow reader. Exits non-zero if descriptors do not
-return to the baseline, streams stay open, or RSS keeps growing after the first round.
+return to the baseline, streams stay open, RSS keeps growing after the first round, or the
+server logged a traceback.
 """
 
 from __future__ import annotations
@@ -115,7 +116,11 @@ def main() -> int:
         cmd = [sys.executable, "-m", "service.cli", "serve", "--config", str(config), "--port", str(port)]
         proc = spawn(cmd, f"http://127.0.0.1:{port}/readyz", work / "server.log")
         try:
-            return measure(Server(proc.pid, port), task_id, args)
+            failed = measure(Server(proc.pid, port), task_id, args)
+            if tracebacks := (work / "server.log").read_text().count("Traceback"):
+                print(f"sse_abuse: the server logged {tracebacks} tracebacks")
+                return 1
+            return failed
         finally:
             kill(proc, signal.SIGTERM)
     finally:

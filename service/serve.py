@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import ipaddress
 import logging
 import signal
@@ -90,6 +91,7 @@ def _drop_stalled_readers(hc: Any, secs: float) -> None:
     option = getattr(socket, "TCP_USER_TIMEOUT", None)
     if option is None:  # not on macOS: there the peer's close frees it
         return
+    logging.getLogger("asyncio").addFilter(_dropped_by_the_kernel)
     create = hc.create_sockets
 
     def create_sockets() -> Any:
@@ -100,3 +102,15 @@ def _drop_stalled_readers(hc: Any, secs: float) -> None:
         return sockets
 
     hc.create_sockets = create_sockets
+
+
+def _dropped_by_the_kernel(record: logging.LogRecord) -> bool:
+    """Hypercorn does not expect the ETIMEDOUT of a connection the kernel dropped (what
+    TCP_USER_TIMEOUT is set for), and asyncio would log a traceback for each: a flood of them
+    under abuse. The access log has the stream's line already."""
+    exc = record.exc_info[1] if record.exc_info else None
+    return not (
+        isinstance(exc, TimeoutError)
+        and exc.errno == errno.ETIMEDOUT
+        and record.getMessage().startswith("Unhandled exception in client_connected_cb")
+    )

@@ -202,7 +202,7 @@ def main() -> int:
         round_ = 0
         # Hypothesis' examples per operation: a round of ~70 per unit of ``examples`` (fuzzing
         # ~20 operations with bodies twice over, the stateful phase, the unauthorized runs).
-        examples = max(3, min(25, args.cases // 70))
+        examples = max(3, min(25, args.cases // 60 + 1))
         while total.cases < args.cases:
             phases = "coverage,fuzzing,stateful" if args.coverage and round_ == 0 else "fuzzing,stateful"
             few = max(2, examples // 5)  # without a valid token every answer is the same 401

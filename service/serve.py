@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import ipaddress
 import logging
 import signal
 import socket
+from typing import Any
 
 from .config import Config
 from .errors import ConfigError, LmspdError
@@ -82,6 +84,7 @@ async def run(config: Config) -> None:
         else f"{config.server.host}:{config.server.port}"
     ]
     hc.graceful_timeout = config.server.shutdown_grace_secs
+    _drop_stalled_readers(hc, 2 * config.server.keepalive_secs)
     hc.accesslog = None  # the app logs each request (service.api.access_log)
     # Hypercorn's own lines go through the root handler, in the server's --log-format (given a
     # target name, Hypercorn would add a handler of its own with its own format).
@@ -113,3 +116,35 @@ async def run(config: Config) -> None:
     finally:
         if ready is not None:
             ready.cancel()
+
+
+def _drop_stalled_readers(hc: Any, secs: float) -> None:
+    """Have the kernel close a connection whose reader has taken nothing for ``secs`` (Linux's
+    TCP_USER_TIMEOUT, inherited by accepted sockets): the app stops serving such a reader
+    (service.api.events), and this frees its socket too, even while the peer holds it open."""
+    option = getattr(socket, "TCP_USER_TIMEOUT", None)
+    if option is None:  # not on macOS: there the peer's close frees it
+        return
+    logging.getLogger("asyncio").addFilter(_dropped_by_the_kernel)
+    create = hc.create_sockets
+
+    def create_sockets() -> Any:
+        sockets = create()
+        for sock in sockets.insecure_sockets:
+            if sock.family in (socket.AF_INET, socket.AF_INET6):
+                sock.setsockopt(socket.IPPROTO_TCP, option, int(secs * 1000))
+        return sockets
+
+    hc.create_sockets = create_sockets
+
+
+def _dropped_by_the_kernel(record: logging.LogRecord) -> bool:
+    """Hypercorn does not expect the ETIMEDOUT of a connection the kernel dropped (what
+    TCP_USER_TIMEOUT is set for), and asyncio would log a traceback for each: a flood of them
+    under abuse. The access log has the stream's line already."""
+    exc = record.exc_info[1] if record.exc_info else None
+    return not (
+        isinstance(exc, TimeoutError)
+        and exc.errno == errno.ETIMEDOUT
+        and record.getMessage().startswith("Unhandled exception in client_connected_cb")
+    )

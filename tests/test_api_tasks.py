@@ -5,10 +5,10 @@ from __future__ import annotations
 import logging
 import sqlite3
 import time
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import msgspec
 import pytest
@@ -481,7 +481,7 @@ def test_open_streams_are_counted_until_they_close(client: TestClient) -> None:
     task = client.post("/lmsp/v1/tasks", json=task_body(max_output_tokens=2), headers=ALICE).json()
     wait_done(client, task["id"])
     core = client.app.state.lmsp.core  # type: ignore[attr-defined]
-    stream = cast(AsyncGenerator[bytes, None], events._lmsp_stream(core, task["id"], -1))
+    stream = events._lmsp_stream(core, task["id"], -1)
     assert client.portal is not None
     assert client.portal.call(stream.__anext__) == b"retry: 2000\n\n"
     assert value(scrape(client), "lmspd_sse_streams_open", api="lmsp") == 1

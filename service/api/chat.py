@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import msgspec
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from ..chat.schema import ChatCompletionRequest
 from ..chat.view import ChunkStream, completion, failure
 from ..responses import schema as s
-from .events import SSE_HEADERS, openai_stream, unless_disconnected
+from .events import event_stream, openai_stream, unless_disconnected
 from .state import state_of
 from .wire import decode, read_body
 
@@ -33,7 +33,7 @@ async def create_chat_completion(request: Request) -> Response:
             completion_id, req.model or app.config.default_model, task.created_at, include_usage=chat.include_usage
         )
         stream = openai_stream(app.core, task, -1, chunks.frames, own=True)
-        return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
+        return event_stream(request, stream)
     final = await unless_disconnected(request, app.core.wait(task.id))
     if final is None:
         app.core.abandon(task)

@@ -1,13 +1,24 @@
-"""Server-sent events: a task's event log as SSE, in LMSP's framing (LMSP 6.4) or OpenAI's."""
+"""Server-sent events: a task's event log as SSE, in LMSP's framing (LMSP 6.4) or OpenAI's.
+
+Every stream is an :class:`EventStream`: events are read from the database only as fast as
+the reader takes them (each write, of at most ``SSE_CHUNK_BYTES``, waits for the socket), so
+a slow reader holds at most one database batch (``SSE_BATCH`` events) while it is served and one
+write after. A
+reader that takes nothing for two keep-alive intervals is disconnected (the stream ends
+without its terminating chunk); it resumes with ``Last-Event-ID`` (``starting_after`` on
+/v1) from the last event it received.
+"""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+import logging
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import TypeVar
 
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
+from starlette.types import Send
 
 from ..core import Core
 from ..errors import EventHistoryExpiredError
@@ -18,6 +29,41 @@ from .wire import ascii_int
 
 T = TypeVar("T")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+SSE_CHUNK_BYTES = 64 * 1024
+SSE_BATCH = 256  # events read from the database at once for a stream: what a slow reader can hold
+log = logging.getLogger("lmspd.sse")
+
+
+class EventStream(StreamingResponse):
+    """An SSE response whose reader must keep up: a write the reader has not taken within
+    ``stall_secs`` ends the stream (and ``stream``, so an owning /v1 stream abandons its task)."""
+
+    def __init__(self, stream: AsyncGenerator[bytes, None], stall_secs: float) -> None:
+        super().__init__(stream, media_type="text/event-stream", headers=SSE_HEADERS)
+        self._stream = stream
+        self.stall_secs = stall_secs
+
+    async def stream_response(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        try:
+            async for chunk in self._stream:
+                for start in range(0, len(chunk), SSE_CHUNK_BYTES):
+                    piece = chunk[start : start + SSE_CHUNK_BYTES]
+                    try:
+                        await asyncio.wait_for(
+                            send({"type": "http.response.body", "body": piece, "more_body": True}), self.stall_secs
+                        )
+                    except TimeoutError:
+                        log.info("event stream reader took nothing for %.0f s: disconnected", self.stall_secs)
+                        return  # no terminating chunk: the reader sees a cut stream and resumes
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            await self._stream.aclose()
+
+
+def event_stream(request: Request, stream: AsyncGenerator[bytes, None]) -> EventStream:
+    """``stream`` as SSE; its reader is gone once it has taken nothing for two keep-alive intervals."""
+    return EventStream(stream, 2 * state_of(request).config.server.keepalive_secs)
 
 
 def resume_point(raw: str | None, param: str, next_seq: int) -> int:
@@ -35,20 +81,18 @@ async def task_events(request: Request) -> Response:
         after = resume_point(request.query_params.get("after"), "after", task.next_seq)
     if task.events_expired:
         raise EventHistoryExpiredError(f"the events of task {task_id} are past their retention window")
-    return StreamingResponse(
-        _lmsp_stream(app.core, task_id, after), media_type="text/event-stream", headers=SSE_HEADERS
-    )
+    return event_stream(request, _lmsp_stream(app.core, task_id, after))
 
 
 def lmsp_frame(ev: Event) -> bytes:
     return b"id: %d\nevent: %s\ndata: %s\n\n" % (ev.seq, ev.type.encode(), ev.data)
 
 
-async def _lmsp_stream(core: Core, task_id: str, after: int) -> AsyncIterator[bytes]:
+async def _lmsp_stream(core: Core, task_id: str, after: int) -> AsyncGenerator[bytes, None]:
     # One write per batch of events: a replay is bounded by the database read, not by sends.
     with core.metrics.sse_streams.labels("lmsp").track_inprogress():
         yield b"retry: 2000\n\n"
-        async for batch in core.follow(task_id, after):
+        async for batch in core.follow(task_id, after, SSE_BATCH):
             yield b"".join(lmsp_frame(ev) for ev in batch) if batch else b": keep-alive\n\n"
 
 
@@ -82,7 +126,9 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
 Render = Callable[[list[Event]], bytes]
 
 
-async def openai_stream(core: Core, task: TaskRecord, after: int, render: Render, *, own: bool) -> AsyncIterator[bytes]:
+async def openai_stream(
+    core: Core, task: TaskRecord, after: int, render: Render, *, own: bool
+) -> AsyncGenerator[bytes, None]:
     """A /v1 stream (Responses or Chat Completions): the rendered events, then ``data: [DONE]``.
     A stream that owns its foreground task abandons it when the client goes away (the
     server cancels this generator's scope: the abandoning runs detached); a replay of a
@@ -90,7 +136,7 @@ async def openai_stream(core: Core, task: TaskRecord, after: int, render: Render
     finished = False
     core.metrics.sse_streams.labels("openai").inc()
     try:
-        async for batch in core.follow(task.id, after):
+        async for batch in core.follow(task.id, after, SSE_BATCH):
             yield render(batch) if batch else b": keep-alive\n\n"
             if own:
                 delivered(core, task.id, batch)

@@ -57,6 +57,7 @@ class Op:
     request: Any = None  # the JSON request body
     events: tuple[Any, ...] = ()  # SSE ``data:`` payloads, when the operation streams
     events_only: bool = False  # the success answer is always a stream
+    lmsp_frames: bool = False  # SSE framed as LMSP's (``id:`` per event, no ``[DONE]``) rather than OpenAI's
     errors: tuple[type[e.LmspdError], ...] = ()
     params: tuple[Param, ...] = ()
     auth: bool = True
@@ -160,6 +161,7 @@ def _operations() -> dict[str, Op]:
             "lmsp",
             events=(s.ResponseEvent,),
             events_only=True,
+            lmsp_frames=True,
             errors=(*_AUTH, e.InvalidRequestError, e.TaskNotFoundError, e.EventHistoryExpiredError),
             params=(
                 _header("Last-Event-ID", "resume after this sequence number (wins over `after`)"),
@@ -308,8 +310,22 @@ def _error_responses(errors: Iterable[type[e.LmspdError]], *, openai: bool, sche
 
 
 def _events_schema(op: Op, schemas: _Schemas) -> dict[str, Any]:
+    """One server-sent event (OpenAPI 3.1 has ``schema`` describe each event of a stream): its
+    ``data`` is JSON text of one of ``op.events``; /v1 streams end with ``data: [DONE]``."""
     refs = [schemas.ref(kind) for kind in op.events]
-    return refs[0] if len(refs) == 1 else {"anyOf": refs}
+    payload = {
+        "type": "string",
+        "contentMediaType": "application/json",
+        "contentSchema": refs[0] if len(refs) == 1 else {"anyOf": refs},
+    }
+    fields: dict[str, Any] = {
+        "event": {"type": "string"},
+        "data": payload if op.lmsp_frames else {"anyOf": [{"const": "[DONE]"}, payload]},
+        "retry": {"type": "integer"},
+    }
+    if op.lmsp_frames:
+        fields["id"] = {"type": "string", "pattern": "^[0-9]+$", "description": "the event's sequence number"}
+    return {"type": "object", "properties": fields}
 
 
 def _operation(path: str, method: str, op: Op, schemas: _Schemas) -> dict[str, Any]:

@@ -11,13 +11,13 @@ from typing import TypeVar
 
 import msgspec
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from ..core import Core
 from ..responses import items as input_items_of
 from ..responses import schema as s
 from ..store.tasks import Event, TaskRecord
-from .events import SSE_HEADERS, openai_stream, resume_point, unless_disconnected
+from .events import event_stream, openai_stream, resume_point, unless_disconnected
 from .state import state_of
 from .wire import (
     DeletedResponse,
@@ -65,7 +65,7 @@ async def create_response(request: Request) -> Response:
             return Response(status_code=499)
     if req.stream:
         stream = openai_stream(app.core, task, -1, render, own=True)
-        return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
+        return event_stream(request, stream)
     final = await unless_disconnected(request, app.core.wait(task.id))
     if final is None:
         app.core.abandon(task)
@@ -113,7 +113,7 @@ async def get_response(request: Request) -> Response:
     if request.query_params.get("stream") in ("true", "1"):
         after = resume_point(request.query_params.get("starting_after"), "starting_after", task.next_seq)
         stream = openai_stream(app.core, task, after, render, own=False)
-        return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
+        return event_stream(request, stream)
     return _raw_json(await app.core.snapshot(task))
 
 

@@ -328,14 +328,14 @@ class Core:
             after = batch[-1].seq
         return events
 
-    async def follow(self, task_id: str, after: int) -> AsyncIterator[list[Event]]:
-        """A task's events after ``after`` in batches, replayed then live, up to and including
-        its final event. An empty batch means nothing happened for ``keepalive_secs``. Ends
-        early when the server shuts down."""
+    async def follow(self, task_id: str, after: int, batch_size: int = 1000) -> AsyncIterator[list[Event]]:
+        """A task's events after ``after`` in batches of at most ``batch_size``, replayed then
+        live, up to and including its final event. An empty batch means nothing happened for
+        ``keepalive_secs``. Ends early when the server shuts down."""
         keepalive = self.config.server.keepalive_secs
         while True:
             signal = self.hub.signal(task_id)  # taken before reading, so no commit slips between
-            events = await self.store.events_after(task_id, after, 1000)
+            events = await self.store.events_after(task_id, after, batch_size)
             if events:
                 final = next((i for i, ev in enumerate(events) if ev.type in s.FINAL_EVENTS), None)
                 batch = events if final is None else events[: final + 1]

@@ -1,0 +1,81 @@
+"""lmspd's own invariants, as schemathesis checks (loaded by ``bench.fuzz`` through SCHEMATHESIS_HOOKS).
+
+``error_shape``: every error body is what its surface promises: OpenAI's envelope on /v1 and
+its aliases, an RFC 9457 problem object (``application/problem+json``) on /lmsp/v1 and the
+rest; a 401 says ``WWW-Authenticate: Bearer``.
+
+``auth_enforced``: with ``LMSPD_FUZZ_EXPECT=401`` (a server with tokens, fuzzed without one or
+with a wrong one), no route but the public ones answers anything but an error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import schemathesis
+
+PUBLIC = frozenset({"/healthz", "/lmsp/v1/healthz", "/readyz", "/openapi.json"})
+
+
+def _openai_path(path: str) -> bool:
+    return path.startswith(("/v1/", "/responses", "/chat/"))
+
+
+def _body(response: schemathesis.Response) -> Any:
+    try:
+        return json.loads(response.content)
+    except ValueError:
+        raise AssertionError(f"error body is not JSON: {response.content[:200]!r}") from None
+
+
+def _media(response: schemathesis.Response) -> str:
+    values = response.headers.get("content-type") or [""]
+    return values[0].partition(";")[0].strip()
+
+
+@schemathesis.check
+def error_shape(ctx: schemathesis.CheckContext, response: schemathesis.Response, case: schemathesis.Case[Any]) -> None:
+    status = response.status_code
+    if status < 400:
+        return
+    path = response.request.path_url.partition("?")[0]
+    body = _body(response)
+    if _openai_path(path):
+        assert _media(response) == "application/json", f"{status} on {path} is {_media(response)}"
+        error = body.get("error") if isinstance(body, dict) else None
+        assert isinstance(error, dict) and set(error) == {"message", "type", "param", "code"}, (
+            f"{status} on {path} is not OpenAI's error envelope: {body!r}"
+        )
+        assert isinstance(error["message"], str) and isinstance(error["type"], str), body
+        assert error["param"] is None or isinstance(error["param"], str), body
+        assert error["code"] is None or isinstance(error["code"], str), body
+    else:
+        assert _media(response) == "application/problem+json", f"{status} on {path} is {_media(response)}"
+        assert isinstance(body, dict), body
+        assert str(body.get("type", "")).startswith("urn:lmsp:problem:"), f"not a problem object: {body!r}"
+        assert body.get("status") == status, f"problem status {body.get('status')} on a {status}: {body!r}"
+        assert isinstance(body.get("title"), str) and isinstance(body.get("code"), str), body
+        assert body["type"] == f"urn:lmsp:problem:{body['code']}", body
+    if status == 401:
+        assert response.headers.get("www-authenticate") == ["Bearer"], f"401 without WWW-Authenticate: {path}"
+
+
+@schemathesis.check
+def auth_enforced(
+    ctx: schemathesis.CheckContext, response: schemathesis.Response, case: schemathesis.Case[Any]
+) -> None:
+    if os.environ.get("LMSPD_FUZZ_EXPECT") != "401":
+        return
+    path = response.request.path_url.partition("?")[0]
+    if path in PUBLIC:
+        return
+    # A 404/405 only from the router (a generated path parameter with a "/" in it matches no
+    # route): it answers before any handler, so nothing of anyone's is read.
+    if response.status_code in (404, 405):
+        body = _body(response)
+        said = body["error"]["message"] if _openai_path(path) else body.get("detail")
+        assert said in ("Not Found", "Method Not Allowed"), f"{case.method} {path} without a valid token: {body!r}"
+        return
+    assert response.status_code == 401, f"{case.method} {path} without a valid token: {response.status_code}"

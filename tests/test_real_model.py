@@ -24,11 +24,13 @@ def _lmspd(*args: str, cache: Path) -> subprocess.CompletedProcess[str]:
 @pytest.fixture(scope="module")
 def paris(model_cache: Path) -> subprocess.CompletedProcess[str]:
     """The bundled model asked FRANCE once, greedily, by ``lmspd generate`` (the default
-    model, the engine process, weight dtype auto). Running it takes many seconds of CPU,
-    so the two tests below read this one run: what the engine answered and what the CLI
-    printed of it."""
+    model, the engine process) on float32 weights. Running it takes many seconds of CPU, so
+    the tests below read this one run: what the engine answered and what the CLI printed of
+    it. float32 is one of auto's choices because it holds every dequantized weight exactly:
+    on the BLAS the engine runs on (OpenBLAS where installed, which orders the sums its own
+    way) greedy decoding must give the quantized model's answer, "The capital of France is
+    Paris." (README), and end it the same way."""
     return _lmspd(
-        "--verbose",  # the engine logs which weight dtype auto chose
         "generate",
         FRANCE,
         "--temperature",
@@ -36,7 +38,7 @@ def paris(model_cache: Path) -> subprocess.CompletedProcess[str]:
         "--max-output-tokens",
         "24",
         "--weight-dtype",
-        "auto",
+        "float32",
         cache=model_cache,
     )
 
@@ -47,8 +49,6 @@ def test_france_is_paris_through_the_engine(paris: subprocess.CompletedProcess[s
     assert paris.stdout == "The capital of France is Paris.\n"
     # Ended by <|im_end|>, not by the token limit.
     assert re.search(r"^\[stop: \d+ prompt \+ \d+ output tokens", paris.stderr, re.MULTILINE), paris.stderr
-    # auto measured the model and applied one of the exact choices.
-    assert re.search(r"weight dtype auto: (quantized|float32) \(scores", paris.stderr), paris.stderr
 
 
 def test_cli_generate_prints_paris(paris: subprocess.CompletedProcess[str]) -> None:
@@ -85,34 +85,3 @@ def test_cli_models_pull_is_idempotent(model_cache: Path) -> None:
     done = _lmspd("models", "pull", cache=model_cache)
     assert done.returncode == 0, done.stderr
     assert "smollm2-135m-instruct" in done.stdout
-
-
-async def test_float32_gives_the_quantized_models_answer(model_cache: Path) -> None:
-    """float32 is one of auto's choices because it holds every dequantized weight exactly: on
-    the BLAS the engine runs on (OpenBLAS where installed, which orders the sums its own way),
-    greedy decoding must give the quantized model's answer, "The capital of France is Paris."
-    (README, weight dtype table), and end it the same way."""
-    from service.config import EngineConfig
-    from service.engine import protocol as p
-    from service.engine.client import EngineClient
-    from service.generation import build_generate
-    from service.models.registry import ResolvedModel
-
-    model = ResolvedModel(name="smol", path=model_cache / "smollm2-135m-instruct")
-    engine = EngineClient(EngineConfig(weight_dtype="float32", prompt_cache_max_bytes=0))
-    await engine.start()
-    try:
-        cmd = build_generate(
-            model,
-            [{"role": "user", "content": FRANCE}],
-            request_id="float32",
-            max_tokens=12,
-            sampling=p.SamplingParams(temperature=0.0),
-        )
-        events = [ev async for ev in engine.generate(cmd)]
-    finally:
-        await engine.close()
-    text = "".join(ev.text for ev in events if isinstance(ev, p.Delta | p.Finished))
-    finished = events[-1]
-    assert isinstance(finished, p.Finished) and finished.reason == "stop"
-    assert text == "The capital of France is Paris."

@@ -27,10 +27,10 @@ from service.models.registry import ResolvedModel
 
 PROMPT = "Tell me a long story about a dragon."
 # Output tokens per task (greedy on the tiny model: every task runs to this limit). The kill
-# comes once the resume task has streamed 40 events, with ~260 tokens per task still to go:
+# comes once the resume task has streamed 40 events, with ~120 tokens per task still to go:
 # a margin of many times the few steps between seeing event 40 and the kill, on any machine.
 # The test checks below that every task really was caught mid-generation.
-MAX_TOKENS = 300
+MAX_TOKENS = 160
 FINALS = ("response.completed", "response.incomplete", "response.failed", "response.cancelled")
 
 
@@ -76,14 +76,22 @@ class Server:
 
 @contextlib.contextmanager
 def tiny_server(
-    tmp: Path, model_cache: Path, tiny: ResolvedModel, *, engine: str = "", server: str = "", models: str = ""
+    tmp: Path,
+    model_cache: Path,
+    tiny: ResolvedModel,
+    *,
+    engine: str = "",
+    server: str = "",
+    models: str = "",
+    dtype: str = "quantized",
 ) -> Iterator[Server]:
     """A configured (not yet started) ``lmspd serve`` on the tiny model, killed on exit.
-    ``engine``, ``server`` and ``models`` are extra TOML lines for those sections."""
+    ``engine``, ``server`` and ``models`` are extra TOML lines for those sections; ``dtype``
+    the engine's weight dtype (float32 where the bundled model must prefill fast)."""
     config = tmp / "lmspd.toml"
     config.write_text(
         f'default_model = "tiny"\ncache_dir = "{model_cache}"\n'
-        f'[engine]\nweight_dtype = "quantized"\n{engine}'
+        f'[engine]\nweight_dtype = "{dtype}"\n{engine}'
         f'[server]\ndata_dir = "{tmp / "data"}"\n{server}'
         f'[models.tiny]\npath = "{tiny.path}"\n{models}'
     )

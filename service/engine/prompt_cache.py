@@ -272,12 +272,13 @@ class DiskCache:
         return key, cache
 
 
-def stored_lengths(directory: Path) -> list[int]:
-    """How many tokens each complete cache file under ``directory`` holds (read from its
-    safetensors header alone): what a benchmark or test waits for before killing a server."""
+def stored_lengths(directory: Path, skip: frozenset[Path] = frozenset()) -> list[int]:
+    """How many tokens each complete cache file under ``directory`` (but those in ``skip``)
+    holds, read from its safetensors header alone: what a benchmark or test waits for before
+    killing a server."""
     lengths = []
     for path in directory.rglob(f"*{SUFFIX}"):
-        if path.name.startswith(".tmp-"):  # still being written
+        if path.name.startswith(".tmp-") or path in skip:  # still being written, or known
             continue
         with contextlib.suppress(OSError, ValueError, KeyError, StopIteration), path.open("rb") as f:
             header = json.loads(f.read(int.from_bytes(f.read(8), "little")))

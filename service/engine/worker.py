@@ -641,4 +641,7 @@ def main(
     from .blas import load as load_blas
 
     blas = load_blas(config.blas)  # before anything imports MLX
+    from .lean import import_mlx_lm
+
+    import_mlx_lm()
     Engine(conn, config, Path(cache_dir) if cache_dir else None, blas).run()

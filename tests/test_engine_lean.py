@@ -1,0 +1,42 @@
+"""The engine imports mlx-lm without transformers, and transformers still works after."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from service.models.registry import ResolvedModel
+
+SCRIPT = """
+import sys
+from service.engine.lean import import_mlx_lm
+assert import_mlx_lm() is True
+assert "transformers" not in sys.modules, "transformers was imported"
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.utils import load_model
+import mlx.core as mx
+from pathlib import Path
+model, _ = load_model(Path(sys.argv[1]))
+batch = BatchGenerator(model, completion_batch_size=2)
+batch.insert([[1, 2, 3], [4, 5]], max_tokens=[3, 3])
+produced = 0
+while produced < 6:
+    produced += len(batch.next()[1])
+batch.close()
+assert "transformers" not in sys.modules
+import transformers  # the placeholders are gone: this is the real package
+assert hasattr(transformers, "PreTrainedTokenizerFast") and transformers.__file__
+print("ok")
+"""
+
+
+def test_the_engine_imports_mlx_lm_without_transformers(tiny: ResolvedModel) -> None:
+    done = subprocess.run([sys.executable, "-c", SCRIPT, str(tiny.path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"
+
+
+def test_a_process_that_has_transformers_imports_as_usual() -> None:
+    script = "import transformers\nfrom service.engine.lean import import_mlx_lm\nassert import_mlx_lm() is False\n"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr

@@ -8,16 +8,25 @@ anything is kept.
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+
+import ulid
 
 from .engine import protocol as p
 from .engine.client import EngineClient
-from .errors import ContextLengthExceededError, EngineError
+from .errors import ContextLengthExceededError, EngineError, InvalidPromptError
 from .generation import build_generate, count_tokens, prompt_for, tokenizer_for
+from .metrics import Metrics
 from .models.registry import ResolvedModel
 from .responses import compaction
+from .responses.builder import ResponseState
 from .responses.inputs import CompactionItem, Item, encode_payload
 from .responses.schema import ResponseRequest
+from .store.tasks import EventBuilder
+
+Commit = Callable[[str, list[EventBuilder]], Awaitable[None]]
 
 GREEDY = p.SamplingParams(temperature=0.0)
 
@@ -104,3 +113,64 @@ def require_shorter(before: int, after: int) -> None:
         raise ContextLengthExceededError(
             f"compacting does not make the context shorter ({after} tokens after, {before} before)", param="input"
         )
+
+
+def summary_id(task_id: str) -> str:
+    """The engine request id of a task's compaction summary (cancelled with the task)."""
+    return f"{task_id}.compaction"
+
+
+async def for_task(
+    engine: EngineClient,
+    commit: Commit,
+    metrics: Metrics,
+    task_id: str,
+    state: ResponseState,
+    model: ResolvedModel,
+    request: ResponseRequest,
+    history: list[Item],
+    threshold: int,
+    key: str,
+) -> tuple[list[Item], int] | None:
+    """``context_management``: compact the history before generating when the rendered
+    input reaches the threshold or leaves no room for output. Returns the items that
+    follow the request's own (the compaction item, or none) and the input's tokens;
+    None if the task was cancelled meanwhile. Durable: once ``mlx.compaction.completed``
+    and the item are committed, a resumed task reuses them."""
+    if state.outputs.compacted:
+        done = state.outputs.items[0]
+        after: list[Item] = [CompactionItem(type="compaction", id=done.id, encrypted_content=done.text)]
+        return after, await asyncio.to_thread(count, model, request, history, after)
+    before = await asyncio.to_thread(count, model, request, history)
+    if before < min(threshold, model.context_length - 1):
+        return [], before
+    if state.compaction_started is None:
+        await commit(task_id, state.compaction_begins(before))
+    # The verbatim tail and the summary each get at most a quarter of the threshold, so the
+    # compacted input lands well below it and the next turn does not compact again at once.
+    keep = min(compaction.default_keep_tokens(model.context_length), max(1, threshold // 4))
+    item_id = f"cmp_{ulid.new()}"
+    try:
+        prepared = await asyncio.to_thread(
+            prepare,
+            model,
+            request,
+            history,
+            keep_tokens=keep,
+            max_summary_tokens=min(1024, max(1, threshold // 4)),
+            request_id=summary_id(task_id),
+            cache_key=key,
+            before=before,
+        )
+        summary, finished = await summarize(engine, model, prepared.generate)
+        if finished.reason == "cancelled":
+            return None
+        made = item(prepared, summary, item_id)
+        input_tokens = await asyncio.to_thread(count, model, request, history, [made])
+        require_shorter(before, input_tokens)
+    except ContextLengthExceededError as exc:
+        # Seed: a job whose automatic compaction refused the request fails invalid_prompt.
+        raise InvalidPromptError(f"compaction failed: {exc.message}", param=exc.param) from exc
+    await commit(task_id, state.compaction_done(item_id, made.encrypted_content, before, input_tokens))
+    metrics.compactions.labels("task").inc()
+    return [made], input_tokens

@@ -14,16 +14,14 @@ import contextlib
 import logging
 
 import msgspec
-import ulid
 
 from . import compactor
+from .compactor import summary_id
 from .config import Config
 from .engine import protocol as p
 from .engine.client import EngineClient
 from .errors import (
-    ContextLengthExceededError,
     EngineCrashedError,
-    InvalidPromptError,
     LmspdError,
     StorageFullError,
     error_for,
@@ -31,13 +29,12 @@ from .errors import (
 from .generation import build_generate, cache_key, prompt_for, tokenizer_for
 from .hub import Hub
 from .metrics import Metrics, TokenTimer
-from .models.registry import ModelRegistry, ResolvedModel
+from .models.registry import ModelRegistry
 from .models.slots import ModelSlots
 from .responses import schema as s
 from .responses.builder import ResponseState
-from .responses.compaction import default_keep_tokens
 from .responses.history import history as history_for
-from .responses.inputs import CompactionItem, Item
+from .responses.inputs import Item
 from .responses.reasoning_echo import ReasoningEcho
 from .responses.schema import TaskRequest
 from .storage_backoff import StorageBackoff
@@ -305,20 +302,39 @@ class Supervisor:
         # A model already in memory: claimed and running in one commit, with no round trip to
         # an engine that answers only between its decode steps. (The engine knows models by
         # their canonical names; a spelling seen before maps to one without resolving it.)
+        # That commit is written while the prompt is prepared and prefilled: time to first
+        # token does not wait for its fsync, and nothing of the task's is committed (nor any
+        # other state of it touched) before it has landed.
         resident = self.engine.resident(self._canonical.get(name, name))
+        claim: asyncio.Future[bool] | None = None
         if resident:
-            claimed = await self._to(task_id, "running", state.in_progress(), via="loading")
-        else:
-            claimed = await self._to(task_id, "loading", [])
-        if not claimed:
+            claim = asyncio.ensure_future(self._to(task_id, "running", state.in_progress(), via="loading"))
+        elif not await self._to(task_id, "loading", []):
             return  # cancelled (or claimed) first
+        try:
+            await self._serve(task, state, request, name, claim)
+        finally:
+            if claim is not None:  # settled before anything else may touch the task
+                with contextlib.suppress(Exception):
+                    await claim
+
+    async def _serve(
+        self,
+        task: TaskRecord,
+        state: ResponseState,
+        request: TaskRequest,
+        name: str,
+        claim: asyncio.Future[bool] | None,
+    ) -> None:
+        """Run a claimed task (``claim``: the claim's commit, if it is still being written)."""
+        task_id = task.id
         try:
             model = await asyncio.to_thread(self.registry.resolve, name)
             if len(self._canonical) >= CANONICAL_NAMES_KEPT:
                 self._canonical.clear()
             self._canonical[name] = model.name
             await self.slots.acquire(task_id, model.name)  # given back when _run ends
-            if not resident:
+            if claim is None:
                 await self.engine.load(model.name, str(model.path))
                 if not await self._to(task_id, "running", state.in_progress()):
                     return await self._settle_cancel(task_id, state)
@@ -331,8 +347,12 @@ class Supervisor:
             max_tokens = request.max_output_tokens or self.config.server.default_max_output_tokens
             after: list[Item] = []
             if (threshold := request.compact_threshold()) is not None:
+                if not await held(claim):
+                    return
                 key = cache_key(task.owner, request.prompt_cache_key)
-                compacted = await self._compaction(task_id, state, model, request, history, threshold, key)
+                compacted = await compactor.for_task(
+                    self.engine, self._commit, self.metrics, task_id, state, model, request, history, threshold, key
+                )
                 if compacted is None:
                     return await self._settle_cancel(task_id, state)
                 after, input_tokens = compacted
@@ -354,8 +374,10 @@ class Supervisor:
                 cache_key=cache_key(task.owner, request.prompt_cache_key),
             )
             self.metrics.first_token_stages.mark(task_id, "prompt")
-            finished = await self._generate(task_id, state, cmd)
+            finished = await self._generate(task_id, state, cmd, claim)
         except EngineCrashedError as exc:
+            if not await held(claim):
+                return None
             task = await self.store.get(task_id)
             if task.status == "cancelling":
                 return await self._settle_cancel(task_id, state)
@@ -363,69 +385,24 @@ class Supervisor:
         except StorageFullError:
             raise  # not the task's fault: it is settled by its policy once there is room
         except LmspdError as exc:
+            if not await held(claim):
+                return None
             return await self._fail(task_id, state, exc.code, exc.message)
+        if finished is None or not await held(claim):
+            return None  # someone else's task after all
         if finished.reason == "cancelled":
             return await self._settle_cancel(task_id, state)
         events = state.finish(finished.reason, finished.prompt_tokens, finished.cached_tokens)
         remember = self.echo.finish_job(task.owner, state.response, echoed)
         if not await self._final(task_id, "succeeded", events, state, also=remember):
             await self._settle_cancel(task_id, state)
+        return None
 
-    async def _compaction(
-        self,
-        task_id: str,
-        state: ResponseState,
-        model: ResolvedModel,
-        request: TaskRequest,
-        history: list[Item],
-        threshold: int,
-        key: str,
-    ) -> tuple[list[Item], int] | None:
-        """``context_management``: compact the history before generating when the rendered
-        input reaches the threshold or leaves no room for output. Returns the items that
-        follow the request's own (the compaction item, or none) and the input's tokens;
-        None if the task was cancelled meanwhile. Durable: once ``mlx.compaction.completed``
-        and the item are committed, a resumed task reuses them."""
-        if state.outputs.compacted:
-            done = state.outputs.items[0]
-            after: list[Item] = [CompactionItem(type="compaction", id=done.id, encrypted_content=done.text)]
-            return after, await asyncio.to_thread(compactor.count, model, request, history, after)
-        before = await asyncio.to_thread(compactor.count, model, request, history)
-        if before < min(threshold, model.context_length - 1):
-            return [], before
-        if state.compaction_started is None:
-            await self._commit(task_id, state.compaction_begins(before))
-        # The verbatim tail and the summary each get at most a quarter of the threshold, so the
-        # compacted input lands well below it and the next turn does not compact again at once.
-        keep = min(default_keep_tokens(model.context_length), max(1, threshold // 4))
-        item_id = f"cmp_{ulid.new()}"
-        try:
-            prepared = await asyncio.to_thread(
-                compactor.prepare,
-                model,
-                request,
-                history,
-                keep_tokens=keep,
-                max_summary_tokens=min(1024, max(1, threshold // 4)),
-                request_id=summary_id(task_id),
-                cache_key=key,
-                before=before,
-            )
-            summary, finished = await compactor.summarize(self.engine, model, prepared.generate)
-            if finished.reason == "cancelled":
-                return None
-            item = compactor.item(prepared, summary, item_id)
-            input_tokens = await asyncio.to_thread(compactor.count, model, request, history, [item])
-            compactor.require_shorter(before, input_tokens)
-        except ContextLengthExceededError as exc:
-            # Seed: a job whose automatic compaction refused the request fails invalid_prompt.
-            raise InvalidPromptError(f"compaction failed: {exc.message}", param=exc.param) from exc
-        await self._commit(task_id, state.compaction_done(item_id, item.encrypted_content, before, input_tokens))
-        self.metrics.compactions.labels("task").inc()
-        return [item], input_tokens
-
-    async def _generate(self, task_id: str, state: ResponseState, cmd: p.Generate) -> p.Finished:
-        """Stream the generation, committing each batch of deltas before it is published."""
+    async def _generate(
+        self, task_id: str, state: ResponseState, cmd: p.Generate, claim: asyncio.Future[bool] | None
+    ) -> p.Finished | None:
+        """Stream the generation, committing each batch of deltas before it is published;
+        None (the generation stopped) if the claim did not hold."""
         queue: asyncio.Queue[p.Delta | p.Finished | Exception] = asyncio.Queue()
 
         async def pump() -> None:
@@ -456,6 +433,8 @@ class Supervisor:
                         tokens += item.token_ids
                         logprobs += [s.LogProb.of(entry) for entry in item.logprobs or []]
                 if (text or tokens) and (events := state.delta(text, tokens, logprobs)):
+                    if not await held(claim):
+                        return None
                     await self._commit(task_id, events)
                     self.metrics.first_token_stages.mark(task_id, "commit")
                 if end is not None:
@@ -466,6 +445,6 @@ class Supervisor:
                 await producer
 
 
-def summary_id(task_id: str) -> str:
-    """The engine request id of a task's compaction summary (cancelled with the task)."""
-    return f"{task_id}.compaction"
+async def held(claim: asyncio.Future[bool] | None) -> bool:
+    """The task is this run's: its claim committed (None: it was claimed already)."""
+    return claim is None or await claim

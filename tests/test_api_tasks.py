@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sqlite3
 import time
@@ -487,3 +488,46 @@ def test_open_streams_are_counted_until_they_close(client: TestClient) -> None:
     assert value(scrape(client), "lmspd_sse_streams_open", api="lmsp") == 1
     client.portal.call(stream.aclose)
     assert value(scrape(client), "lmspd_sse_streams_open", api="lmsp") == 0
+
+
+def test_the_engine_starts_before_the_claim_lands_and_stops_if_it_fails(client: TestClient) -> None:
+    """A resident model's task is claimed while its prompt is prepared and prefilled: the
+    generation starts before the claim's commit lands, nothing of the task's is committed
+    until it has, and a claim that fails (a cancel got there first) stops the generation."""
+    warm = client.post("/lmsp/v1/tasks", json=task_body(max_output_tokens=1), headers=ALICE).json()
+    wait_done(client, warm["id"])  # the model is resident now
+    core = client.app.state.lmsp.core  # type: ignore[attr-defined]
+    store, engine = core.store, core.supervisor.engine
+    assert client.portal is not None
+    gate = client.portal.call(lambda: _make_event())
+    transition = store.transition
+
+    async def held_claim(task_id: str, status: str, **kwargs: Any) -> Any:
+        if kwargs.get("via") == "loading":
+            await gate.wait()
+        return await transition(task_id, status, **kwargs)
+
+    store.transition = held_claim
+    try:
+        task = client.post("/lmsp/v1/tasks", json=task_body(max_output_tokens=200), headers=ALICE).json()
+        deadline = time.monotonic() + 60
+        while task["id"] not in engine._streams and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert task["id"] in engine._streams, "the generation did not start before the claim landed"
+        # The engine is generating; none of it is committed while the claim is pending.
+        assert client.get(f"/lmsp/v1/tasks/{task['id']}", headers=ALICE).json()["status"] == "queued"
+        cancel = client.post(f"/lmsp/v1/tasks/{task['id']}/cancel", headers=ALICE)
+        assert cancel.status_code == 200 and cancel.json()["status"] == "cancelled"
+        client.portal.call(gate.set)
+        while task["id"] in core.supervisor.running and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert task["id"] not in core.supervisor.running and task["id"] not in engine._streams
+    finally:
+        store.transition = transition
+    events = sse(client, task["id"])
+    assert [e["type"] for e in events] == ["response.created", "response.cancelled"], events
+    assert settle_and_check(client, task["id"], 200) == "cancelled"
+
+
+async def _make_event() -> asyncio.Event:
+    return asyncio.Event()

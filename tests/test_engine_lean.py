@@ -1,4 +1,4 @@
-"""The engine imports mlx-lm without transformers, and transformers still works after."""
+"""The engine process: mlx-lm without transformers, and no buffer cache pinning memory on the CPU."""
 
 from __future__ import annotations
 
@@ -38,5 +38,17 @@ def test_the_engine_imports_mlx_lm_without_transformers(tiny: ResolvedModel) -> 
 
 def test_a_process_that_has_transformers_imports_as_usual() -> None:
     script = "import transformers\nfrom service.engine.lean import import_mlx_lm\nassert import_mlx_lm() is False\n"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_cpu_engine_keeps_no_freed_buffers() -> None:
+    script = (
+        "import mlx.core as mx\n"
+        "from service.engine.worker import release_freed_buffers\n"
+        "release_freed_buffers()\n"
+        "mx.eval(mx.ones((1024, 1024)) * 2)\n"
+        "assert mx.get_cache_memory() == 0, mx.get_cache_memory()\n"
+    )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

@@ -171,6 +171,17 @@ class SeededSampler:
         return mx.random.categorical(logprobs * (1.0 / self.temperature), key=draw)
 
 
+def release_freed_buffers() -> None:
+    """On the CPU backend, MLX's buffer cache only pins memory: a freed buffer goes back to
+    malloc, which reuses it just as well (decode and batching measured the same with and
+    without the cache), while the cache held tens of MB of a long prompt's transients.
+    On Metal, where allocating a buffer is costly, the cache stays."""
+    import mlx.core as mx
+
+    if not mx.metal.is_available():
+        mx.set_cache_limit(0)
+
+
 @dataclass
 class Request:
     cmd: p.Generate
@@ -235,6 +246,7 @@ class Engine:
     def run(self) -> None:
         import mlx.core as mx
 
+        release_freed_buffers()
         self.send(
             p.Ready(
                 pid=os.getpid(),

@@ -11,8 +11,6 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 GRAMMAR_CACHE_SIZE = 64
 
 
@@ -74,6 +72,7 @@ class GrammarMask:
 
     def __call__(self, tokens: Any, logits: Any) -> Any:
         import mlx.core as mx
+        import numpy as np  # here, not at the top: the server process imports this module's users
         from llguidance.numpy import fill_next_token_bitmask
 
         length = int(tokens.shape[-1])

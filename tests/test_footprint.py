@@ -1,4 +1,5 @@
-"""The engine process: mlx-lm without transformers, and no buffer cache pinning memory on the CPU."""
+"""What each process loads: the engine imports mlx-lm without transformers and keeps no freed
+buffers on the CPU; the server process loads neither MLX nor NumPy."""
 
 from __future__ import annotations
 
@@ -49,6 +50,20 @@ def test_the_cpu_engine_keeps_no_freed_buffers() -> None:
         "release_freed_buffers()\n"
         "mx.eval(mx.ones((1024, 1024)) * 2)\n"
         "assert mx.get_cache_memory() == 0, mx.get_cache_memory()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_server_process_loads_neither_mlx_nor_numpy() -> None:
+    script = (
+        "import sys\n"
+        "from service.config import load_config\n"
+        "from service.api.app import create_app\n"
+        "create_app(load_config())\n"
+        "import service.engine.worker, service.grammar\n"
+        "loaded = [m for m in ('mlx.core', 'numpy', 'transformers') if m in sys.modules]\n"
+        "assert not loaded, loaded\n"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

@@ -11,9 +11,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ..chat.schema import ChatCompletionRequest
-from ..chat.view import ChunkStream, completion, failure
+from ..chat.view import ChunkStream, completion
+from ..errors import LmspdError, error_for
 from ..responses import schema as s
 from .events import event_stream, openai_stream, unless_disconnected
+from .problems import openai_response
 from .state import state_of
 from .wire import decode, read_body
 
@@ -41,6 +43,15 @@ async def create_chat_completion(request: Request) -> Response:
     response = msgspec.json.decode(await app.core.snapshot(final), type=s.Response)
     await app.core.release(final)
     if response.status == "failed":
-        return Response(msgspec.json.encode(failure(response)), status_code=500, media_type="application/json")
+        return openai_response(failed_error(response))
     body = completion(response, completion_id=completion_id, created=task.created_at)
     return Response(msgspec.json.encode(body), media_type="application/json")
+
+
+def failed_error(response: s.Response) -> LmspdError:
+    """A failed generation as the error its code stands for: a request the model could not
+    take (its context, its grammar) is the client's 4xx, a crash or restart the server's 500."""
+    err = response.error
+    if err is None:
+        return LmspdError(f"the response ended {response.status}")
+    return error_for(err.code, err.message)

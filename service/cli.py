@@ -114,7 +114,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         ModelRegistry(config).resolve(config.default_model, progress=progress)
     logging.getLogger("lmspd").setLevel(logging.DEBUG if args.verbose else logging.INFO)
     print(
-        f"lmspd serving on http://{config.server.host}:{config.server.port} (database {config.server.database_path})",
+        f"lmspd starting on http://{config.server.host}:{config.server.port} (database {config.server.database_path})",
         file=sys.stderr,
         flush=True,
     )

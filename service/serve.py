@@ -86,6 +86,7 @@ async def run(config: Config) -> None:
     hc.graceful_timeout = config.server.shutdown_grace_secs
     _drop_stalled_readers(hc, 2 * config.server.keepalive_secs)
     hc.accesslog = None  # the app logs each request (service.api.access_log)
+    sockets = _bind_now(hc, config)
     # Hypercorn's own lines go through the root handler, in the server's --log-format (given a
     # target name, Hypercorn would add a handler of its own with its own format).
     errors = logging.getLogger("hypercorn.error")
@@ -116,6 +117,24 @@ async def run(config: Config) -> None:
     finally:
         if ready is not None:
             ready.cancel()
+        for sock in sockets.insecure_sockets:
+            sock.close()
+
+
+def _bind_now(hc: Any, config: Config) -> Any:
+    """Bind the listening sockets before the lifespan starts the engine (Hypercorn would bind
+    after it, seconds later): the port is this server's from the start, so a port another
+    process takes meanwhile cannot fail a server that has already loaded its model. Nothing
+    listens on them until the app is up."""
+    try:
+        sockets = hc.create_sockets()
+    except OSError as exc:
+        host, port = config.server.host, config.server.port
+        raise StartupError(
+            f"cannot listen on {host}:{port}: {exc.strerror or exc}; run `lmspd doctor` for details", param="port"
+        ) from exc
+    hc.create_sockets = lambda: sockets
+    return sockets
 
 
 def _drop_stalled_readers(hc: Any, secs: float) -> None:

@@ -51,9 +51,14 @@ def check_port(config: Config) -> None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind(address)
     except OSError as exc:
-        raise StartupError(
-            f"cannot listen on {host}:{port}: {exc.strerror or exc}; run `lmspd doctor` for details", param="port"
-        ) from exc
+        raise cannot_listen(config, exc) from exc
+
+
+def cannot_listen(config: Config, exc: OSError) -> StartupError:
+    host, port = config.server.host, config.server.port
+    return StartupError(
+        f"cannot listen on {host}:{port}: {exc.strerror or exc}; run `lmspd doctor` for details", param="port"
+    )
 
 
 def check_bind(config: Config) -> None:
@@ -129,10 +134,7 @@ def _bind_now(hc: Any, config: Config) -> Any:
     try:
         sockets = hc.create_sockets()
     except OSError as exc:
-        host, port = config.server.host, config.server.port
-        raise StartupError(
-            f"cannot listen on {host}:{port}: {exc.strerror or exc}; run `lmspd doctor` for details", param="port"
-        ) from exc
+        raise cannot_listen(config, exc) from exc
     hc.create_sockets = lambda: sockets
     return sockets
 

@@ -18,6 +18,8 @@ import contextlib
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import anyio.from_thread
 import msgspec
@@ -26,8 +28,9 @@ from starlette.applications import Starlette
 from starlette.testclient import TestClient
 
 from service.api.app import create_app
-from service.config import Config, EngineConfig
+from service.config import Config, EngineConfig, ModelEntry, ServerConfig
 from service.engine.client import EngineClient
+from service.models.registry import ResolvedModel
 
 
 @dataclass(frozen=True)
@@ -101,4 +104,18 @@ def purge(client: TestClient, *, events_older_than: int = 10**6, later_by: int =
             idempotency_retention_secs=10**6,
             now=int(time.time()) + later_by,
         )
+    )
+
+
+def tiny_config(
+    model: ResolvedModel, cache: Path, data_dir: Path, engine: EngineConfig | None = None, **server: Any
+) -> Config:
+    """A server config whose default model, "tiny", is ``model``; ``server``: ServerConfig's
+    fields besides the data directory."""
+    return Config(
+        default_model="tiny",
+        cache_dir=str(cache),
+        models={"tiny": ModelEntry(path=str(model.path))},
+        engine=engine or EngineConfig(),
+        server=ServerConfig(data_dir=str(data_dir), **server),
     )

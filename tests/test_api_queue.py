@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_host import Host, Hosts
+from engine_host import Host, Hosts, tiny_config
 from starlette.testclient import TestClient
 
-from service.config import Config, EngineConfig, ModelEntry, ServerConfig
+from service.config import Config, EngineConfig
 from service.models.registry import ResolvedModel
 
 
@@ -37,13 +37,7 @@ def host(engine_hosts: Hosts) -> Host:
 
 @pytest.fixture
 def config(tmp_path: Path, model_cache: Path, tiny_long: ResolvedModel) -> Config:
-    return Config(
-        default_model="tiny",
-        cache_dir=str(model_cache),
-        models={"tiny": ModelEntry(path=str(tiny_long.path))},
-        engine=ENGINE,
-        server=ServerConfig(data_dir=str(tmp_path / "data"), max_queued_tasks=2, keepalive_secs=0.3),
-    )
+    return tiny_config(tiny_long, model_cache, tmp_path / "data", ENGINE, max_queued_tasks=2, keepalive_secs=0.3)
 
 
 @pytest.fixture

@@ -13,13 +13,13 @@ from typing import Any
 
 import msgspec
 import pytest
-from engine_host import Host, Hosts, purge
+from engine_host import Host, Hosts, purge, tiny_config
 from openresponses import validate, validate_event
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 
 from service.api import events
-from service.config import Config, EngineConfig, ModelEntry, ServerConfig
+from service.config import Config, EngineConfig
 from service.models.registry import ResolvedModel
 
 TOKENS = {"alice": "alice-secret-token", "bob": "bob-secret-token"}
@@ -42,14 +42,8 @@ def host(engine_hosts: Hosts) -> Host:
 
 @pytest.fixture
 def server_config(tmp_path: Path, model_cache: Path, tiny_long: ResolvedModel) -> Config:
-    return Config(
-        default_model="tiny",
-        cache_dir=str(model_cache),
-        models={"tiny": ModelEntry(path=str(tiny_long.path))},
-        engine=ENGINE,
-        server=ServerConfig(
-            data_dir=str(tmp_path / "data"), tokens=TOKENS, max_body_bytes=64 * 1024, keepalive_secs=0.5
-        ),
+    return tiny_config(
+        tiny_long, model_cache, tmp_path / "data", ENGINE, tokens=TOKENS, max_body_bytes=64 * 1024, keepalive_secs=0.5
     )
 
 

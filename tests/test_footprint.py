@@ -31,16 +31,20 @@ print("ok")
 """
 
 
-def test_the_engine_imports_mlx_lm_without_transformers(tiny: ResolvedModel) -> None:
-    done = subprocess.run([sys.executable, "-c", SCRIPT, str(tiny.path)], capture_output=True, text=True, timeout=120)
+def run_python(script: str, *args: str) -> str:
+    """Run ``script`` in a fresh interpreter (what a process loads is the point); its stdout."""
+    done = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "ok"
+    return done.stdout
+
+
+def test_the_engine_imports_mlx_lm_without_transformers(tiny: ResolvedModel) -> None:
+    assert run_python(SCRIPT, str(tiny.path)).strip() == "ok"
 
 
 def test_a_process_that_has_transformers_imports_as_usual() -> None:
     script = "import transformers\nfrom service.engine.lean import import_mlx_lm\nassert import_mlx_lm() is False\n"
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
+    run_python(script)
 
 
 def test_the_cpu_engine_keeps_no_freed_buffers() -> None:
@@ -51,8 +55,7 @@ def test_the_cpu_engine_keeps_no_freed_buffers() -> None:
         "mx.eval(mx.ones((1024, 1024)) * 2)\n"
         "assert mx.get_cache_memory() == 0, mx.get_cache_memory()\n"
     )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
+    run_python(script)
 
 
 def test_the_server_process_loads_neither_mlx_nor_numpy() -> None:
@@ -65,5 +68,4 @@ def test_the_server_process_loads_neither_mlx_nor_numpy() -> None:
         "loaded = [m for m in ('mlx.core', 'numpy', 'transformers') if m in sys.modules]\n"
         "assert not loaded, loaded\n"
     )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
+    run_python(script)

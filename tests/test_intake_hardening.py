@@ -12,7 +12,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from engine_host import Host, Hosts
+from engine_host import Host, Hosts, tiny_config
 from starlette.testclient import TestClient
 
 from service.config import Config, EngineConfig, ModelEntry, ServerConfig
@@ -35,14 +35,8 @@ def host(engine_hosts: Hosts) -> Host:
 
 @pytest.fixture(scope="module")
 def config(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, tiny_long: ResolvedModel) -> Config:
-    return Config(
-        default_model="tiny",
-        cache_dir=str(model_cache),
-        models={"tiny": ModelEntry(path=str(tiny_long.path))},
-        engine=ENGINE,
-        server=ServerConfig(
-            data_dir=str(tmp_path_factory.mktemp("intake") / "data"), tokens=TOKENS, keepalive_secs=0.5
-        ),
+    return tiny_config(
+        tiny_long, model_cache, tmp_path_factory.mktemp("intake") / "data", ENGINE, tokens=TOKENS, keepalive_secs=0.5
     )
 
 

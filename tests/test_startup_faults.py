@@ -22,11 +22,12 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from engine_host import tiny_config
 from test_acceptance_restart import free_port
 
 from service import doctor
 from service.api.app import create_app
-from service.config import Config, EngineConfig, ModelEntry, ServerConfig
+from service.config import Config, EngineConfig, ServerConfig
 from service.engine.client import EngineClient
 from service.errors import EngineCrashedError
 from service.hub import Hub
@@ -226,12 +227,7 @@ async def test_database_open_refuses_without_writing(tmp_path: Path) -> None:
 async def test_one_unreadable_task_fails_alone(tmp_path: Path, tiny: ResolvedModel, model_cache: Path) -> None:
     """Running tasks at restart: one without events, one with an undecodable event, one
     sound. The two damaged ones fail with ``task_corrupt``; the sound one is recovered."""
-    config = Config(
-        default_model="tiny",
-        cache_dir=str(model_cache),
-        models={"tiny": ModelEntry(path=str(tiny.path))},
-        server=ServerConfig(data_dir=str(tmp_path)),
-    )
+    config = tiny_config(tiny, model_cache, tmp_path)
     db = await Database.open(config.server.database_path)
     store = TaskStore(db)
     from service.core.service import Core  # the intake path writes the first event as it really is

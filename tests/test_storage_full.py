@@ -17,10 +17,10 @@ from typing import Any
 
 import msgspec
 import pytest
-from engine_host import Host, Hosts
+from engine_host import Host, Hosts, tiny_config
 from starlette.testclient import TestClient
 
-from service.config import Config, EngineConfig, ModelEntry, ServerConfig
+from service.config import Config, EngineConfig
 from service.models.registry import ResolvedModel
 from service.store.db import Database, on_thread
 
@@ -35,13 +35,7 @@ def host(engine_hosts: Hosts) -> Host:
 
 @pytest.fixture
 def config(tmp_path: Path, model_cache: Path, tiny_long: ResolvedModel) -> Config:
-    return Config(
-        default_model="tiny",
-        cache_dir=str(model_cache),
-        models={"tiny": ModelEntry(path=str(tiny_long.path))},
-        engine=ENGINE,
-        server=ServerConfig(data_dir=str(tmp_path / "data"), keepalive_secs=0.5),
-    )
+    return tiny_config(tiny_long, model_cache, tmp_path / "data", ENGINE, keepalive_secs=0.5)
 
 
 @pytest.fixture
@@ -162,12 +156,7 @@ async def test_restart_with_the_disk_still_full_waits_and_then_follows_each_poli
     from service.supervisor import Supervisor
 
     caplog.set_level(logging.INFO, logger="lmspd")
-    config = Config(
-        default_model="tiny",
-        cache_dir=str(model_cache),
-        models={"tiny": ModelEntry(path=str(tiny_long.path))},
-        server=ServerConfig(data_dir=str(tmp_path)),
-    )
+    config = tiny_config(tiny_long, model_cache, tmp_path)
     db = await Database.open(config.server.database_path)
     store, hub, registry = TaskStore(db), Hub(), ModelRegistry(config)
     supervisor = Supervisor(config, store, EngineClient(EngineConfig()), hub, registry)

@@ -14,11 +14,11 @@ import time
 import uuid
 from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from . import units
 from .client import cli as tasks_cli
-from .config import RESPONSES_FLAGS, Config, load_config
+from .config import RESPONSES_FLAGS, Config, WeightDtype, load_config
 from .errors import LmspdError
 from .logs import ENV as LOG_FORMAT_ENV
 from .logs import FORMATS as LOG_FORMATS
@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.7)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--instructions", help="system prompt")
-    gen.add_argument("--weight-dtype", choices=["auto", "quantized", "float32", "float16", "bfloat16"])
+    gen.add_argument("--weight-dtype", choices=get_args(WeightDtype))
     _common(gen)
 
     units.add_parser(sub, _common)

@@ -15,7 +15,7 @@ import msgspec
 
 from .errors import ConfigError
 
-WeightDtype = Literal["auto", "quantized", "float32", "float16", "bfloat16"]
+WeightDtype = Literal["auto", "quantized", "quantized_float32", "float32", "float16", "bfloat16"]
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 

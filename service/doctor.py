@@ -204,6 +204,25 @@ def _blas(config: Config) -> Finding:
     return Finding("ok", "blas", f"{path}; weight_dtype {config.engine.weight_dtype} is measured with it")
 
 
+def _kernels(config: Config) -> Finding:
+    from .engine import kernels
+
+    dtype = config.engine.weight_dtype
+    if dtype not in ("auto", "quantized_float32"):
+        return Finding("ok", "kernels", f"not used (weight_dtype {dtype})")
+    if (path := kernels.built()) is not None:
+        return Finding("ok", "kernels", f"built at {path.parent}: quantized models run packed in float32")
+    try:
+        kernels.preflight()
+    except kernels.KernelUnavailable as exc:
+        if dtype == "quantized_float32":
+            return Finding("FAIL", "kernels", f"weight_dtype quantized_float32 needs them: {exc}")
+        if not sys.platform.startswith("linux"):
+            return Finding("ok", "kernels", "not needed (MLX's own quantized kernels)")
+        return Finding("warn", "kernels", f"{exc}: quantized models run dense (about 5x the memory)")
+    return Finding("ok", "kernels", f"built on the first model load (about 10 s) into {kernels.cache_root()}")
+
+
 def run(config: Config, out: TextIO | None = None) -> int:
     """Print every finding (to stdout by default); 1 when any failed, else 0."""
     out = out or sys.stdout
@@ -211,6 +230,7 @@ def run(config: Config, out: TextIO | None = None) -> int:
         lambda _: _lmspd_version(),
         lambda _: _mlx(),
         _blas,
+        _kernels,
         _data_dir,
         _database,
         _models,

@@ -30,6 +30,8 @@ from service.models.registry import ResolvedModel
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("LMSPD_TEST_CACHE", ROOT / ".test-cache"))
+# The engine builds its kernels once per machine (about 10 s), not once per test server.
+os.environ.setdefault("LMSPD_KERNEL_DIR", str(CACHE / "kernels"))
 SMOL = BUILTIN_MODELS["smollm2-135m-instruct"]
 
 

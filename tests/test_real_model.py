@@ -21,15 +21,16 @@ def _lmspd(*args: str, cache: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.fixture(scope="module")
-def paris(model_cache: Path) -> subprocess.CompletedProcess[str]:
+@pytest.fixture(scope="module", params=["float32", "quantized_float32"])
+def paris(model_cache: Path, request: pytest.FixtureRequest) -> subprocess.CompletedProcess[str]:
     """The bundled model asked FRANCE once, greedily, by ``lmspd generate`` (the default
-    model, the engine process) on float32 weights. Running it takes many seconds of CPU, so
-    the tests below read this one run: what the engine answered and what the CLI printed of
-    it. float32 is one of auto's choices because it holds every dequantized weight exactly:
-    on the BLAS the engine runs on (OpenBLAS where installed, which orders the sums its own
-    way) greedy decoding must give the quantized model's answer, "The capital of France is
-    Paris." (README), and end it the same way."""
+    model, the engine process) in each of auto's exact weight dtypes. Running it takes many
+    seconds of CPU, so the tests below read this one run per dtype: what the engine answered
+    and what the CLI printed of it. float32 holds every dequantized weight exactly, and
+    quantized_float32 computes with the same float32 weights while they stay packed (lmspd's
+    kernels): on the BLAS the engine runs on (OpenBLAS where installed, which orders the sums
+    its own way) greedy decoding must give the quantized model's answer, "The capital of
+    France is Paris." (README), and end it the same way."""
     return _lmspd(
         "generate",
         FRANCE,
@@ -38,7 +39,7 @@ def paris(model_cache: Path) -> subprocess.CompletedProcess[str]:
         "--max-output-tokens",
         "24",
         "--weight-dtype",
-        "float32",
+        request.param,
         cache=model_cache,
     )
 

@@ -9,7 +9,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_model
 
-from service.engine import weights
+from service.engine import kernels, packed, weights
 from service.engine.weights import apply_weight_dtype, measure
 from service.models.registry import ResolvedModel
 
@@ -27,6 +27,39 @@ def test_float32_reproduces_quantized_tokens(tiny: ResolvedModel) -> None:
     assert _greedy(dense) == _greedy(quantized)
 
 
+def test_packed_float32_reproduces_quantized_tokens(tiny: ResolvedModel) -> None:
+    quantized, _ = load_model(tiny.path)
+    packed_model, _ = load_model(tiny.path)
+    assert apply_weight_dtype(packed_model, "quantized_float32") == "quantized_float32"
+    assert _greedy(packed_model) == _greedy(quantized)
+    layers = [m for _, m in packed_model.named_modules() if isinstance(m, packed.PackedLinear)]
+    assert layers and not _is_quantized(packed_model)  # every quantized layer runs packed
+    # The weights stay packed (uint32); everything else runs in float32.
+    dtypes = {v.dtype for _, v in tree_flatten(packed_model.parameters())}
+    assert dtypes == {mx.uint32, mx.float32}
+
+
+def test_packed_float32_prefills_through_the_dense_product(tiny: ResolvedModel) -> None:
+    """A prompt longer than the matvec's rows takes the dequantize + BLAS path; both paths
+    agree with the quantized model's greedy answer."""
+    quantized, _ = load_model(tiny.path)
+    packed_model, _ = load_model(tiny.path)
+    apply_weight_dtype(packed_model, "quantized_float32")
+    prompt = mx.array([(7 * i) % 900 + 3 for i in range(3 * packed.KERNEL_ROWS)])
+    greedy = lambda x: mx.argmax(x, axis=-1)  # noqa: E731
+    want = [int(t) for t, _ in generate_step(prompt, quantized, max_tokens=8, sampler=greedy)]
+    assert [int(t) for t, _ in generate_step(prompt, packed_model, max_tokens=8, sampler=greedy)] == want
+
+
+def test_packed_float32_refuses_a_quantization_it_cannot_run(tiny: ResolvedModel) -> None:
+    model, _ = load_model(tiny.path)
+    layer = model.model.layers[0].mlp.up_proj
+    layer.bits = 3
+    assert packed.unsupported(model) == "model.layers.0.mlp.up_proj has 3-bit groups of 32"
+    with pytest.raises(kernels.KernelUnavailable, match="3-bit"):
+        apply_weight_dtype(model, "quantized_float32")
+
+
 def _is_quantized(model: nn.Module) -> bool:
     return any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules())
 
@@ -38,10 +71,10 @@ def test_measure_scores_only_exact_choices(tiny: ResolvedModel) -> None:
     # choices only, and auto applies one of those.
     model, _ = load_model(tiny.path)
     scores = measure(model)
-    assert scores and set(scores) <= {"quantized", "float32"}
+    assert scores and set(scores) <= {"quantized", "float32", "quantized_float32"}
     assert all(v > 0 for v in scores.values())
     choice = apply_weight_dtype(model, "auto")
-    assert choice in ("quantized", "float32")
+    assert choice in ("quantized", "float32", "quantized_float32")
     assert _is_quantized(model) == (choice == "quantized")
 
 
@@ -52,6 +85,10 @@ def test_measure_scores_only_exact_choices(tiny: ResolvedModel) -> None:
         ({"quantized": 1e-3, "float32": 2e-3}, "quantized"),
         ({"float32": 1e-3}, "float32"),
         ({"quantized": 1e-3}, "quantized"),
+        # A packed choice within 10% of the fastest is kept for its memory.
+        ({"float32": 1.00e-3, "quantized_float32": 1.05e-3}, "quantized_float32"),
+        ({"float32": 1.00e-3, "quantized_float32": 1.20e-3}, "float32"),
+        ({"float32": 1.0e-3, "quantized_float32": 0.5e-3, "quantized": 0.52e-3}, "quantized_float32"),
     ],
 )
 def test_auto_applies_the_fastest_measured_choice(

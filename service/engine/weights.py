@@ -7,7 +7,10 @@ each candidate dtype and keeps the fastest, excluding dense dtypes whose
 weights would take more than a fixed share of memory.
 
 ``auto`` only weighs choices that compute the same numbers as the quantized
-model: float32 holds every dequantized weight exactly. bfloat16 does not
+model: float32 holds every dequantized weight exactly, and ``quantized_float32``
+computes with those same float32 weights while they stay packed (packed.py,
+lmspd's kernels; offered where the kernels build). Among choices within 10% of
+the fastest, auto keeps a packed one: it holds a fraction of the memory. bfloat16 does not
 (8-bit mantissa), and on SmolLM2-135M it turned "The capital of France is
 Paris." into "L'Étoile, la Marseillaise," -- so half precision is only ever
 used when a user asks for it.
@@ -24,10 +27,14 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from . import kernels, packed
+
 log = logging.getLogger("lmspd.engine.weights")
 
 AUTO_CANDIDATES = ("float32",)  # dense dtypes that reproduce the quantized model exactly
+PACKED = ("quantized", "quantized_float32")  # choices that keep the weights' quantized size
 _MEMORY_SHARE = 0.4  # dense weights may take at most this share of memory
+_PACKED_MARGIN = 1.1  # a packed choice this close to the fastest is kept for its memory
 
 
 def _quantized_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -81,6 +88,8 @@ def _activation_dtype(model: nn.Module) -> mx.Dtype:
 
 
 def _runner(m: nn.Module, dtype: str, act: mx.Dtype) -> tuple[Any, mx.Dtype]:
+    if dtype == "quantized_float32":
+        return packed.PackedLinear(m, kernels.load()), mx.float32
     if dtype == "quantized":
         return (lambda x: mx.quantized_matmul(x, m.weight, m.scales, m.biases, True, m.group_size, m.bits)), act
     xdt = getattr(mx, dtype)
@@ -108,11 +117,33 @@ def measure(model: nn.Module, prefill_rows: int = 8) -> dict[str, float]:
     act = _activation_dtype(model)
     budget = _memory_bytes() * _MEMORY_SHARE
     candidates = ["quantized"] + [d for d in AUTO_CANDIDATES if _param_count(model) * getattr(mx, d).size <= budget]
+    if _packed_reason(model) is None:
+        candidates.append("quantized_float32")
     decode = {d: _seconds(modules, d, act, 1, 3) for d in candidates}
     best = min(decode.values())
     return {
         d: t + _seconds(modules, d, act, prefill_rows, 1) / prefill_rows for d, t in decode.items() if t <= 1.5 * best
     }
+
+
+def _packed_reason(model: nn.Module) -> str | None:
+    """Why ``quantized_float32`` cannot run this model here (None: it can)."""
+    reason = packed.unsupported(model)
+    if reason is None:
+        try:
+            kernels.load()
+        except kernels.KernelUnavailable as exc:
+            reason = str(exc)
+    if reason is not None:
+        log.warning("weight dtype quantized_float32 unavailable: %s", reason)
+    return reason
+
+
+def choose(scores: dict[str, float]) -> str:
+    """The fastest choice, unless a packed one is within the margin of it."""
+    best = min(scores, key=scores.__getitem__)
+    near = [d for d in PACKED if d in scores and scores[d] <= scores[best] * _PACKED_MARGIN]
+    return min(near, key=scores.__getitem__) if near else best
 
 
 def apply_weight_dtype(model: nn.Module, setting: str) -> str:
@@ -122,9 +153,16 @@ def apply_weight_dtype(model: nn.Module, setting: str) -> str:
     choice = setting
     if setting == "auto":
         scores = measure(model)
-        choice = min(scores, key=scores.__getitem__)
+        choice = choose(scores)
         log.info("weight dtype auto: %s (scores %s)", choice, {k: f"{v * 1e3:.2f}ms" for k, v in scores.items()})
     if choice == "quantized":
+        return choice
+    if choice == "quantized_float32":
+        if (reason := packed.unsupported(model)) is not None:
+            raise kernels.KernelUnavailable(reason)
+        packed.pack(model, kernels.load())
+        mx.eval(model.parameters())
+        mx.clear_cache()
         return choice
     from mlx_lm.utils import dequantize_model
 

@@ -1,0 +1,97 @@
+"""lmspd's quantized CPU kernels (service/engine/kernels): built here, checked against MLX."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import mlx.core as mx
+import pytest
+
+from service.engine import kernels
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the kernels are built on Linux only")
+
+
+@pytest.fixture(scope="module")
+def ext() -> ModuleType:
+    return kernels.load()
+
+
+def _quantized(rows: int, cols: int, group: int, bits: int, dtype: mx.Dtype) -> tuple[mx.array, ...]:
+    w = (mx.random.normal((rows, cols), key=mx.random.key(rows + cols + bits)) * 0.2).astype(dtype)
+    q, s, b = mx.quantize(w, group, bits)
+    return q, s.astype(mx.float32), b.astype(mx.float32)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32])
+def test_dequantize_is_bit_for_bit_mlx(ext: ModuleType, bits: int, group: int, dtype: mx.Dtype) -> None:
+    q, s, b = _quantized(96, 384, group, bits, dtype)
+    assert mx.array_equal(ext.dequantize(q, s, b, group, bits), mx.dequantize(q, s, b, group, bits)).item()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 17])
+@pytest.mark.parametrize(("bits", "group"), [(4, 32), (8, 32), (4, 64), (2, 128)])
+@pytest.mark.parametrize("split", [True, False])
+def test_matvec_is_the_float32_product_of_the_dequantized_weights(
+    ext: ModuleType, rows: int, bits: int, group: int, split: bool
+) -> None:
+    q, s, b = _quantized(200, 256, group, bits, mx.bfloat16)
+    x = mx.random.normal((rows, 256), key=mx.random.key(rows))
+    want = x @ mx.dequantize(q, s, b, group, bits).T
+    got = ext.quantized_matvec(x, q, s, b, group, bits, split)
+    assert got.shape == (rows, 200) and got.dtype == mx.float32
+    # Only the order of the float32 sums differs from BLAS's.
+    assert mx.allclose(got, want, rtol=1e-5, atol=1e-5).item()
+
+
+def test_matvec_keeps_leading_dimensions(ext: ModuleType) -> None:
+    q, s, b = _quantized(64, 128, 32, 4, mx.bfloat16)
+    x = mx.random.normal((2, 3, 128), key=mx.random.key(7))
+    got = ext.quantized_matvec(x, q, s, b, 32, 4)
+    assert got.shape == (2, 3, 64)
+    assert mx.allclose(got, x @ mx.dequantize(q, s, b, 32, 4).T, rtol=1e-5, atol=1e-5).item()
+
+
+def test_inputs_it_cannot_take_are_refused(ext: ModuleType) -> None:
+    q, s, b = _quantized(64, 128, 32, 4, mx.bfloat16)
+    x = mx.ones((1, 128))
+    with pytest.raises(ValueError, match="bits/group_size"):
+        ext.quantized_matvec(x, q, s, b, 32, 3)
+    with pytest.raises(ValueError, match="float32"):
+        ext.quantized_matvec(x.astype(mx.bfloat16), q, s, b, 32, 4)
+    with pytest.raises(ValueError, match="input size"):
+        ext.quantized_matvec(mx.ones((1, 96)), q, s, b, 32, 4)
+    with pytest.raises(ValueError, match="do not match"):
+        ext.dequantize(q, s[:, :2], b[:, :2], 32, 4)
+
+
+def test_a_build_is_cached_under_a_key_of_its_inputs(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    built = kernels.built()
+    assert built is not None and built == kernels.build()  # the fixture's build, found again
+    changed = tmp_path / "quantized.cpp"
+    changed.write_text(kernels.SOURCE.read_text() + "\n// changed\n")
+    key = kernels.build_key()
+    monkeypatch.setattr(kernels, "SOURCE", changed)
+    assert kernels.build_key() != key  # edited source: a new build, not the stale binary
+
+
+def test_a_machine_without_a_compiler_is_told_why(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    with pytest.raises(kernels.KernelUnavailable, match="no C\\+\\+ compiler"):
+        kernels.build(tmp_path)
+    assert not any(tmp_path.iterdir())  # nothing half-built left behind
+
+
+def test_a_failed_compile_says_what_the_compiler_said(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    broken = tmp_path / "quantized.cpp"
+    broken.write_text("this is not C++\n")
+    monkeypatch.setattr(kernels, "SOURCE", broken)
+    with pytest.raises(kernels.KernelUnavailable, match="did not compile"):
+        kernels.build(tmp_path / "cache")
+    assert not list((tmp_path / "cache").glob("*/*.so"))
+    assert shutil.which("c++") is not None

@@ -219,7 +219,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--model-dir", type=Path, default=None)
     parser.add_argument("--long-prompt", type=int, default=2000, help="tokens of the admitted prompt (0: skip)")
-    parser.add_argument("--dtype", default="float32", help="raw BatchGenerator's weights (lmspd's auto choice)")
+    parser.add_argument(
+        "--dtype", default="quantized_float32", help="raw BatchGenerator's weights (lmspd's auto choice on Linux)"
+    )
     args = parser.parse_args()
     config = load_config()
     model_dir = (args.model_dir or ModelRegistry(config).resolve(config.default_model).path).resolve()

@@ -29,7 +29,7 @@ from .errors import (
 from .generation import build_generate, cache_key, prompt_for, tokenizer_for
 from .hub import Hub
 from .metrics import Metrics, TokenTimer
-from .models.registry import ModelRegistry
+from .models.registry import ModelRegistry, ResolvedModel
 from .models.slots import ModelSlots
 from .responses import schema as s
 from .responses.builder import ResponseState
@@ -44,7 +44,7 @@ from .store.tasks import Event, EventBuilder, TaskRecord, TaskStore
 
 log = logging.getLogger("lmspd.supervisor")
 
-# Model spellings remembered with their canonical names (forgotten all at once past this).
+# Model spellings remembered with what they resolved to (forgotten all at once past this).
 CANONICAL_NAMES_KEPT = 256
 
 
@@ -71,7 +71,7 @@ class Supervisor:
         self._stopping = False
         self._backoff = 0.5
         self.slots = ModelSlots(config.engine.max_loaded_models)
-        self._canonical: dict[str, str] = {}  # requested model name -> the engine's name for it
+        self._resolved: dict[str, ResolvedModel] = {}  # requested model name -> what it resolved to
         self.storage = StorageBackoff(config.server.database_path)
 
     # --- lifecycle ------------------------------------------------------------------------------
@@ -305,7 +305,8 @@ class Supervisor:
         # That commit is written while the prompt is prepared and prefilled: time to first
         # token does not wait for its fsync, and nothing of the task's is committed (nor any
         # other state of it touched) before it has landed.
-        resident = self.engine.resident(self._canonical.get(name, name))
+        known = self._resolved.get(name)
+        resident = self.engine.resident(known.name if known is not None else name)
         claim: asyncio.Future[bool] | None = None
         if resident:
             claim = asyncio.ensure_future(self._to(task_id, "running", state.in_progress(), via="loading"))
@@ -329,10 +330,14 @@ class Supervisor:
         """Run a claimed task (``claim``: the claim's commit, if it is still being written)."""
         task_id = task.id
         try:
-            model = await asyncio.to_thread(self.registry.resolve, name)
-            if len(self._canonical) >= CANONICAL_NAMES_KEPT:
-                self._canonical.clear()
-            self._canonical[name] = model.name
+            # A resident model was resolved when it was loaded: its files are not read again
+            # (the engine holds its weights), which keeps a thread hop off the first token.
+            model = self._resolved.get(name) if claim is not None else None
+            if model is None:
+                model = await asyncio.to_thread(self.registry.resolve, name)
+                if len(self._resolved) >= CANONICAL_NAMES_KEPT:
+                    self._resolved.clear()
+                self._resolved[name] = model
             await self.slots.acquire(task_id, model.name)  # given back when _run ends
             if claim is None:
                 await self.engine.load(model.name, str(model.path))

@@ -30,6 +30,9 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # BLAS for MLX's CPU backend on Linux: "auto" (the system's OpenBLAS when installed, else
     # the reference BLAS bundled with mlx), "none", or a library path (env LMSPD_BLAS).
     blas: str = "auto"
+    # Where the engine builds lmspd's quantized CPU kernels ("": <cache_dir>/.kernels when
+    # cache_dir is set, else ~/.cache/lmspd/kernels; env LMSPD_KERNEL_DIR).
+    kernel_dir: str = ""
     # KV caches of earlier prompts kept for reuse, in bytes (0 turns the prompt cache off).
     prompt_cache_max_bytes: int = 2 * 1024**3
     # The hottest of them kept in the data directory across restarts (0: none).
@@ -145,6 +148,12 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     responses: ResponsesConfig = msgspec.field(default_factory=ResponsesConfig)
     models: dict[str, ModelEntry] = msgspec.field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        # A service's one cache directory (systemd's CacheDirectory; its home is read-only)
+        # holds the kernels too.
+        if not self.engine.kernel_dir and self.cache_dir:
+            self.engine.kernel_dir = str(Path(self.cache_dir).expanduser() / ".kernels")
+
     @property
     def model_cache_dir(self) -> Path:
         if self.cache_dir:
@@ -166,6 +175,7 @@ ENV_VARS = {
     "LMSPD_MAX_LOADED_MODELS": "engine.max_loaded_models",
     "LMSPD_WEIGHT_DTYPE": "engine.weight_dtype",
     "LMSPD_BLAS": "engine.blas",
+    "LMSPD_KERNEL_DIR": "engine.kernel_dir",
     "LMSPD_PREFILL_INTERLEAVE_MS": "engine.prefill_interleave_ms",
     "LMSPD_PROMPT_CACHE_MAX_BYTES": "engine.prompt_cache_max_bytes",
     "LMSPD_PROMPT_CACHE_DISK_MAX_BYTES": "engine.prompt_cache_disk_max_bytes",

@@ -210,7 +210,8 @@ def _kernels(config: Config) -> Finding:
     dtype = config.engine.weight_dtype
     if dtype not in ("auto", "quantized_float32"):
         return Finding("ok", "kernels", f"not used (weight_dtype {dtype})")
-    if (path := kernels.built()) is not None:
+    root = kernels.cache_root(config.engine.kernel_dir)
+    if (path := kernels.built(root)) is not None:
         return Finding("ok", "kernels", f"built at {path.parent}: quantized models run packed in float32")
     try:
         kernels.preflight()
@@ -220,7 +221,7 @@ def _kernels(config: Config) -> Finding:
         if not sys.platform.startswith("linux"):
             return Finding("ok", "kernels", "not needed (MLX's own quantized kernels)")
         return Finding("warn", "kernels", f"{exc}: quantized models run dense (about 5x the memory)")
-    return Finding("ok", "kernels", f"built on the first model load (about 10 s) into {kernels.cache_root()}")
+    return Finding("ok", "kernels", f"built on the first model load (about 10 s) into {root}")
 
 
 def run(config: Config, out: TextIO | None = None) -> int:

@@ -14,6 +14,15 @@ from typing import ClassVar
 
 import msgspec
 
+# OpenAI's error "type" by HTTP status (others: invalid_request_error below 500, else server_error).
+OPENAI_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    429: "rate_limit_exceeded",
+    503: "overloaded",
+}
+
 
 class LmspdError(Exception):
     code: ClassVar[str] = "server_error"
@@ -28,6 +37,15 @@ class LmspdError(Exception):
         super().__init__(message)
         self.message = message
         self.param = param
+
+    @property
+    def openai_http_status(self) -> int:
+        return self.openai_status or self.status
+
+    @property
+    def openai_type(self) -> str:
+        status = self.openai_http_status
+        return OPENAI_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
 
     def problem(self) -> Problem:
         return Problem(

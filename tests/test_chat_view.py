@@ -405,7 +405,12 @@ def row(event: s._Event) -> Event:
 DELTAS = ["Hel", "lo", ", wor", "ld"]
 
 
-def event_log(final: str = "completed", deltas: list[str] = DELTAS, logprobs: bool = False) -> list[Event]:
+def event_log(
+    final: str = "completed",
+    deltas: list[str] = DELTAS,
+    logprobs: bool = False,
+    error: s.ResponseError | None = None,
+) -> list[Event]:
     text = "".join(deltas)
     base = s.Response(id="resp_1", created_at=100, status="queued", model="smol", store=False, background=False)
     running = msgspec.structs.replace(base, status="in_progress")
@@ -450,7 +455,7 @@ def event_log(final: str = "completed", deltas: list[str] = DELTAS, logprobs: bo
             s.ResponseCancelled(sequence_number=seq, response=msgspec.structs.replace(finished, status="cancelled"))
         )
     else:
-        error = s.ResponseError("engine_crashed", "the engine process died")
+        error = error or s.ResponseError("engine_crashed", "the engine process died")
         events.append(
             s.ResponseFailed(
                 sequence_number=seq, response=msgspec.structs.replace(finished, status="failed", error=error)
@@ -528,6 +533,20 @@ def test_a_failed_response_ends_with_an_error_frame() -> None:
     }
     assert all(f["choices"][0]["finish_reason"] is None for f in frames[:-1])
     sdk_chunks(b"".join(b"data: " + json.dumps(f).encode() + b"\n\n" for f in frames[:-1]))
+
+
+@pytest.mark.parametrize(
+    ("code", "kind"),
+    [
+        ("context_length_exceeded", "invalid_request_error"),
+        ("engine_crashed", "server_error"),
+        ("something_new", "server_error"),
+    ],
+)
+def test_the_error_frame_is_typed_as_its_code(code: str, kind: str) -> None:
+    """As the same failure answers without streaming (tests/test_api_chat.py)."""
+    frames = parse_frames(stream(event_log("failed", error=s.ResponseError(code, "it failed"))))
+    assert frames[-1] == {"error": {"message": "it failed", "type": kind, "param": None, "code": code}}
 
 
 def test_a_restart_before_any_text_is_invisible() -> None:

@@ -44,6 +44,14 @@ def test_precedence_flags_over_env_over_file(tmp_path: Path) -> None:
     assert config.engine.max_loaded_models == 3
 
 
+def test_kernels_are_built_in_the_one_cache_directory_of_a_service() -> None:
+    assert load_config(environ={}).engine.kernel_dir == ""  # the user's cache (kernels.cache_root)
+    service = load_config(environ={"LMSPD_CACHE_DIR": "/var/cache/lmspd"})
+    assert service.engine.kernel_dir == "/var/cache/lmspd/.kernels"
+    named = load_config(environ={"LMSPD_CACHE_DIR": "/var/cache/lmspd", "LMSPD_KERNEL_DIR": "/opt/k"})
+    assert named.engine.kernel_dir == "/opt/k"
+
+
 def test_config_path_from_environment(tmp_path: Path) -> None:
     path = tmp_path / "c.toml"
     path.write_text('default_model = "mine"\n[models.mine]\npath = "/models/mine"\n')

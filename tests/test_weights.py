@@ -94,7 +94,7 @@ def test_measure_scores_only_exact_choices(tiny: ResolvedModel) -> None:
 def test_auto_applies_the_fastest_measured_choice(
     tiny: ResolvedModel, monkeypatch: pytest.MonkeyPatch, scores: dict[str, float], expected: str
 ) -> None:
-    monkeypatch.setattr(weights, "measure", lambda model: scores)
+    monkeypatch.setattr(weights, "measure", lambda model, kernel_dir: scores)
     model, _ = load_model(tiny.path)
     assert apply_weight_dtype(model, "auto") == expected
     assert _is_quantized(model) == (expected == "quantized")

@@ -11,15 +11,6 @@ from starlette.responses import Response
 
 from ..errors import LmspdError
 
-# OpenAI's error "type" by HTTP status.
-_OPENAI_TYPES = {
-    401: "authentication_error",
-    403: "permission_error",
-    404: "invalid_request_error",
-    429: "rate_limit_exceeded",
-    503: "overloaded",
-}
-
 
 class OpenAIErrorBody(msgspec.Struct):
     message: str
@@ -56,13 +47,13 @@ def problem_response(exc: LmspdError) -> Response:
 
 
 def openai_body(exc: LmspdError) -> OpenAIError:
-    status = exc.openai_status or exc.status
-    kind = _OPENAI_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
-    return OpenAIError(OpenAIErrorBody(message=exc.message, type=kind, param=exc.param, code=exc.openai_code))
+    return OpenAIError(
+        OpenAIErrorBody(message=exc.message, type=exc.openai_type, param=exc.param, code=exc.openai_code)
+    )
 
 
 def openai_response(exc: LmspdError) -> Response:
-    status = exc.openai_status or exc.status
+    status = exc.openai_http_status
     return Response(
         msgspec.json.encode(openai_body(exc)),
         status_code=status,

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from ..errors import error_for
 from ..responses import schema as s
 from ..store.tasks import Event
 
@@ -177,10 +178,13 @@ def logprobs(entries: list[s.LogProb]) -> ChoiceLogprobs | None:
 
 
 def failure(response: s.Response) -> ChatError:
+    """The frame a failed stream ends with: typed as the error its code stands for (a
+    context the model could not take is the client's ``invalid_request_error``, as the same
+    failure answers without streaming), with lmspd's own code."""
     err = response.error
     if err is None:
         return ChatError(ErrorBody(message=f"the response ended {response.status}", code="server_error"))
-    return ChatError(ErrorBody(message=err.message, code=err.code))
+    return ChatError(ErrorBody(message=err.message, type=error_for(err.code, err.message).openai_type, code=err.code))
 
 
 def completion(response: s.Response, *, completion_id: str, created: int) -> ChatCompletion:

@@ -107,7 +107,7 @@ def _seconds(modules: list[tuple[nn.Module, int]], dtype: str, act: mx.Dtype, ro
     return total
 
 
-def measure(model: nn.Module, prefill_rows: int = 8) -> dict[str, float]:
+def measure(model: nn.Module, kernel_dir: str = "", prefill_rows: int = 8) -> dict[str, float]:
     """Seconds per token of the sampled layers for each candidate dtype (lower is faster).
 
     The score weighs prompt and output tokens equally. Candidates more than 1.5x
@@ -117,7 +117,7 @@ def measure(model: nn.Module, prefill_rows: int = 8) -> dict[str, float]:
     act = _activation_dtype(model)
     budget = _memory_bytes() * _MEMORY_SHARE
     candidates = ["quantized"] + [d for d in AUTO_CANDIDATES if _param_count(model) * getattr(mx, d).size <= budget]
-    if _packed_reason(model) is None:
+    if _packed_reason(model, kernel_dir) is None:
         candidates.append("quantized_float32")
     decode = {d: _seconds(modules, d, act, 1, 3) for d in candidates}
     best = min(decode.values())
@@ -126,12 +126,12 @@ def measure(model: nn.Module, prefill_rows: int = 8) -> dict[str, float]:
     }
 
 
-def _packed_reason(model: nn.Module) -> str | None:
+def _packed_reason(model: nn.Module, kernel_dir: str) -> str | None:
     """Why ``quantized_float32`` cannot run this model here (None: it can)."""
     reason = packed.unsupported(model)
     if reason is None:
         try:
-            kernels.load()
+            kernels.load(kernels.cache_root(kernel_dir))
         except kernels.KernelUnavailable as exc:
             reason = str(exc)
     if reason is not None:
@@ -146,13 +146,14 @@ def choose(scores: dict[str, float]) -> str:
     return min(near, key=scores.__getitem__) if near else best
 
 
-def apply_weight_dtype(model: nn.Module, setting: str) -> str:
-    """Convert the model in place per ``setting``; returns the dtype it now runs in."""
+def apply_weight_dtype(model: nn.Module, setting: str, kernel_dir: str = "") -> str:
+    """Convert the model in place per ``setting``; returns the dtype it now runs in
+    (``kernel_dir``: where lmspd's kernels are built, "" for the default)."""
     if not _quantized_modules(model):
         return "dense"
     choice = setting
     if setting == "auto":
-        scores = measure(model)
+        scores = measure(model, kernel_dir)
         choice = choose(scores)
         log.info("weight dtype auto: %s (scores %s)", choice, {k: f"{v * 1e3:.2f}ms" for k, v in scores.items()})
     if choice == "quantized":
@@ -160,7 +161,7 @@ def apply_weight_dtype(model: nn.Module, setting: str) -> str:
     if choice == "quantized_float32":
         if (reason := packed.unsupported(model)) is not None:
             raise kernels.KernelUnavailable(reason)
-        packed.pack(model, kernels.load())
+        packed.pack(model, kernels.load(kernels.cache_root(kernel_dir)))
         mx.eval(model.parameters())
         mx.clear_cache()
         return choice

@@ -229,6 +229,7 @@ class Engine:
         self.max_concurrency = config.max_concurrency
         self.max_loaded_models = config.max_loaded_models
         self.weight_dtype = config.weight_dtype
+        self.kernel_dir = config.kernel_dir
         self.prefill_step_size = config.prefill_step_size
         self.prefill_interleave_s = config.prefill_interleave_ms / 1000
         self.prompt_cache = PromptCache(config.prompt_cache_max_bytes, cache_dir, config.prompt_cache_disk_max_bytes)
@@ -338,7 +339,7 @@ class Engine:
         self.send(p.ModelLoading(name))
         start = time.perf_counter()
         model, config = load_model(Path(path))
-        dtype = apply_weight_dtype(model, self.weight_dtype)
+        dtype = apply_weight_dtype(model, self.weight_dtype, self.kernel_dir)
         mx.eval(model.parameters())
         batch = BatchGenerator(
             model,

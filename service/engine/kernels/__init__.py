@@ -3,7 +3,7 @@
 The kernels are an MLX extension: C++ primitives that join MLX's lazy graph like its own
 ops. An extension must match the MLX it is loaded into (headers, libmlx, nanobind's ABI) and
 is compiled for the CPU at hand, so no wheel can carry one; the engine compiles it the first
-time a model wants it (about 20 s on two cores) and every later start loads the cached build.
+time a model wants it (about 10 s on two cores) and every later start loads the cached build.
 The cache key covers everything the build depends on, so an MLX upgrade or another CPU
 rebuilds instead of loading a mismatched binary.
 
@@ -44,9 +44,11 @@ class KernelUnavailable(Exception):
 _loaded: ModuleType | None = None
 
 
-def cache_root() -> Path:
-    if env := os.environ.get("LMSPD_KERNEL_DIR"):
-        return Path(env)
+def cache_root(configured: str = "") -> Path:
+    """Where builds are kept: ``engine.kernel_dir`` when configured, else $LMSPD_KERNEL_DIR,
+    else the user's cache directory."""
+    if configured or (configured := os.environ.get("LMSPD_KERNEL_DIR", "")):
+        return Path(configured).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "lmspd" / "kernels"
 

@@ -15,7 +15,6 @@
 // runs it, see kernels/__init__.py).
 #include <nanobind/nanobind.h>
 
-#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
@@ -45,6 +44,7 @@ class Helper {
  public:
   Helper() : thread_([this] { loop(); }) { thread_.detach(); }
   void run(std::function<void()> mine, std::function<void()> theirs) {
+    std::lock_guard<std::mutex> one_at_a_time(run_mu_);  // one helper: callers take turns
     {
       std::lock_guard<std::mutex> lock(mu_);
       job_ = std::move(theirs);
@@ -74,7 +74,7 @@ class Helper {
       cv_done_.notify_one();
     }
   }
-  std::mutex mu_;
+  std::mutex run_mu_, mu_;
   std::condition_variable cv_, cv_done_;
   std::function<void()> job_;
   bool done_ = true;
@@ -147,7 +147,6 @@ void qmv_range(const float* x, const uint32_t* w, const float* scales, const flo
   }
 }
 
-
 template <int BITS, int GS>
 #if defined(__clang__)
 void dequantize_range(const uint32_t* w, const float* scales, const float* biases, float* out, int K, int n0,
@@ -178,8 +177,8 @@ __attribute__((optimize("fp-contract=off"))) void dequantize_range(const uint32_
         v8u words;
         for (int l = 0; l < 8; ++l) words[l] = wi[lane_word[l]];
         const uint32_t offset = (i * 8 * BITS) % 32;
-        // The product is exact (an 8-bit-mantissa scale times a small integer), so one
-        // rounding, fused or not, gives MLX's dequantize bit for bit.
+        // Multiply, then add, each rounded, as MLX does (fp-contract is off here): the result
+        // is mx.dequantize's bit for bit, whatever the scales' dtype.
         v8f v = sg * __builtin_convertvector((words >> (lane_shift + offset)) & mask, v8f) + bg;
         std::memcpy(og + i * 8, &v, sizeof(v8f));
       }
@@ -258,7 +257,6 @@ class QuantizedMatvec : public mx::UnaryPrimitive {
   int bits_, group_size_;
   bool split_;
 };
-
 
 class Dequantize : public mx::UnaryPrimitive {
  public:

@@ -71,7 +71,7 @@ def ms(seconds: float) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--runs", type=int, default=15)
+    parser.add_argument("--runs", type=int, default=40)
     parser.add_argument("--words", type=int, default=8, help="filler words added to the user prompt")
     parser.add_argument("--dtype", default="quantized_float32")
     parser.add_argument("--model-dir", type=Path, default=None)

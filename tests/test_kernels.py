@@ -21,17 +21,31 @@ def ext() -> ModuleType:
 
 
 def _quantized(rows: int, cols: int, group: int, bits: int, dtype: mx.Dtype) -> tuple[mx.array, ...]:
+    """Packed weights with scales and biases in ``dtype``, as a checkpoint stores them."""
     w = (mx.random.normal((rows, cols), key=mx.random.key(rows + cols + bits)) * 0.2).astype(dtype)
-    q, s, b = mx.quantize(w, group, bits)
-    return q, s.astype(mx.float32), b.astype(mx.float32)
+    return tuple(mx.quantize(w, group, bits))
+
+
+def _exact(q: mx.array, s: mx.array, b: mx.array, group: int, bits: int) -> mx.array:
+    """The affine weights scale * q + bias in float32 (MLX's dequantize of float32 scales)."""
+    return mx.dequantize(q, s.astype(mx.float32), b.astype(mx.float32), group, bits)
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32])
-def test_dequantize_is_bit_for_bit_mlx(ext: ModuleType, bits: int, group: int, dtype: mx.Dtype) -> None:
+def test_dequantize_gives_the_affine_weights_bit_for_bit(
+    ext: ModuleType, bits: int, group: int, dtype: mx.Dtype
+) -> None:
     q, s, b = _quantized(96, 384, group, bits, dtype)
-    assert mx.array_equal(ext.dequantize(q, s, b, group, bits), mx.dequantize(q, s, b, group, bits)).item()
+    got = ext.dequantize(q, s, b, group, bits)
+    assert got.dtype == mx.float32 and mx.array_equal(got, _exact(q, s, b, group, bits)).item()
+    if dtype == mx.float32:  # MLX's own arithmetic is float32 too: the same bits
+        assert mx.array_equal(got, mx.dequantize(q, s, b, group, bits)).item()
+    else:  # MLX rounds the product and the sum to 16 bits: at most a 16-bit unit apart
+        rounded = mx.dequantize(q, s, b, group, bits).astype(mx.float32)
+        unit = 2.0 ** -(10 if dtype == mx.float16 else 7) * mx.abs(rounded).max()
+        assert (mx.abs(got - rounded).max() > 0).item() and (mx.abs(got - rounded).max() <= unit).item()
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 17])
@@ -42,7 +56,7 @@ def test_matvec_is_the_float32_product_of_the_dequantized_weights(
 ) -> None:
     q, s, b = _quantized(200, 256, group, bits, mx.bfloat16)
     x = mx.random.normal((rows, 256), key=mx.random.key(rows))
-    want = x @ mx.dequantize(q, s, b, group, bits).T
+    want = x @ _exact(q, s, b, group, bits).T
     got = ext.quantized_matvec(x, q, s, b, group, bits, split)
     assert got.shape == (rows, 200) and got.dtype == mx.float32
     # Only the order of the float32 sums differs from BLAS's.
@@ -50,11 +64,11 @@ def test_matvec_is_the_float32_product_of_the_dequantized_weights(
 
 
 def test_matvec_keeps_leading_dimensions(ext: ModuleType) -> None:
-    q, s, b = _quantized(64, 128, 32, 4, mx.bfloat16)
+    q, s, b = _quantized(64, 128, 32, 4, mx.float16)
     x = mx.random.normal((2, 3, 128), key=mx.random.key(7))
     got = ext.quantized_matvec(x, q, s, b, 32, 4)
     assert got.shape == (2, 3, 64)
-    assert mx.allclose(got, x @ mx.dequantize(q, s, b, 32, 4).T, rtol=1e-5, atol=1e-5).item()
+    assert mx.allclose(got, x @ _exact(q, s, b, 32, 4).T, rtol=1e-5, atol=1e-5).item()
 
 
 def test_inputs_it_cannot_take_are_refused(ext: ModuleType) -> None:
@@ -64,6 +78,8 @@ def test_inputs_it_cannot_take_are_refused(ext: ModuleType) -> None:
         ext.quantized_matvec(x, q, s, b, 32, 3)
     with pytest.raises(ValueError, match="float32"):
         ext.quantized_matvec(x.astype(mx.bfloat16), q, s, b, 32, 4)
+    with pytest.raises(ValueError, match="the same"):
+        ext.quantized_matvec(x, q, s, b.astype(mx.float32), 32, 4)
     with pytest.raises(ValueError, match="input size"):
         ext.quantized_matvec(mx.ones((1, 96)), q, s, b, 32, 4)
     with pytest.raises(ValueError, match="do not match"):

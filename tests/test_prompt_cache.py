@@ -11,6 +11,7 @@ import signal
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any, cast
 
 import mlx.core as mx
 import pytest
@@ -20,7 +21,7 @@ from service.config import EngineConfig
 from service.engine import protocol as p
 from service.engine.client import EngineClient
 from service.engine.prompt_cache import SUFFIX, DiskCache, PromptCache, stored_lengths
-from service.engine.worker import KEEP_PREFILL_TOKENS
+from service.engine.worker import KEEP_PREFILL_TOKENS, KEEP_SOON_TOKENS, Request, keeps_early
 from service.generation import build_generate
 from service.models.registry import ResolvedModel
 
@@ -145,6 +146,23 @@ async def test_a_long_prompt_is_cached_once_prefilled_not_only_when_its_answer_e
     async for ev in stream:
         if isinstance(ev, p.Finished):
             assert ev.reason == "cancelled"
+
+
+@pytest.mark.parametrize(
+    ("prompt", "cached", "max_tokens", "kept"),
+    [
+        (KEEP_PREFILL_TOKENS, 0, 3000, True),
+        (KEEP_PREFILL_TOKENS - 1, 0, 3000, False),  # short: cached with its answer
+        (KEEP_PREFILL_TOKENS + 10, 20, 3000, False),  # the cache gave part of it: too little computed
+        (KEEP_PREFILL_TOKENS, 0, KEEP_SOON_TOKENS, False),  # its answer ends soon: cached then
+        (KEEP_PREFILL_TOKENS, 0, KEEP_SOON_TOKENS + 1, True),
+    ],
+)
+def test_which_prompts_are_cached_once_prefilled(
+    tiny: ResolvedModel, prompt: int, cached: int, max_tokens: int, kept: bool
+) -> None:
+    req = Request(command(tiny, list(range(prompt)), max_tokens=max_tokens), 0, cast(Any, None), 0, cached)
+    assert keeps_early(req) == kept
 
 
 async def test_an_exact_repeat_still_runs_its_last_token(

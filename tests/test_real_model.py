@@ -26,9 +26,9 @@ def paris(model_cache: Path, request: pytest.FixtureRequest) -> subprocess.Compl
     """The bundled model asked FRANCE once, greedily, by ``lmspd generate`` (the default
     model, the engine process) in each of auto's exact weight dtypes. Running it takes many
     seconds of CPU, so the tests below read this one run per dtype: what the engine answered
-    and what the CLI printed of it. float32 holds every dequantized weight exactly, and
-    quantized_float32 computes with the same float32 weights while they stay packed (lmspd's
-    kernels): on the BLAS the engine runs on (OpenBLAS where installed, which orders the sums
+    and what the CLI printed of it. float32 holds every weight mx.dequantize gives exactly,
+    and quantized_float32 keeps them packed and computes each as its exact affine value in
+    float32 (lmspd's kernels): on the BLAS the engine runs on (OpenBLAS where installed, which orders the sums
     its own way) greedy decoding must give the quantized model's answer, "The capital of
     France is Paris." (README), and end it the same way."""
     return _lmspd(

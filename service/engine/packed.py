@@ -1,17 +1,17 @@
 """``quantized_float32``: quantized weights that stay packed, computed in float32.
 
-Each quantized layer of the model is replaced by one that keeps MLX's packed weights and
-float32 copies of their scales and biases (exact: they are 16-bit floats or float32 already),
-and multiplies through lmspd's kernels (``kernels/quantized.cpp``):
+Each quantized layer of the model is replaced by one that keeps MLX's packed weights, scales
+and biases as they are, and multiplies through lmspd's kernels (``kernels/quantized.cpp``):
 
 - a decode step's few rows go through ``quantized_matvec``, which unpacks each weight group
   once for all rows;
 - a prefill's many rows go through ``dequantize`` into a transient float32 matrix and BLAS,
   as fast as dense float32 weights.
 
-Every product uses the dequantized weights exactly, in float32 arithmetic, as the float32
-choice does, while the model keeps its quantized size (SmolLM2-135M: 540 MB of float32
-weights against 100 MB packed).
+Every product uses exactly the weights mx.dequantize gives (rounded to the scales' dtype as
+MLX's arithmetic rounds them), in float32 arithmetic: the float32 choice's weights, bit for
+bit, while the model keeps its quantized size (SmolLM2-135M: 540 MB of float32 weights
+against ~90 MB packed).
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ class PackedLinear(nn.Module):  # type: ignore[misc]  # mlx is untyped
     def __init__(self, source: Any, ext: ModuleType) -> None:
         super().__init__()
         self.weight = source.weight
-        self.scales = source.scales.astype(mx.float32)
-        self.biases = source.biases.astype(mx.float32)
+        self.scales = source.scales
+        self.biases = source.biases
         if "bias" in source:
             self.bias = source.bias
         self.group_size: int = source.group_size
@@ -66,7 +66,8 @@ class PackedEmbedding(PackedLinear):
     same product as a linear layer's."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        return mx.dequantize(self.weight[x], self.scales[x], self.biases[x], self.group_size, self.bits)
+        rows = mx.dequantize(self.weight[x], self.scales[x], self.biases[x], self.group_size, self.bits)
+        return rows.astype(mx.float32)  # the scales' dtype, exactly; the model runs in float32
 
     def as_linear(self, x: mx.array) -> mx.array:
         return self._product(x)
@@ -95,5 +96,10 @@ def pack(model: nn.Module, ext: ModuleType) -> None:
         (path, PackedEmbedding(m, ext) if isinstance(m, nn.QuantizedEmbedding) else PackedLinear(m, ext))
         for path, m in _quantized(model)
     ]
+    kept = [(layer, layer.scales, layer.biases) for _, layer in swapped]
     model.update_modules(tree_unflatten(swapped))
-    model.set_dtype(mx.float32)  # norms and any dense layer: what the float32 choice computes in
+    # Norms and any dense layer compute in float32, as under the float32 choice; the scales
+    # and biases stay as stored (the kernels read them in their own dtype).
+    model.set_dtype(mx.float32)
+    for layer, scales, biases in kept:
+        layer.scales, layer.biases = scales, biases

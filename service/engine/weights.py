@@ -6,14 +6,14 @@ mlx-cpu wheel's 4-bit kernel is single-threaded) and dense weights can win.
 each candidate dtype and keeps the fastest, excluding dense dtypes whose
 weights would take more than a fixed share of memory.
 
-``auto`` only weighs choices that compute the same numbers as the quantized
-model: float32 holds every dequantized weight exactly, and ``quantized_float32``
-computes with those same float32 weights while they stay packed (packed.py,
-lmspd's kernels; offered where the kernels build). Among choices within 10% of
-the fastest, auto keeps a packed one: it holds a fraction of the memory. bfloat16 does not
-(8-bit mantissa), and on SmolLM2-135M it turned "The capital of France is
-Paris." into "L'Étoile, la Marseillaise," -- so half precision is only ever
-used when a user asks for it.
+``auto`` only weighs choices that keep the quantized model's weights: float32
+holds every weight mx.dequantize gives exactly, and ``quantized_float32`` keeps
+them packed and computes each as its exact affine value scale * q + bias in
+float32 (packed.py, lmspd's kernels; offered where the kernels build). Among
+choices within 10% of the fastest, auto keeps a packed one: it holds a fraction
+of the memory. bfloat16 weights are not exact (8-bit mantissa), and on
+SmolLM2-135M they turned "The capital of France is Paris." into "L'Étoile, la
+Marseillaise," -- so half precision is only ever used when a user asks for it.
 """
 
 from __future__ import annotations

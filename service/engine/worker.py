@@ -36,6 +36,9 @@ log = logging.getLogger("lmspd.engine")
 # A prompt whose prefill computed at least this many tokens is cached when its prefill ends
 # (shorter ones only with their answer): long enough to be worth a copy of its KV.
 KEEP_PREFILL_TOKENS = 256
+# ...unless its answer can be at most this many tokens: it is cached when it ends, a few steps
+# later, and an early copy would only hold its KV twice meanwhile.
+KEEP_SOON_TOKENS = 16
 # A logprob of -inf (a token no sampler could pick) travels as this, as OpenAI reports it.
 LOGPROB_FLOOR = -9999.0
 
@@ -191,6 +194,12 @@ class Request:
     cached_tokens: int = 0  # leading prompt tokens whose KV came from the prompt cache
     decoding: bool = False  # prefill done: it now waits on every prefill step
     held: str = ""  # text withheld because it may be the start of a stop string
+
+
+def keeps_early(req: Request) -> bool:
+    """Whether a request's prompt is cached as soon as it is prefilled (not only at its end)."""
+    computed = len(req.cmd.prompt) + len(req.cmd.generated) - req.cached_tokens
+    return computed >= KEEP_PREFILL_TOKENS and req.cmd.max_tokens - len(req.cmd.generated) > KEEP_SOON_TOKENS
 
 
 @dataclass
@@ -604,9 +613,7 @@ class Engine:
         done = [
             r.uid
             for r in prefilled
-            if r.end_of_prompt
-            and (req := lm.requests.get(r.uid)) is not None
-            and len(req.cmd.prompt) + len(req.cmd.generated) - req.cached_tokens >= KEEP_PREFILL_TOKENS
+            if r.end_of_prompt and (req := lm.requests.get(r.uid)) is not None and keeps_early(req)
         ]
         for uid, (cache, tokens) in lm.batch.extract_cache(done).items():
             self.prompt_cache.store((lm.fingerprint, lm.requests[uid].cmd.cache_key), tokens, cache)

@@ -7,8 +7,14 @@
 //
 //   quantized_matvec  x @ dequantize(w).T for the few rows of a decode step: each group of
 //                     weights is unpacked once for all rows, summed in float32 vectors.
-//   dequantize        the float32 weights, for a prefill's many rows to go through BLAS;
-//                     bit for bit what mx.dequantize gives (no fused multiply-add).
+//   dequantize        the float32 weights, for a prefill's many rows to go through BLAS.
+//
+// Both take each weight as the exact affine value scale * q + bias, evaluated in float32 from
+// the stored scales and biases (float32, float16 or bfloat16, read as they are): the product
+// is exact, the sum rounded once. With float32 scales that is mx.dequantize's output bit for
+// bit (no fused multiply-add); with 16-bit scales mx.dequantize rounds the product and the sum
+// again to 16 bits, which these kernels do not (the values differ by at most half a 16-bit
+// ulp, and doing that rounding per weight halves the decode speed).
 //
 // Both split the output rows with one helper thread. Vectors are GCC/Clang vector extensions,
 // so the same source builds for x86-64 and arm64 (the engine builds it on the machine that
@@ -22,6 +28,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "mlx/allocator.h"
@@ -86,9 +93,9 @@ Helper& helper() {
   return *h;
 }
 
-template <int BITS, int GS>
-void qmv_range(const float* x, const uint32_t* w, const float* scales, const float* biases, float* out, int M,
-               int N, int K, int n0, int n1) {
+template <int BITS, int GS, typename S>
+void qmv_range(const float* x, const uint32_t* w, const S* scales, const S* biases, float* out, int M, int N,
+               int K, int n0, int n1) {
   constexpr int G_WORDS = GS * BITS / 32;  // packed words per group
   constexpr int VECS = GS / 8;            // float vectors per group
   const int G = K / GS;
@@ -99,17 +106,18 @@ void qmv_range(const float* x, const uint32_t* w, const float* scales, const flo
     lane_word[l] = (l * BITS) / 32;
   }
   const v8u mask = (v8u){1, 1, 1, 1, 1, 1, 1, 1} * ((1u << BITS) - 1u);
+  // Each group's sum of x, per row: the biases' share is bias * sum(x), once per group.
   std::vector<float> xsum((size_t)M * G);
   for (int m = 0; m < M; ++m)
     for (int g = 0; g < G; ++g) {
-      float s = 0;
-      for (int j = 0; j < GS; ++j) s += x[(size_t)m * K + g * GS + j];
-      xsum[(size_t)m * G + g] = s;
+      float sum = 0;
+      for (int j = 0; j < GS; ++j) sum += x[(size_t)m * K + g * GS + j];
+      xsum[(size_t)m * G + g] = sum;
     }
   for (int n = n0; n < n1; ++n) {
     const uint32_t* wn = w + (size_t)n * W;
-    const float* sn = scales + (size_t)n * G;
-    const float* bn = biases + (size_t)n * G;
+    const S* sn = scales + (size_t)n * G;
+    const S* bn = biases + (size_t)n * G;
     for (int m0 = 0; m0 < M; m0 += 8) {
       const int mc = M - m0 < 8 ? M - m0 : 8;
       v8f res[8];
@@ -117,7 +125,7 @@ void qmv_range(const float* x, const uint32_t* w, const float* scales, const flo
       for (int mm = 0; mm < 8; ++mm) res[mm] = (v8f){0, 0, 0, 0, 0, 0, 0, 0};
       for (int g = 0; g < G; ++g) {
         const uint32_t* wg = wn + g * G_WORDS;
-        v8f q[VECS];
+        v8f q[VECS];  // this group's quantized values, unpacked once for all rows
         for (int i = 0; i < VECS; ++i) {
           const uint32_t* wi = wg + i * 8 * BITS / 32;
           v8u words;
@@ -126,7 +134,7 @@ void qmv_range(const float* x, const uint32_t* w, const float* scales, const flo
           const uint32_t offset = (i * 8 * BITS) % 32;
           q[i] = __builtin_convertvector((words >> (lane_shift + offset)) & mask, v8f);
         }
-        const float sg = sn[g], bg = bn[g];
+        const float sg = static_cast<float>(sn[g]), bg = static_cast<float>(bn[g]);
         for (int mm = 0; mm < mc; ++mm) {
           const float* xg = x + (size_t)(m0 + mm) * K + g * GS;
           v8f acc = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -147,14 +155,13 @@ void qmv_range(const float* x, const uint32_t* w, const float* scales, const flo
   }
 }
 
-template <int BITS, int GS>
+template <int BITS, int GS, typename S>
 #if defined(__clang__)
-void dequantize_range(const uint32_t* w, const float* scales, const float* biases, float* out, int K, int n0,
-                      int n1) {
+void dequantize_range(const uint32_t* w, const S* scales, const S* biases, float* out, int K, int n0, int n1) {
 #pragma clang fp contract(off)
 #else
-__attribute__((optimize("fp-contract=off"))) void dequantize_range(const uint32_t* w, const float* scales,
-                                                                   const float* biases, float* out, int K, int n0,
+__attribute__((optimize("fp-contract=off"))) void dequantize_range(const uint32_t* w, const S* scales,
+                                                                   const S* biases, float* out, int K, int n0,
                                                                    int n1) {
 #endif
   constexpr int G_WORDS = GS * BITS / 32;
@@ -170,43 +177,58 @@ __attribute__((optimize("fp-contract=off"))) void dequantize_range(const uint32_
   for (int n = n0; n < n1; ++n) {
     for (int g = 0; g < G; ++g) {
       const uint32_t* wg = w + (size_t)n * W + g * G_WORDS;
-      const float sg = scales[(size_t)n * G + g], bg = biases[(size_t)n * G + g];
+      const float sg = static_cast<float>(scales[(size_t)n * G + g]);
+      const float bg = static_cast<float>(biases[(size_t)n * G + g]);
       float* og = out + (size_t)n * K + g * GS;
       for (int i = 0; i < VECS; ++i) {
         const uint32_t* wi = wg + i * 8 * BITS / 32;
         v8u words;
         for (int l = 0; l < 8; ++l) words[l] = wi[lane_word[l]];
         const uint32_t offset = (i * 8 * BITS) % 32;
-        // Multiply, then add, each rounded, as MLX does (fp-contract is off here): the result
-        // is mx.dequantize's bit for bit, whatever the scales' dtype.
-        v8f v = sg * __builtin_convertvector((words >> (lane_shift + offset)) & mask, v8f) + bg;
+        // Multiply, then add (fp-contract is off): with float32 scales, mx.dequantize's bits.
+        const v8f v = sg * __builtin_convertvector((words >> (lane_shift + offset)) & mask, v8f) + bg;
         std::memcpy(og + i * 8, &v, sizeof(v8f));
       }
     }
   }
 }
 
-using Dequantizer = void (*)(const uint32_t*, const float*, const float*, float*, int, int, int);
+// The kernels with the scales' type erased, chosen at run time by bits, group size and dtype.
+using Dequantizer = void (*)(const uint32_t*, const void*, const void*, float*, int, int, int);
+using Kernel = void (*)(const float*, const uint32_t*, const void*, const void*, float*, int, int, int, int, int);
 
-using Kernel = void (*)(const float*, const uint32_t*, const float*, const float*, float*, int, int, int, int, int);
+template <int BITS, int GS, typename S>
+void dequantize_erased(const uint32_t* w, const void* s, const void* b, float* out, int K, int n0, int n1) {
+  dequantize_range<BITS, GS, S>(w, static_cast<const S*>(s), static_cast<const S*>(b), out, K, n0, n1);
+}
 
-#define LMSPD_CASES                                            \
-  LMSPD_CASE(4, 32) LMSPD_CASE(4, 64) LMSPD_CASE(4, 128)       \
-  LMSPD_CASE(8, 32) LMSPD_CASE(8, 64) LMSPD_CASE(8, 128)       \
-  LMSPD_CASE(2, 32) LMSPD_CASE(2, 64) LMSPD_CASE(2, 128)
+template <int BITS, int GS, typename S>
+void qmv_erased(const float* x, const uint32_t* w, const void* s, const void* b, float* out, int M, int N, int K,
+                int n0, int n1) {
+  qmv_range<BITS, GS, S>(x, w, static_cast<const S*>(s), static_cast<const S*>(b), out, M, N, K, n0, n1);
+}
 
-Dequantizer dequantizer_for(int bits, int group_size) {
-#define LMSPD_CASE(B, S) \
-  if (bits == B && group_size == S) return &dequantize_range<B, S>;
-  LMSPD_CASES
+#define LMSPD_CASES(S)                                                                  \
+  LMSPD_CASE(4, 32, S) LMSPD_CASE(4, 64, S) LMSPD_CASE(4, 128, S) LMSPD_CASE(8, 32, S) \
+  LMSPD_CASE(8, 64, S) LMSPD_CASE(8, 128, S) LMSPD_CASE(2, 32, S) LMSPD_CASE(2, 64, S) \
+  LMSPD_CASE(2, 128, S)
+#define LMSPD_DTYPES                                                      \
+  if (dtype == mx::float32) { LMSPD_CASES(float) }                        \
+  if (dtype == mx::float16) { LMSPD_CASES(mx::float16_t) }               \
+  if (dtype == mx::bfloat16) { LMSPD_CASES(mx::bfloat16_t) }
+
+Dequantizer dequantizer_for(int bits, int group_size, mx::Dtype dtype) {
+#define LMSPD_CASE(B, G, S) \
+  if (bits == B && group_size == G) return &dequantize_erased<B, G, S>;
+  LMSPD_DTYPES
 #undef LMSPD_CASE
   return nullptr;
 }
 
-Kernel kernel_for(int bits, int group_size) {
-#define LMSPD_CASE(B, S) \
-  if (bits == B && group_size == S) return &qmv_range<B, S>;
-  LMSPD_CASES
+Kernel kernel_for(int bits, int group_size, mx::Dtype dtype) {
+#define LMSPD_CASE(B, G, S) \
+  if (bits == B && group_size == G) return &qmv_erased<B, G, S>;
+  LMSPD_DTYPES
 #undef LMSPD_CASE
   return nullptr;
 }
@@ -228,15 +250,15 @@ class QuantizedMatvec : public mx::UnaryPrimitive {
     const int K = x.shape(-1);
     const int M = static_cast<int>(x.size() / K);
     const int N = out.shape(-1);
-    Kernel kernel = kernel_for(bits_, group_size_);
+    Kernel kernel = kernel_for(bits_, group_size_, sc.dtype());
     const bool split = split_ && N >= 64;
     enc.dispatch([x = mx::array::unsafe_weak_copy(x), w = mx::array::unsafe_weak_copy(w),
                   sc = mx::array::unsafe_weak_copy(sc), bi = mx::array::unsafe_weak_copy(bi),
                   out = mx::array::unsafe_weak_copy(out), M, N, K, kernel, split]() mutable {
       const float* xp = x.data<float>();
       const uint32_t* wp = w.data<uint32_t>();
-      const float* sp = sc.data<float>();
-      const float* bp = bi.data<float>();
+      const void* sp = sc.data<uint8_t>();
+      const void* bp = bi.data<uint8_t>();
       float* op = out.data<float>();
       if (!split) return kernel(xp, wp, sp, bp, op, M, N, K, 0, N);
       const int half = N / 2;
@@ -272,12 +294,12 @@ class Dequantize : public mx::UnaryPrimitive {
     enc.set_output_array(out);
     const int N = out.shape(0);
     const int K = out.shape(1);
-    Dequantizer dq = dequantizer_for(bits_, group_size_);
+    Dequantizer dq = dequantizer_for(bits_, group_size_, sc.dtype());
     enc.dispatch([w = mx::array::unsafe_weak_copy(w), sc = mx::array::unsafe_weak_copy(sc),
                   bi = mx::array::unsafe_weak_copy(bi), out = mx::array::unsafe_weak_copy(out), N, K, dq]() mutable {
       const uint32_t* wp = w.data<uint32_t>();
-      const float* sp = sc.data<float>();
-      const float* bp = bi.data<float>();
+      const void* sp = sc.data<uint8_t>();
+      const void* bp = bi.data<uint8_t>();
       float* op = out.data<float>();
       const int half = N / 2;
       helper().run([=] { dq(wp, sp, bp, op, K, 0, half); }, [=] { dq(wp, sp, bp, op, K, half, N); });
@@ -297,9 +319,9 @@ class Dequantize : public mx::UnaryPrimitive {
 };
 
 void check(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits) {
-  if (kernel_for(bits, group_size) == nullptr) throw std::invalid_argument("unsupported bits/group_size");
-  if (scales.dtype() != mx::float32 || biases.dtype() != mx::float32)
-    throw std::invalid_argument("scales and biases must be float32");
+  if (kernel_for(bits, group_size, mx::float32) == nullptr) throw std::invalid_argument("unsupported bits/group_size");
+  if (kernel_for(bits, group_size, scales.dtype()) == nullptr || biases.dtype() != scales.dtype())
+    throw std::invalid_argument("scales and biases must be float32, float16 or bfloat16, the same");
   if (w.dtype() != mx::uint32 || w.ndim() != 2) throw std::invalid_argument("w must be a 2-D uint32 array");
   if (scales.ndim() != 2 || scales.shape(0) != w.shape(0) || scales.shape(1) * group_size != w.shape(1) * 32 / bits ||
       biases.shape() != scales.shape())
@@ -315,8 +337,8 @@ mx::array dequantize(const mx::array& w, const mx::array& scales, const mx::arra
                    std::make_shared<Dequantize>(s, bits, group_size), inputs);
 }
 
-// x @ dequantize(w, scales, biases).T for float32 x, scales and biases (MLX's packing,
-// transposed weights), the products summed in float32.
+// x @ dequantize(w, scales, biases).T for float32 x (MLX's packing, transposed weights), the
+// products summed in float32.
 mx::array quantized_matvec(const mx::array& x, const mx::array& w, const mx::array& scales,
                            const mx::array& biases, int group_size, int bits, bool split) {
   check(w, scales, biases, group_size, bits);

@@ -4,7 +4,8 @@ The kernels are an MLX extension: C++ primitives that join MLX's lazy graph like
 ops. An extension must match the MLX it is loaded into (headers, libmlx, nanobind's ABI) and
 is compiled for the CPU at hand, so no wheel can carry one; the engine compiles it the first
 time a model wants it (about 10 s on two cores) and every later start loads the cached build.
-The cache key covers everything the build depends on, so an MLX upgrade or another CPU
+The cache key covers everything the build depends on (the MLX it links, by path and version;
+nanobind; the Python ABI; the CPU), so an upgrade, another virtual environment or another CPU
 rebuilds instead of loading a mismatched binary.
 
 Building needs a C++17 compiler (``c++``, or ``$CXX``) and the Python headers
@@ -93,6 +94,9 @@ def build_key() -> str:
 
     parts = [
         SOURCE.read_bytes(),
+        # The build links this libmlx by path: another environment's MLX, even the same
+        # version, builds its own (two libmlx copies in one process would not interoperate).
+        str(Path(mx.__file__).resolve().parent).encode(),
         getattr(mx, "__version__", "").encode(),
         nanobind.__version__.encode(),
         str(sysconfig.get_config_var("EXT_SUFFIX")).encode(),

@@ -47,13 +47,16 @@ def test_a_process_that_has_transformers_imports_as_usual() -> None:
     run_python(script)
 
 
-def test_the_cpu_engine_keeps_no_freed_buffers() -> None:
+def test_the_cpu_engine_keeps_a_bounded_few_freed_buffers() -> None:
     script = (
         "import mlx.core as mx\n"
-        "from service.engine.worker import release_freed_buffers\n"
-        "release_freed_buffers()\n"
+        "from service.engine.worker import BUFFER_CACHE_BYTES, bound_buffer_cache\n"
+        "bound_buffer_cache()\n"
+        "for n in (1, 8, 64):  # freed buffers of 4 MB to 256 MB\n"
+        "    mx.eval(mx.ones((n, 1024, 1024)) * 2)\n"
+        "    assert mx.get_cache_memory() <= BUFFER_CACHE_BYTES, mx.get_cache_memory()\n"
         "mx.eval(mx.ones((1024, 1024)) * 2)\n"
-        "assert mx.get_cache_memory() == 0, mx.get_cache_memory()\n"
+        "assert mx.get_cache_memory() > 0  # small ones are kept for reuse\n"
     )
     run_python(script)
 

@@ -90,6 +90,16 @@ def unsupported(model: nn.Module) -> str | None:
     return None
 
 
+def packed_matrix_bytes(model: nn.Module) -> int:
+    """The largest float32 matrix a prefill dequantizes for this model (0: none)."""
+    sizes = [
+        m.weight.shape[0] * m.weight.shape[1] * 32 // m.bits * 4
+        for _, m in model.named_modules()
+        if isinstance(m, PackedLinear) and m._kernel_rows == KERNEL_ROWS
+    ]
+    return max(sizes, default=0)
+
+
 def pack(model: nn.Module, ext: ModuleType) -> None:
     """Replace the model's quantized layers in place and run everything else in float32."""
     swapped = [

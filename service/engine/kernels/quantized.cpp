@@ -28,7 +28,6 @@
 #include <mutex>
 #include <stdexcept>
 #include <thread>
-#include <type_traits>
 #include <vector>
 
 #include "mlx/allocator.h"
@@ -43,6 +42,27 @@ namespace {
 
 typedef float v8f __attribute__((vector_size(32)));
 typedef uint32_t v8u __attribute__((vector_size(32)));
+
+// MLX's packing: element j of a row is bits [BITS * j, BITS * (j + 1)) of the row's words.
+template <int BITS>
+struct Unpack {
+  v8u shift, word, mask;
+  Unpack() {
+    for (int l = 0; l < 8; ++l) {
+      shift[l] = (l * BITS) % 32;
+      word[l] = (l * BITS) / 32;
+      mask[l] = (1u << BITS) - 1u;
+    }
+  }
+  // Elements [8i, 8i + 8) of the group whose words start at wg, as floats.
+  v8f operator()(const uint32_t* wg, int i) const {
+    const uint32_t* wi = wg + i * 8 * BITS / 32;
+    v8u words;
+    for (int l = 0; l < 8; ++l) words[l] = wi[word[l]];
+    const uint32_t offset = (i * 8 * BITS) % 32;  // 2-bit: odd vectors start mid-word
+    return __builtin_convertvector((words >> (shift + offset)) & mask, v8f);
+  }
+};
 
 // One helper thread that takes the second half of the output columns; the MLX stream thread
 // does the first. Kept for the process's life: a thread started per call would cost more than
@@ -100,12 +120,7 @@ void qmv_range(const float* x, const uint32_t* w, const S* scales, const S* bias
   constexpr int VECS = GS / 8;            // float vectors per group
   const int G = K / GS;
   const int W = K * BITS / 32;
-  v8u lane_shift, lane_word;
-  for (int l = 0; l < 8; ++l) {
-    lane_shift[l] = (l * BITS) % 32;
-    lane_word[l] = (l * BITS) / 32;
-  }
-  const v8u mask = (v8u){1, 1, 1, 1, 1, 1, 1, 1} * ((1u << BITS) - 1u);
+  const Unpack<BITS> unpack;
   // Each group's sum of x, per row: the biases' share is bias * sum(x), once per group.
   std::vector<float> xsum((size_t)M * G);
   for (int m = 0; m < M; ++m)
@@ -126,14 +141,7 @@ void qmv_range(const float* x, const uint32_t* w, const S* scales, const S* bias
       for (int g = 0; g < G; ++g) {
         const uint32_t* wg = wn + g * G_WORDS;
         v8f q[VECS];  // this group's quantized values, unpacked once for all rows
-        for (int i = 0; i < VECS; ++i) {
-          const uint32_t* wi = wg + i * 8 * BITS / 32;
-          v8u words;
-          for (int l = 0; l < 8; ++l) words[l] = wi[lane_word[l]];
-          // 2-bit: a vector is half a word, so odd vectors start mid-word.
-          const uint32_t offset = (i * 8 * BITS) % 32;
-          q[i] = __builtin_convertvector((words >> (lane_shift + offset)) & mask, v8f);
-        }
+        for (int i = 0; i < VECS; ++i) q[i] = unpack(wg, i);
         const float sg = static_cast<float>(sn[g]), bg = static_cast<float>(bn[g]);
         for (int mm = 0; mm < mc; ++mm) {
           const float* xg = x + (size_t)(m0 + mm) * K + g * GS;
@@ -168,12 +176,7 @@ __attribute__((optimize("fp-contract=off"))) void dequantize_range(const uint32_
   constexpr int VECS = GS / 8;
   const int G = K / GS;
   const int W = K * BITS / 32;
-  v8u lane_shift, lane_word;
-  for (int l = 0; l < 8; ++l) {
-    lane_shift[l] = (l * BITS) % 32;
-    lane_word[l] = (l * BITS) / 32;
-  }
-  const v8u mask = (v8u){1, 1, 1, 1, 1, 1, 1, 1} * ((1u << BITS) - 1u);
+  const Unpack<BITS> unpack;
   for (int n = n0; n < n1; ++n) {
     for (int g = 0; g < G; ++g) {
       const uint32_t* wg = w + (size_t)n * W + g * G_WORDS;
@@ -181,12 +184,8 @@ __attribute__((optimize("fp-contract=off"))) void dequantize_range(const uint32_
       const float bg = static_cast<float>(biases[(size_t)n * G + g]);
       float* og = out + (size_t)n * K + g * GS;
       for (int i = 0; i < VECS; ++i) {
-        const uint32_t* wi = wg + i * 8 * BITS / 32;
-        v8u words;
-        for (int l = 0; l < 8; ++l) words[l] = wi[lane_word[l]];
-        const uint32_t offset = (i * 8 * BITS) % 32;
         // Multiply, then add (fp-contract is off): with float32 scales, mx.dequantize's bits.
-        const v8f v = sg * __builtin_convertvector((words >> (lane_shift + offset)) & mask, v8f) + bg;
+        const v8f v = sg * unpack(wg, i) + bg;
         std::memcpy(og + i * 8, &v, sizeof(v8f));
       }
     }

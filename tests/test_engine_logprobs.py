@@ -10,7 +10,7 @@ from test_engine import PROMPTS, collect, request
 
 from service.engine import protocol as p
 from service.engine.client import EngineClient
-from service.engine.worker import LOGPROB_FLOOR, TokenPieces, top_logprobs
+from service.engine.logprobs import LOGPROB_FLOOR, TokenPieces, top_logprobs
 from service.errors import InvalidRequestError
 from service.generation import tokenizer_for
 from service.models.registry import ResolvedModel

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -29,7 +27,9 @@ from ..models.registry import context_length_of
 from ..tokenizer import IncrementalDetokenizer, Tokenizer
 from . import protocol as p
 from .constraint import GrammarError, GrammarMask, Grammars
+from .logprobs import TokenPieces, top_logprobs
 from .pacing import PrefillPacer
+from .sampling import SeededSampler
 
 log = logging.getLogger("lmspd.engine")
 
@@ -39,141 +39,6 @@ KEEP_PREFILL_TOKENS = 256
 # ...unless its answer can be at most this many tokens: it is cached when it ends, a few steps
 # later, and an early copy would only hold its KV twice meanwhile.
 KEEP_SOON_TOKENS = 16
-# A logprob of -inf (a token no sampler could pick) travels as this, as OpenAI reports it.
-LOGPROB_FLOOR = -9999.0
-
-
-def _byte_level_alphabet() -> dict[str, int]:
-    """GPT-2's bytes_to_unicode, inverted: byte-level BPE spells each byte as one printable
-    character; this maps those characters back to the bytes."""
-    byte_values = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars = list(byte_values)  # printable bytes stand for themselves
-    shifted = 0
-    for b in range(256):
-        if b not in byte_values:  # the others are spelled 256, 257, ... in byte order
-            byte_values.append(b)
-            chars.append(256 + shifted)
-            shifted += 1
-    return {chr(c): b for b, c in zip(byte_values, chars, strict=True)}
-
-
-_BYTE_LEVEL = _byte_level_alphabet()
-_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
-
-
-def top_logprobs(
-    rows: list[Any], tokens: list[int], ks: list[int]
-) -> tuple[list[float], list[list[tuple[int, float]]]]:
-    """Each row's chosen-token logprob and its k most likely (id, logprob), most likely first.
-
-    One partial sort and one evaluation for the whole step, not one per request.
-    """
-    import mlx.core as mx
-
-    stacked = mx.stack(rows).astype(mx.float32)
-    chosen = mx.take_along_axis(stacked, mx.array(tokens)[:, None], axis=-1)[:, 0]
-    kmax = max(ks)
-    if kmax == 0:
-        return [_finite(v) for v in _to_list(chosen)], [[] for _ in ks]
-    ids = mx.argpartition(-stacked, kth=kmax - 1, axis=-1)[:, :kmax]
-    values = mx.take_along_axis(stacked, ids, axis=-1)
-    mx.eval(chosen, ids, values)
-    tops: list[list[tuple[int, float]]] = []
-    for k, row_ids, row_values in zip(ks, _to_list(ids), _to_list(values), strict=True):
-        # Ties go to the lower id, as argmax (the greedy sampler) breaks them.
-        ranked = sorted(zip(row_ids, row_values, strict=True), key=lambda iv: (-iv[1], iv[0]))[:k]
-        tops.append([(int(i), _finite(v)) for i, v in ranked])
-    return [_finite(v) for v in _to_list(chosen)], tops
-
-
-def _to_list(array: Any) -> list[Any]:
-    return list(array.tolist())
-
-
-def _finite(logprob: float) -> float:
-    return max(min(float(logprob), 0.0), LOGPROB_FLOOR)
-
-
-class TokenPieces:
-    """Each token id's raw bytes and its text as logprobs report them (cached per id)."""
-
-    def __init__(self, model_dir: Path) -> None:
-        from tokenizers import Tokenizer as HFTokenizer
-        from tokenizers import decoders
-
-        self._tok = HFTokenizer.from_file(str(model_dir / "tokenizer.json"))
-        self._byte_level = isinstance(self._tok.decoder, decoders.ByteLevel)
-        # Added (special) tokens are stored as plain text, not in the byte alphabet.
-        self._added = {i: t.content for i, t in self._tok.get_added_tokens_decoder().items()}
-        self._cache: dict[int, tuple[str, list[int]]] = {}
-
-    def piece(self, token_id: int) -> tuple[str, list[int]]:
-        found = self._cache.get(token_id)
-        if found is None:
-            raw = self._raw(token_id)
-            # OpenAI writes bytes that are not UTF-8 on their own (part of a character)
-            # as \xNN escapes; `bytes` keeps them exact either way.
-            found = self._cache[token_id] = (raw.decode("utf-8", errors="backslashreplace"), list(raw))
-        return found
-
-    def scored(self, token_id: int, logprob: float) -> tuple[str, float, list[int]]:
-        """The fields of a TopLogprob, in order."""
-        text, raw = self.piece(token_id)
-        return text, logprob, raw
-
-    def _raw(self, token_id: int) -> bytes:
-        added = self._added.get(token_id)
-        if added is not None:
-            return added.encode()
-        spelled: str | None = self._tok.id_to_token(token_id)
-        if spelled is None:  # an embedding row past the tokenizer's vocabulary
-            return b""
-        if self._byte_level:
-            return b"".join(bytes([_BYTE_LEVEL[c]]) if c in _BYTE_LEVEL else c.encode() for c in spelled)
-        # SentencePiece-style vocabularies: <0xNN> byte fallback, U+2581 for a space.
-        if m := _BYTE_FALLBACK.fullmatch(spelled):
-            return bytes([int(m.group(1), 16)])
-        return spelled.replace("\u2581", " ").encode()
-
-
-class SeededSampler:
-    """mlx-lm's make_sampler, drawing from the request's own PRNG key.
-
-    The global generator is shared by every request in the batch, so a seed set there
-    would not make one request reproducible. This key advances once per sampled token;
-    a resumed request first advances it once per token it already has, so it continues
-    exactly as the uninterrupted run would have.
-    """
-
-    def __init__(self, s: p.SamplingParams, seed: int, already: int) -> None:
-        import mlx.core as mx
-        from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
-
-        self.temperature = s.temperature
-        # The same filters in the same order as make_sampler.
-        self.filters: list[Callable[[Any], Any]] = []
-        if 0.0 < s.top_p < 1.0:
-            self.filters.append(lambda x: apply_top_p(x, s.top_p))
-        if s.min_p != 0.0:
-            self.filters.append(lambda x: apply_min_p(x, s.min_p))
-        if s.top_k > 0:
-            self.filters.append(lambda x: apply_top_k(x, s.top_k))
-        key = mx.random.key(seed % 2**64)  # a negative seed names a key too
-        for n in range(already):
-            key = mx.random.split(key)[0]
-            if n % 256 == 255:  # keep the lazy chain short for long resumes
-                mx.eval(key)
-        self.key = key
-
-    def __call__(self, logprobs: Any) -> Any:
-        import mlx.core as mx
-
-        for f in self.filters:
-            logprobs = f(logprobs)
-        self.key, draw = mx.random.split(self.key)
-        return mx.random.categorical(logprobs * (1.0 / self.temperature), key=draw)
-
-
 # MLX's buffer cache on the CPU backend, at most (more where a packed model's layers need it).
 BUFFER_CACHE_BYTES = 16 << 20
 

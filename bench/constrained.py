@@ -26,14 +26,14 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from service import grammar
-from service.config import EngineConfig
-from service.engine import protocol as p
-from service.engine.client import EngineClient
-from service.engine.constraint import Grammars
-from service.models.registry import ResolvedModel
-from service.responses.tools import JsonSchemaFormat, tool_options
-from service.tokenizer import Tokenizer
+from lmspd.config import EngineConfig
+from lmspd.engine import protocol as p
+from lmspd.engine.constraint import Grammars
+from lmspd.engine.process import EngineClient
+from lmspd.models.registry import ResolvedModel
+from lmspd.models.tokenizer import Tokenizer
+from lmspd.prompting import grammar
+from lmspd.responses.tools import JsonSchemaFormat, tool_options
 
 ROOT = Path(__file__).resolve().parent.parent
 BUNDLED = "smollm2-135m-instruct"

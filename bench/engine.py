@@ -18,11 +18,11 @@ import time
 import uuid
 from typing import Any
 
-from service.config import EngineConfig, load_config
-from service.engine import protocol as p
-from service.engine.client import EngineClient
-from service.generation import tokenizer_for
-from service.models.registry import ModelRegistry, ResolvedModel
+from lmspd.config import EngineConfig, load_config
+from lmspd.engine import protocol as p
+from lmspd.engine.process import EngineClient
+from lmspd.models.registry import ModelRegistry, ResolvedModel
+from lmspd.prompting.generation import tokenizer_for
 
 PROMPTS = [
     "Write a long story about a dragon and a knight.",
@@ -46,7 +46,7 @@ def prompt_ids(model: ResolvedModel, text: str) -> list[int]:
 def load_raw(model: ResolvedModel, dtype: str) -> tuple[Any, Any]:
     from mlx_lm import load
 
-    from service.engine.weights import apply_weight_dtype
+    from lmspd.engine.weights import apply_weight_dtype
 
     raw, tok = load(str(model.path))
     apply_weight_dtype(raw, dtype)

@@ -64,7 +64,7 @@ def tiny_model(dest: Path) -> Path:
     sys.path.insert(0, str(ROOT / "tests"))
     from conftest import CACHE, SMOL, make_tiny_model
 
-    from service.models.pull import pull_builtin
+    from lmspd.models.pull import pull_builtin
 
     smol = pull_builtin(SMOL, CACHE / "models")  # instant once the test suite has pulled it
     return make_tiny_model(dest, smol)
@@ -189,7 +189,7 @@ def main() -> int:
             data = work / name
             data.mkdir()
             port = free_port()
-            cmd = [sys.executable, "-m", "service.cli", "serve", "--config", str(config(data, model, tokens))]
+            cmd = [sys.executable, "-m", "lmspd.cli", "serve", "--config", str(config(data, model, tokens))]
             servers.append(spawn([*cmd, "--port", str(port)], f"http://127.0.0.1:{port}/healthz", data / "server.log"))
             urls[name] = f"http://127.0.0.1:{port}"
         import httpx

@@ -36,8 +36,8 @@ import httpx
 
 from bench.raw import Raw
 from bench.serving import free_port, kill, spawn
-from service.config import load_config
-from service.models.registry import ModelRegistry
+from lmspd.config import load_config
+from lmspd.models.registry import ModelRegistry
 
 SYSTEM = "You are a helpful assistant. Answer in full sentences."
 TOPICS = ["dragons", "the sea", "Rome", "bees", "Jupiter", "autumn", "steam engines", "volcanoes", "tea", "owls"]
@@ -240,7 +240,7 @@ def main() -> None:
             for name in ("lmspd", "mlx_lm.server") if round_no % 2 == 0 else ("mlx_lm.server", "lmspd"):
                 port = free_port()
                 if name == "lmspd":
-                    cmd = [sys.executable, "-m", "service.cli", "serve", "--config", str(data / "lmspd.toml")]
+                    cmd = [sys.executable, "-m", "lmspd.cli", "serve", "--config", str(data / "lmspd.toml")]
                     cmd += ["--port", str(port), "--model", "bench", "--data-dir", str(data / f"db{round_no}")]
                     server, model, ready = "lmspd", "bench", "/readyz"
                 else:

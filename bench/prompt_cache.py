@@ -25,10 +25,10 @@ from pathlib import Path
 from openai import OpenAI
 
 from bench.serving import free_port, kill, spawn
-from service.config import load_config
-from service.engine.prompt_cache import stored_lengths
-from service.generation import tokenizer_for
-from service.models.registry import ModelRegistry
+from lmspd.config import load_config
+from lmspd.engine.prompt_cache import stored_lengths
+from lmspd.models.registry import ModelRegistry
+from lmspd.prompting.generation import tokenizer_for
 
 WORDS = (
     "The assistant works for a small bakery in a mountain town. It knows the opening hours, the "
@@ -51,7 +51,7 @@ class Server:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
-        cmd = [sys.executable, "-m", "service.cli", "serve", "--config", str(self.config), "--port", str(self.port)]
+        cmd = [sys.executable, "-m", "lmspd.cli", "serve", "--config", str(self.config), "--port", str(self.port)]
         self.proc = spawn(cmd, f"http://127.0.0.1:{self.port}/readyz", self.log)
 
     def kill(self) -> None:

@@ -61,7 +61,7 @@ class Raw:
 
 
 def serve(model_dir: Path, dtype: str) -> None:
-    from service.engine.blas import load as load_blas
+    from lmspd.engine.blas import load as load_blas
 
     load_blas("auto")  # before MLX, as the engine does
     import mlx.core as mx
@@ -69,7 +69,7 @@ def serve(model_dir: Path, dtype: str) -> None:
     from mlx_lm.sample_utils import make_sampler
     from mlx_lm.utils import load_model, load_tokenizer
 
-    from service.engine.weights import apply_weight_dtype
+    from lmspd.engine.weights import apply_weight_dtype
 
     model, _ = load_model(model_dir)
     apply_weight_dtype(model, dtype)

@@ -113,7 +113,7 @@ def main() -> int:
             f'[models.tiny]\npath = "{model}"\n'
         )
         port = free_port()
-        cmd = [sys.executable, "-m", "service.cli", "serve", "--config", str(config), "--port", str(port)]
+        cmd = [sys.executable, "-m", "lmspd.cli", "serve", "--config", str(config), "--port", str(port)]
         proc = spawn(cmd, f"http://127.0.0.1:{port}/readyz", work / "server.log")
         try:
             failed = measure(Server(proc.pid, port), task_id, args)

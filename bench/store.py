@@ -18,8 +18,8 @@ from pathlib import Path
 
 import msgspec
 
-from service.store.db import Database
-from service.store.tasks import NewEvent, TaskRecord, TaskStore
+from lmspd.store.db import Database
+from lmspd.store.task_store import NewEvent, TaskRecord, TaskStore
 
 
 def created(task: TaskRecord, seq: int) -> NewEvent:

@@ -27,12 +27,12 @@ import httpx
 import msgspec
 
 from bench.serving import free_port
-from service.config import load_config
-from service.models.registry import ModelRegistry
-from service.responses.builder import ResponseState, initial_response
-from service.responses.schema import ResponseRequest
-from service.store.db import Database
-from service.store.tasks import TaskStore
+from lmspd.config import load_config
+from lmspd.models.registry import ModelRegistry
+from lmspd.responses.builder import ResponseState, initial_response
+from lmspd.responses.schema import ResponseRequest
+from lmspd.store.db import Database
+from lmspd.store.task_store import TaskStore
 
 PROMPT = "Write a long story about a dragon and a knight."
 
@@ -128,7 +128,7 @@ class RawModel:
     def __init__(self, model_path: Path, dtype: str) -> None:
         from mlx_lm import load
 
-        from service.engine.weights import apply_weight_dtype
+        from lmspd.engine.weights import apply_weight_dtype
 
         self.model, self.tok = load(str(model_path))
         apply_weight_dtype(self.model, dtype)
@@ -181,7 +181,7 @@ def main() -> None:
         cfg = data / "bench.toml"
         cfg.write_text("[server]\nmax_queued_tasks = 1000000\n")
         env = {**os.environ, "LMSPD_DATA_DIR": str(data), "LMSPD_WEIGHT_DTYPE": "quantized"}
-        cmd = [sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--config", str(cfg)]
+        cmd = [sys.executable, "-m", "lmspd.cli", "serve", "--port", str(port), "--config", str(cfg)]
         server = subprocess.Popen(cmd, env=env, stderr=subprocess.DEVNULL)
         url = f"http://127.0.0.1:{port}"
         try:

@@ -26,9 +26,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.raw import Raw
 from bench.serving import free_port, kill, spawn
-from service.config import load_config
-from service.metrics import STAGES
-from service.models.registry import ModelRegistry
+from lmspd.config import load_config
+from lmspd.metrics import STAGES
+from lmspd.models.registry import ModelRegistry
 
 SYSTEM = "You are a helpful assistant. Answer in full sentences."
 
@@ -85,7 +85,7 @@ def main() -> None:
         data = Path(tmp)
         (data / "lmspd.toml").write_text(f'[models.bench]\npath = "{model_dir}"\n')
         port = free_port()
-        cmd = [sys.executable, "-m", "service.cli", "serve", "--config", str(data / "lmspd.toml")]
+        cmd = [sys.executable, "-m", "lmspd.cli", "serve", "--config", str(data / "lmspd.toml")]
         cmd += ["--port", str(port), "--model", "bench", "--data-dir", str(data / "db")]
         env = {"LMSPD_PROMPT_CACHE_MAX_BYTES": "0", "LMSPD_WEIGHT_DTYPE": args.dtype}
         os.environ.update(env)

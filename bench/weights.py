@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from service.engine.blas import load as load_blas
+from lmspd.engine.blas import load as load_blas
 
 BLAS = load_blas("auto")  # before MLX is imported, as in the engine
 
@@ -22,9 +22,9 @@ import mlx.core as mx  # noqa: E402
 from mlx_lm import generate, load, stream_generate  # noqa: E402
 from mlx_lm.sample_utils import make_sampler  # noqa: E402
 
-from service.config import load_config  # noqa: E402
-from service.engine.weights import apply_weight_dtype, choose, measure  # noqa: E402
-from service.models.registry import ModelRegistry  # noqa: E402
+from lmspd.config import load_config  # noqa: E402
+from lmspd.engine.weights import apply_weight_dtype, choose, measure  # noqa: E402
+from lmspd.models.registry import ModelRegistry  # noqa: E402
 
 
 def main() -> None:

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from .errors import ConfigError
+from lmspd.errors import ConfigError
 
 WeightDtype = Literal["auto", "quantized", "quantized_float32", "float32", "float16", "bfloat16"]
 DEFAULT_MODEL = "smollm2-135m-instruct"

@@ -27,8 +27,8 @@ from prometheus_client import (
     generate_latest,
 )
 
-from .engine import protocol as p
-from .store.status import STATUSES
+from lmspd.engine import protocol as p
+from lmspd.store.status import STATUSES
 
 log = logging.getLogger("lmspd.metrics")
 

@@ -22,11 +22,11 @@ from pathlib import Path
 import pytest
 from engine_host import Hosts
 
-from service.config import EngineConfig
-from service.engine.client import EngineClient
-from service.models.catalog import BUILTIN_MODELS
-from service.models.pull import pull_builtin
-from service.models.registry import ResolvedModel
+from lmspd.config import EngineConfig
+from lmspd.engine.process import EngineClient
+from lmspd.models.catalog import BUILTIN_MODELS
+from lmspd.models.pull import pull_builtin
+from lmspd.models.registry import ResolvedModel
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("LMSPD_TEST_CACHE", ROOT / ".test-cache"))

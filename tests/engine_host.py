@@ -27,10 +27,10 @@ from anyio.from_thread import BlockingPortal
 from starlette.applications import Starlette
 from starlette.testclient import TestClient
 
-from service.api.app import create_app
-from service.config import Config, EngineConfig, ModelEntry, ServerConfig
-from service.engine.client import EngineClient
-from service.models.registry import ResolvedModel
+from lmspd.api.app import create_app
+from lmspd.config import Config, EngineConfig, ModelEntry, ServerConfig
+from lmspd.engine.process import EngineClient
+from lmspd.models.registry import ResolvedModel
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,8 @@ import httpx
 import msgspec
 import pytest
 
-from service.client.cli import output_text
-from service.models.registry import ResolvedModel
+from lmspd.cli.tasks import output_text
+from lmspd.models.registry import ResolvedModel
 
 PROMPT = "Tell me a long story about a dragon."
 # Output tokens per task (greedy on the tiny model: every task runs to this limit). The kill
@@ -48,7 +48,7 @@ class Server:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "service.cli", "serve", "--config", str(self.config), "--port", str(self.port)],
+            [sys.executable, "-m", "lmspd.cli", "serve", "--config", str(self.config), "--port", str(self.port)],
             stdout=self.log.open("ab"),
             stderr=subprocess.STDOUT,
         )
@@ -200,7 +200,7 @@ def submit_and_watch(
 ) -> tuple[subprocess.Popen[bytes], PipeReader, PipeReader, dict[str, Any]]:
     """``lmspd tasks submit --on-restart resume --watch`` as a person runs it: the task is the one
     ``submit(url, "resume")`` would make. Returns the process, its stdout and stderr, the task."""
-    cmd = [sys.executable, "-m", "service.cli", "tasks", "submit", PROMPT, "--url", url, "--on-restart", "resume"]
+    cmd = [sys.executable, "-m", "lmspd.cli", "tasks", "submit", PROMPT, "--url", url, "--on-restart", "resume"]
     cmd += ["--temperature", "0", "--max-output-tokens", str(MAX_TOKENS), "--watch"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     procs.append(proc)

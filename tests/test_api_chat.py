@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from service.api.chat import failed_error
-from service.api.problems import openai_response
-from service.responses import schema as s
+from lmspd.api.chat import failed_error
+from lmspd.api.problems import openai_response
+from lmspd.responses import schema as s
 
 
 def failed(code: str | None) -> s.Response:

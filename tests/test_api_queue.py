@@ -14,8 +14,8 @@ import pytest
 from engine_host import Host, Hosts, tiny_config
 from starlette.testclient import TestClient
 
-from service.config import Config, EngineConfig
-from service.models.registry import ResolvedModel
+from lmspd.config import Config, EngineConfig
+from lmspd.models.registry import ResolvedModel
 
 
 def long_task(policy: str = "fail") -> dict[str, Any]:

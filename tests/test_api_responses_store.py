@@ -14,8 +14,8 @@ from engine_host import Host, Hosts, purge
 from families import make_thinker
 from starlette.testclient import TestClient
 
-from service.config import Config, EngineConfig, ModelEntry, ResponsesConfig, ServerConfig
-from service.models.registry import ResolvedModel
+from lmspd.config import Config, EngineConfig, ModelEntry, ResponsesConfig, ServerConfig
+from lmspd.models.registry import ResolvedModel
 
 QUICK = {"input": "Hi", "temperature": 0, "max_output_tokens": 3}
 LONG = {"input": "Tell me a story.", "max_output_tokens": 3000, "background": True}

@@ -18,9 +18,9 @@ from openresponses import validate, validate_event
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 
-from service.api import events
-from service.config import Config, EngineConfig
-from service.models.registry import ResolvedModel
+from lmspd.api import events
+from lmspd.config import Config, EngineConfig
+from lmspd.models.registry import ResolvedModel
 
 TOKENS = {"alice": "alice-secret-token", "bob": "bob-secret-token"}
 ALICE = {"Authorization": f"Bearer {TOKENS['alice']}"}

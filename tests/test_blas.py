@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from service.engine import blas
+from lmspd.engine import blas
 
 
 def test_none_and_an_explicit_path() -> None:

@@ -14,7 +14,7 @@ import pytest
 
 from bench.chaos.checks import check, read_db, snapshot_of
 from bench.chaos.ledger import Ack, Connection, Ledger, Policy, Snapshot, TaskState
-from service.store.migrate import migrate
+from lmspd.store.migrate import migrate
 
 
 def response(rid: str, text: str) -> dict[str, Any]:

@@ -16,13 +16,13 @@ import pytest
 from openai.types.chat import ChatCompletion as SdkCompletion
 from openai.types.chat import ChatCompletionChunk as SdkChunk
 
-from service.api.wire import decode
-from service.chat.schema import ChatCompletionRequest
-from service.chat.view import ChunkStream, completion, done
-from service.errors import InvalidRequestError
-from service.responses import schema as s
-from service.responses.inputs import parse_items, to_messages
-from service.store.tasks import Event
+from lmspd.api.wire import decode
+from lmspd.chat.schema import ChatCompletionRequest
+from lmspd.chat.view import ChunkStream, completion, done
+from lmspd.errors import InvalidRequestError
+from lmspd.responses import schema as s
+from lmspd.responses.inputs import parse_items, to_messages
+from lmspd.store.task_store import Event
 
 # --- helpers --------------------------------------------------------------------------------
 

@@ -12,12 +12,12 @@ import pytest
 from families import FAMILY_FORMAT, make_family_tokenizer
 from openresponses import validate
 
-from service.errors import ContextLengthExceededError, InvalidRequestError
-from service.prompt import build_prompt
-from service.responses import compaction
-from service.responses import schema as s
-from service.responses.inputs import CompactionItem, Item, decode_payload, encode_payload, item_json, parse_items
-from service.tokenizer import Tokenizer
+from lmspd.errors import ContextLengthExceededError, InvalidRequestError
+from lmspd.models.tokenizer import Tokenizer
+from lmspd.prompting.prompt import build_prompt
+from lmspd.responses import compaction
+from lmspd.responses import schema as s
+from lmspd.responses.inputs import CompactionItem, Item, decode_payload, encode_payload, item_json, parse_items
 
 
 def user(text: str) -> dict[str, Any]:
@@ -151,8 +151,8 @@ def test_the_summary_renders_with_every_template(tmp_path: Path, smol_dir: Path,
 def test_a_committed_compaction_is_rebuilt_from_the_event_log() -> None:
     """What a resumed task reads back: the compaction is done, the item is output 0, the
     answer's items follow it."""
-    from service.responses.builder import ResponseState
-    from service.store.tasks import Event, TaskRecord
+    from lmspd.responses.builder import ResponseState
+    from lmspd.store.task_store import Event, TaskRecord
 
     content = compaction_item("S", [user("q")])["encrypted_content"]
     state = ResponseState(s.Response(id="resp_1", created_at=0, status="in_progress", model="m"))

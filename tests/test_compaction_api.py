@@ -17,7 +17,7 @@ import pytest
 from openresponses import validate, validate_event
 from test_acceptance_restart import Server, tiny_server
 
-from service.models.registry import ResolvedModel
+from lmspd.models.registry import ResolvedModel
 
 LONG = "The quick brown fox jumps over the lazy dog near the river bank today. " * 12  # ~170 tokens
 TOO_LONG = "word " * 300  # more than the 256-token context of the "short" model

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from service.config import Config, load_config
-from service.errors import ConfigError
+from lmspd.config import Config, load_config
+from lmspd.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -46,8 +46,8 @@ def test_precedence_flags_over_env_over_file(tmp_path: Path) -> None:
 
 def test_kernels_are_built_in_the_one_cache_directory_of_a_service() -> None:
     assert load_config(environ={}).engine.kernel_dir == ""  # the user's cache (kernels.cache_root)
-    service = load_config(environ={"LMSPD_CACHE_DIR": "/var/cache/lmspd"})
-    assert service.engine.kernel_dir == "/var/cache/lmspd/.kernels"
+    config = load_config(environ={"LMSPD_CACHE_DIR": "/var/cache/lmspd"})
+    assert config.engine.kernel_dir == "/var/cache/lmspd/.kernels"
     named = load_config(environ={"LMSPD_CACHE_DIR": "/var/cache/lmspd", "LMSPD_KERNEL_DIR": "/opt/k"})
     assert named.engine.kernel_dir == "/opt/k"
 

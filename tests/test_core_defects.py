@@ -15,14 +15,14 @@ from engine_host import Host, Hosts, purge
 from openresponses import validate
 from starlette.testclient import TestClient
 
-from service.config import Config, EngineConfig, ModelEntry, ResponsesConfig, ServerConfig
-from service.core import Core
-from service.hub import Hub
-from service.models.registry import ModelRegistry, ResolvedModel
-from service.responses.builder import ResponseState, initial_response
-from service.responses.schema import OutputMessage, Response, TaskRequest
-from service.store.db import Database
-from service.store.tasks import TaskStore
+from lmspd.config import Config, EngineConfig, ModelEntry, ResponsesConfig, ServerConfig
+from lmspd.core import Core
+from lmspd.core.hub import Hub
+from lmspd.models.registry import ModelRegistry, ResolvedModel
+from lmspd.responses.builder import ResponseState, initial_response
+from lmspd.responses.schema import OutputMessage, Response, TaskRequest
+from lmspd.store.db import Database
+from lmspd.store.task_store import TaskStore
 
 TOKENS = {"alice": "alice-secret-token", "bob": "bob-secret-token"}
 ALICE = {"Authorization": f"Bearer {TOKENS['alice']}"}

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from service import doctor
-from service.cli import main
-from service.config import Config, load_config
-from service.store.migrate import migrate, migrations
+from lmspd.cli import doctor
+from lmspd.cli.main import main
+from lmspd.config import Config, load_config
+from lmspd.store.migrate import migrate, migrations
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -91,7 +91,7 @@ def _doctor(tmp_path: Path, port: int) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LMSPD_", "LMSP_"))}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     return subprocess.run(
-        [sys.executable, "-m", "service.cli", "doctor", "--config", str(config)],
+        [sys.executable, "-m", "lmspd.cli", "doctor", "--config", str(config)],
         capture_output=True,
         text=True,
         env=env,

@@ -11,17 +11,17 @@ from typing import Any
 
 import pytest
 
-from service.config import EngineConfig
-from service.engine import protocol as p
-from service.engine.client import EARLY_CANCELS_KEPT, EngineClient
-from service.errors import (
+from lmspd.config import EngineConfig
+from lmspd.engine import protocol as p
+from lmspd.engine.process import EARLY_CANCELS_KEPT, EngineClient
+from lmspd.errors import (
     ContextLengthExceededError,
     EngineCrashedError,
     InvalidRequestError,
     ModelError,
 )
-from service.generation import build_generate, tokenizer_for
-from service.models.registry import ResolvedModel
+from lmspd.models.registry import ResolvedModel
+from lmspd.prompting.generation import build_generate, tokenizer_for
 
 GREEDY = p.SamplingParams(temperature=0.0)
 PROMPTS = ["Tell me a story.", "What is 2 + 2?", "List three colours, please, in order.", "Hi"]

@@ -12,11 +12,11 @@ import msgspec
 import pytest
 from test_engine import PROMPTS, collect, request
 
-from service import grammar
-from service.engine.client import EngineClient
-from service.errors import InvalidRequestError
-from service.models.registry import ResolvedModel
-from service.responses.tools import JsonSchemaFormat, tool_options
+from lmspd.engine.process import EngineClient
+from lmspd.errors import InvalidRequestError
+from lmspd.models.registry import ResolvedModel
+from lmspd.prompting import grammar
+from lmspd.responses.tools import JsonSchemaFormat, tool_options
 
 SCHEMA = {
     "type": "object",

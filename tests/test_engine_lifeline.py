@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 from test_acceptance_restart import submit, tiny_server
 
-from service.models.registry import ResolvedModel
+from lmspd.models.registry import ResolvedModel
 
 PROMPT = "Summarise this: " + " ".join(f"item {i} is a dragon of colour {i * 7 % 13}." for i in range(80))
 GONE_WITHIN_SECS = 2.0  # the issue asks for 1 s; the margin is for a loaded machine

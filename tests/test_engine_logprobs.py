@@ -8,12 +8,12 @@ import msgspec
 import pytest
 from test_engine import PROMPTS, collect, request
 
-from service.engine import protocol as p
-from service.engine.client import EngineClient
-from service.engine.logprobs import LOGPROB_FLOOR, TokenPieces, top_logprobs
-from service.errors import InvalidRequestError
-from service.generation import tokenizer_for
-from service.models.registry import ResolvedModel
+from lmspd.engine import protocol as p
+from lmspd.engine.logprobs import LOGPROB_FLOOR, TokenPieces, top_logprobs
+from lmspd.engine.process import EngineClient
+from lmspd.errors import InvalidRequestError
+from lmspd.models.registry import ResolvedModel
+from lmspd.prompting.generation import tokenizer_for
 
 
 def with_logprobs(cmd: p.Generate, k: int | None) -> p.Generate:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from service import errors as e
-from service.api.problems import openai_body, openai_response, problem_response
+from lmspd import errors as e
+from lmspd.api.problems import openai_body, openai_response, problem_response
 
 
 def _all(cls: type[e.LmspdError]) -> list[type[e.LmspdError]]:

@@ -19,7 +19,7 @@ from families import FAMILY_FORMAT, make_family_tokenizer
 from openresponses import validate, validate_event
 from test_acceptance_restart import Server, tiny_server
 
-from service.models.registry import ResolvedModel
+from lmspd.models.registry import ResolvedModel
 
 PARAMS = {
     "type": "object",

@@ -6,11 +6,11 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from service.models.registry import ResolvedModel
+from lmspd.models.registry import ResolvedModel
 
 SCRIPT = """
 import sys
-from service.engine.lean import import_mlx_lm
+from lmspd.engine.upstream.lean import import_mlx_lm
 assert import_mlx_lm() is True
 assert "transformers" not in sys.modules, "transformers was imported"
 from mlx_lm.generate import BatchGenerator
@@ -43,14 +43,16 @@ def test_the_engine_imports_mlx_lm_without_transformers(tiny: ResolvedModel) -> 
 
 
 def test_a_process_that_has_transformers_imports_as_usual() -> None:
-    script = "import transformers\nfrom service.engine.lean import import_mlx_lm\nassert import_mlx_lm() is False\n"
+    script = (
+        "import transformers\nfrom lmspd.engine.upstream.lean import import_mlx_lm\nassert import_mlx_lm() is False\n"
+    )
     run_python(script)
 
 
 def test_the_cpu_engine_keeps_a_bounded_few_freed_buffers() -> None:
     script = (
         "import mlx.core as mx\n"
-        "from service.engine.worker import BUFFER_CACHE_BYTES, bound_buffer_cache\n"
+        "from lmspd.engine.worker import BUFFER_CACHE_BYTES, bound_buffer_cache\n"
         "bound_buffer_cache()\n"
         "for n in (1, 8, 64):  # freed buffers of 4 MB to 256 MB\n"
         "    mx.eval(mx.ones((n, 1024, 1024)) * 2)\n"
@@ -64,10 +66,10 @@ def test_the_cpu_engine_keeps_a_bounded_few_freed_buffers() -> None:
 def test_the_server_process_loads_neither_mlx_nor_numpy() -> None:
     script = (
         "import sys\n"
-        "from service.config import load_config\n"
-        "from service.api.app import create_app\n"
+        "from lmspd.config import load_config\n"
+        "from lmspd.api.app import create_app\n"
         "create_app(load_config())\n"
-        "import service.engine.worker, service.grammar\n"
+        "import lmspd.engine.worker, lmspd.prompting.grammar\n"
         "loaded = [m for m in ('mlx.core', 'numpy', 'transformers') if m in sys.modules]\n"
         "assert not loaded, loaded\n"
     )

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from service.errors import ModelConversionError
-from service.models.gguf import convert_gguf, rename_tensor
+from lmspd.errors import ModelConversionError
+from lmspd.models.gguf import convert_gguf, rename_tensor
 
 
 @pytest.mark.parametrize(

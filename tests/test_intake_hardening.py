@@ -15,12 +15,12 @@ import pytest
 from engine_host import Host, Hosts, tiny_config
 from starlette.testclient import TestClient
 
-from service.config import Config, EngineConfig, ModelEntry, ServerConfig
-from service.errors import InvalidRequestError, ModelNotFoundError
-from service.models.registry import ModelRegistry, ResolvedModel
-from service.prompt import build_prompt
-from service.responses.schema import ResponseRequest
-from service.tokenizer import Tokenizer, _shrink_bound
+from lmspd.config import Config, EngineConfig, ModelEntry, ServerConfig
+from lmspd.errors import InvalidRequestError, ModelNotFoundError
+from lmspd.models.registry import ModelRegistry, ResolvedModel
+from lmspd.models.tokenizer import Tokenizer, _shrink_bound
+from lmspd.prompting.prompt import build_prompt
+from lmspd.responses.schema import ResponseRequest
 
 TOKENS = {"alice": "alice-secret-token"}
 ALICE = {"Authorization": f"Bearer {TOKENS['alice']}"}

@@ -10,7 +10,7 @@ from types import ModuleType
 import mlx.core as mx
 import pytest
 
-from service.engine import kernels
+from lmspd.engine import kernels
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the kernels are built on Linux only")
 

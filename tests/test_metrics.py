@@ -9,8 +9,8 @@ import logging
 import msgspec
 import pytest
 
-from service.cli import build_parser
-from service.logs import JsonFormatter, current_format, formatter
+from lmspd.cli.main import build_parser
+from lmspd.logs import JsonFormatter, current_format, formatter
 
 
 def test_json_log_lines_carry_the_fields() -> None:

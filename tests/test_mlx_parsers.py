@@ -10,8 +10,8 @@ import pytest
 from families import FAMILY_FORMAT, make_family_tokenizer
 from mlx_lm.tokenizer_utils import _infer_thinking, _infer_tool_parser
 
-from service.responses.mlx_parsers import infer_mlx_thinking, infer_mlx_tool_parser, parser_module
-from service.tokenizer import Tokenizer
+from lmspd.engine.upstream.parsers import infer_mlx_thinking, infer_mlx_tool_parser, parser_module
+from lmspd.models.tokenizer import Tokenizer
 
 
 class Probe:
@@ -39,7 +39,7 @@ def test_inference_mirrors_mlx_lm(tmp_path: Path, smol_dir: Path, family: str) -
 def test_parsers_load_without_mlx() -> None:
     code = (
         "import sys\n"
-        "from service.responses.mlx_parsers import parser_module\n"
+        "from lmspd.engine.upstream.parsers import parser_module\n"
         "for name in ('json_tools', 'mistral', 'qwen3_coder', 'pythonic'):\n"
         "    parser_module(name).parse_tool_call\n"
         "assert 'mlx' not in sys.modules and 'transformers' not in sys.modules, sorted(sys.modules)\n"

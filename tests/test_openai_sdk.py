@@ -18,8 +18,8 @@ import pytest
 from openresponses import validate, validate_event
 from test_acceptance_restart import Server, tiny_server
 
-from service.engine.prompt_cache import stored_lengths
-from service.models.registry import ResolvedModel
+from lmspd.engine.prompt_cache import stored_lengths
+from lmspd.models.registry import ResolvedModel
 
 
 @pytest.fixture(scope="module")

@@ -24,12 +24,12 @@ import pytest
 from starlette.applications import Starlette
 from starlette.routing import Route
 
-from service.api.app import create_app
-from service.api.openapi import document
-from service.api.problems import openai_body
-from service.cli import main
-from service.config import Config
-from service.errors import QueueFullError, TaskNotFoundError
+from lmspd.api.app import create_app
+from lmspd.api.openapi import document
+from lmspd.api.problems import openai_body
+from lmspd.cli.main import main
+from lmspd.config import Config
+from lmspd.errors import QueueFullError, TaskNotFoundError
 
 META = json.loads(
     (Path(__file__).parent / "data" / "openapi-3.1-schema.json")

@@ -13,8 +13,8 @@ import pytest
 from families import FAMILY_FORMAT, make_family_tokenizer
 from tokenizers import Tokenizer
 
-from service.responses.call_formats import chat_tools
-from service.responses.output_parser import (
+from lmspd.responses.parsing.call_formats import chat_tools
+from lmspd.responses.parsing.output_parser import (
     ArgumentsDelta,
     CallDone,
     CallStarted,

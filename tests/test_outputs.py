@@ -11,11 +11,11 @@ import msgspec
 import pytest
 from openresponses import validate, validate_event
 
-from service.prompt import Prompt
-from service.responses import schema as s
-from service.responses.builder import ResponseState, initial_response
-from service.responses.tools import tool_options
-from service.store.tasks import Event, EventBuilder, TaskRecord
+from lmspd.prompting.prompt import Prompt
+from lmspd.responses import schema as s
+from lmspd.responses.builder import ResponseState, initial_response
+from lmspd.responses.tools import tool_options
+from lmspd.store.task_store import Event, EventBuilder, TaskRecord
 
 TOOLS = [{"type": "function", "name": "f", "parameters": {"type": "object"}}]
 # What a reasoning model with Hermes calls generates, cut as its tokens would be.
@@ -137,9 +137,9 @@ def test_a_state_rebuilt_from_its_log_continues_the_same_items(cut: int) -> None
 
 
 def test_a_forced_call_in_a_format_without_a_grammar_is_a_400(smol_dir: Path, tmp_path: Path) -> None:
-    from service.errors import InvalidRequestError
-    from service.prompt import build_prompt
-    from service.tokenizer import Tokenizer
+    from lmspd.errors import InvalidRequestError
+    from lmspd.models.tokenizer import Tokenizer
+    from lmspd.prompting.prompt import build_prompt
 
     (tmp_path / "tokenizer.json").write_bytes((smol_dir / "tokenizer.json").read_bytes())
     config = json.loads((smol_dir / "tokenizer_config.json").read_text())

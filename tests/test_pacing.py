@@ -6,12 +6,12 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator
 
-from service.config import EngineConfig
-from service.engine import protocol as p
-from service.engine.client import EngineClient
-from service.engine.pacing import MIN_STEP, PrefillPacer
-from service.generation import build_generate
-from service.models.registry import ResolvedModel
+from lmspd.config import EngineConfig
+from lmspd.engine import protocol as p
+from lmspd.engine.pacing import MIN_STEP, PrefillPacer
+from lmspd.engine.process import EngineClient
+from lmspd.models.registry import ResolvedModel
+from lmspd.prompting.generation import build_generate
 
 GREEDY = p.SamplingParams(temperature=0.0)
 

@@ -17,13 +17,13 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from service.config import EngineConfig
-from service.engine import protocol as p
-from service.engine.client import EngineClient
-from service.engine.prompt_cache import SUFFIX, DiskCache, PromptCache, stored_lengths
-from service.engine.worker import KEEP_PREFILL_TOKENS, KEEP_SOON_TOKENS, Request, keeps_early
-from service.generation import build_generate
-from service.models.registry import ResolvedModel
+from lmspd.config import EngineConfig
+from lmspd.engine import protocol as p
+from lmspd.engine.process import EngineClient
+from lmspd.engine.prompt_cache import SUFFIX, DiskCache, PromptCache, stored_lengths
+from lmspd.engine.worker import KEEP_PREFILL_TOKENS, KEEP_SOON_TOKENS, Request, keeps_early
+from lmspd.models.registry import ResolvedModel
+from lmspd.prompting.generation import build_generate
 
 GREEDY = p.SamplingParams(temperature=0.0)
 CONFIG = EngineConfig(weight_dtype="quantized", max_concurrency=4)

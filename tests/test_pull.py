@@ -9,12 +9,12 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from service.config import Config
-from service.errors import ModelConversionError, ModelNotFoundError
-from service.models import pull as pull_mod
-from service.models.catalog import BUILTIN_MODELS
-from service.models.pull import COMPLETE_MARKER, is_pulled, pull_builtin
-from service.models.registry import ModelRegistry
+from lmspd.config import Config
+from lmspd.errors import ModelConversionError, ModelNotFoundError
+from lmspd.models import pull as pull_mod
+from lmspd.models.catalog import BUILTIN_MODELS
+from lmspd.models.pull import COMPLETE_MARKER, is_pulled, pull_builtin
+from lmspd.models.registry import ModelRegistry
 
 SMOL = BUILTIN_MODELS["smollm2-135m-instruct"]
 
@@ -140,7 +140,7 @@ def test_unpulled_builtin_without_pull_is_a_clear_error(tmp_path: Path) -> None:
 
 @pytest.fixture
 def tiny_dir_config(model_cache: Path, tiny: object) -> Config:
-    from service.config import ModelEntry
+    from lmspd.config import ModelEntry
 
     return Config(
         cache_dir=str(model_cache),

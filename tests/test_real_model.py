@@ -17,7 +17,7 @@ FRANCE = "What is the capital of France?"
 def _lmspd(*args: str, cache: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "LMSPD_CACHE_DIR": str(cache)}
     return subprocess.run(
-        [sys.executable, "-m", "service.cli", *args], capture_output=True, text=True, env=env, timeout=300
+        [sys.executable, "-m", "lmspd.cli", *args], capture_output=True, text=True, env=env, timeout=300
     )
 
 

@@ -12,14 +12,14 @@ import msgspec
 import pytest
 from families import make_family_tokenizer
 
-from service.config import Config, EngineConfig, ResponsesConfig
-from service.prompt import build_prompt
-from service.responses import schema as s
-from service.responses.inputs import ReasoningItem, parse_items, to_messages
-from service.responses.reasoning_echo import ReasoningEcho, enabled, missing, to_remember, turn_key, turns
-from service.store.db import Database
-from service.store.echo import EchoStore
-from service.tokenizer import Tokenizer
+from lmspd.config import Config, EngineConfig, ResponsesConfig
+from lmspd.models.tokenizer import Tokenizer
+from lmspd.prompting.prompt import build_prompt
+from lmspd.responses import schema as s
+from lmspd.responses.inputs import ReasoningItem, parse_items, to_messages
+from lmspd.responses.reasoning_echo import ReasoningEcho, enabled, missing, to_remember, turn_key, turns
+from lmspd.store.db import Database
+from lmspd.store.echo import EchoStore
 
 REASONING = {
     "type": "reasoning",

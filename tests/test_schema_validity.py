@@ -20,13 +20,13 @@ from typing import Any
 import jsonschema
 import pytest
 
-from service import grammar
-from service.config import EngineConfig
-from service.engine import protocol as p
-from service.engine.client import EngineClient
-from service.models.registry import ResolvedModel
-from service.responses.tools import JsonSchemaFormat, tool_options
-from service.tokenizer import Tokenizer
+from lmspd.config import EngineConfig
+from lmspd.engine import protocol as p
+from lmspd.engine.process import EngineClient
+from lmspd.models.registry import ResolvedModel
+from lmspd.models.tokenizer import Tokenizer
+from lmspd.prompting import grammar
+from lmspd.responses.tools import JsonSchemaFormat, tool_options
 
 pytestmark = pytest.mark.real_model
 

@@ -16,9 +16,9 @@ SCRIPT = """
 import asyncio, contextlib, sys
 from pathlib import Path
 from starlette.applications import Starlette
-import service.api.app
-from service import serve
-from service.config import Config, ServerConfig
+import lmspd.api.app
+from lmspd.cli import serve
+from lmspd.config import Config, ServerConfig
 
 release = Path(sys.argv[2])
 
@@ -31,7 +31,7 @@ def blocked_app(config, shutdown=None):
         yield
     return Starlette(lifespan=lifespan)
 
-service.api.app.create_app = blocked_app
+lmspd.api.app.create_app = blocked_app
 config = Config(server=ServerConfig(host="127.0.0.1", port=int(sys.argv[1]), data_dir=sys.argv[3]))
 asyncio.run(serve.run(config))
 """

@@ -21,11 +21,11 @@ import httpx
 import pytest
 from test_acceptance_restart import tiny_server
 
-from service.cli import main
-from service.config import load_config
-from service.models.registry import ResolvedModel
-from service.systemd import notify
-from service.units import EXAMPLE_EXECUTABLE, examples, install_for, launchd_plist, systemd_unit
+from lmspd.cli.main import main
+from lmspd.cli.systemd import notify
+from lmspd.cli.units import EXAMPLE_EXECUTABLE, examples, install_for, launchd_plist, systemd_unit
+from lmspd.config import load_config
+from lmspd.models.registry import ResolvedModel
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 LAUNCHD_KEYS = {"Label", "ProgramArguments", "KeepAlive", "RunAtLoad", "StandardOutPath", "StandardErrorPath"}
@@ -62,7 +62,7 @@ def fake_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 def test_shipped_units_are_the_printed_ones() -> None:
     for name, content in examples().items():
-        assert (DEPLOY / name).read_bytes() == content, f"deploy/{name} is stale: run python -m service.units"
+        assert (DEPLOY / name).read_bytes() == content, f"deploy/{name} is stale: run python -m lmspd.cli.units"
 
 
 def test_shipped_systemd_unit() -> None:
@@ -200,7 +200,7 @@ def test_ready_only_once_ready_and_stopping_on_sigterm(
     with tiny_server(tmp_path, model_cache, tiny) as srv, socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as marker:
         marker.connect(path)
         srv.proc = subprocess.Popen(
-            [sys.executable, "-m", "service.cli", "serve", "--config", str(srv.config), "--port", str(srv.port)],
+            [sys.executable, "-m", "lmspd.cli", "serve", "--config", str(srv.config), "--port", str(srv.port)],
             stdout=srv.log.open("ab"),
             stderr=subprocess.STDOUT,
             env={**os.environ, "NOTIFY_SOCKET": path},

@@ -23,8 +23,8 @@ import pytest
 
 from bench.serving import free_port, kill, spawn
 from bench.tasks import seed_history
-from service.api.events import EventStream
-from service.models.registry import ResolvedModel
+from lmspd.api.events import EventStream
+from lmspd.models.registry import ResolvedModel
 
 EVENTS = 20000
 
@@ -54,7 +54,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, tiny: ResolvedModel) -> Ite
         f'[server]\ndata_dir = "{data}"\nkeepalive_secs = 0.5\n[models.tiny]\npath = "{tiny.path}"\n'
     )
     port = free_port()
-    cmd = [sys.executable, "-m", "service.cli", "serve", "--config", str(config), "--port", str(port)]
+    cmd = [sys.executable, "-m", "lmspd.cli", "serve", "--config", str(config), "--port", str(port)]
     proc = spawn(cmd, f"http://127.0.0.1:{port}/healthz", data / "server.log", timeout=120)
     try:
         found = Server(proc.pid, port, task_id)

@@ -25,18 +25,18 @@ import pytest
 from engine_host import tiny_config
 from test_acceptance_restart import free_port
 
-from service import doctor
-from service.api.app import create_app
-from service.config import Config, EngineConfig, ServerConfig
-from service.engine.client import EngineClient
-from service.errors import EngineCrashedError
-from service.hub import Hub
-from service.models.registry import ModelRegistry, ResolvedModel
-from service.serve import startup_error
-from service.store.check import DatabaseUnusableError
-from service.store.db import Database
-from service.store.tasks import NewEvent, TaskRecord, TaskStore
-from service.supervisor import Supervisor
+from lmspd.api.app import create_app
+from lmspd.cli import doctor
+from lmspd.cli.serve import startup_error
+from lmspd.config import Config, EngineConfig, ServerConfig
+from lmspd.core.hub import Hub
+from lmspd.core.supervisor import Supervisor
+from lmspd.engine.process import EngineClient
+from lmspd.errors import EngineCrashedError
+from lmspd.models.registry import ModelRegistry, ResolvedModel
+from lmspd.store.check import DatabaseUnusableError
+from lmspd.store.db import Database
+from lmspd.store.task_store import NewEvent, TaskRecord, TaskStore
 
 ROOT = Path(__file__).resolve().parent.parent
 EXIT_BOUND_SECS = 60.0  # generous for a loaded machine; before the fix, these never exited
@@ -134,7 +134,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
         )
         log = tmp / "server.log"
         port = taken.getsockname()[1] if name == PORT_IN_USE else free_port()
-        cmd = [sys.executable, "-m", "service.cli", "serve", "--config", str(config), "--port", str(port)]
+        cmd = [sys.executable, "-m", "lmspd.cli", "serve", "--config", str(config), "--port", str(port)]
         proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, cwd=tmp)
         started[name] = (proc, db, log, db.read_bytes(), time.monotonic())
     found: dict[str, Run] = {}
@@ -230,12 +230,12 @@ async def test_one_unreadable_task_fails_alone(tmp_path: Path, tiny: ResolvedMod
     config = tiny_config(tiny, model_cache, tmp_path)
     db = await Database.open(config.server.database_path)
     store = TaskStore(db)
-    from service.core.service import Core  # the intake path writes the first event as it really is
+    from lmspd.core.operations import Core  # the intake path writes the first event as it really is
 
     hub = Hub()
     supervisor = Supervisor(config, store, EngineClient(EngineConfig()), hub, ModelRegistry(config))
     core = Core(config, store, hub, supervisor, ModelRegistry(config), store.metrics)
-    from service.responses.schema import ResponseRequest
+    from lmspd.responses.schema import ResponseRequest
 
     request = msgspec.json.decode(b'{"input": "hi", "max_output_tokens": 4}', type=ResponseRequest)
     ids = [(await core.submit("alice", request, kind="task", on_restart="retry"))[0].id for _ in range(3)]
@@ -262,6 +262,6 @@ def test_the_base_database_is_sound(tmp_path: Path) -> None:
     path = tmp_path / "lmspd.db"
     asyncio.run(_make_base(path))
     shutil.copy(path, tmp_path / "copy.db")
-    from service.store.check import problem
+    from lmspd.store.check import problem
 
     assert problem(tmp_path / "copy.db") is None

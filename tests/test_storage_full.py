@@ -20,9 +20,9 @@ import pytest
 from engine_host import Host, Hosts, tiny_config
 from starlette.testclient import TestClient
 
-from service.config import Config, EngineConfig
-from service.models.registry import ResolvedModel
-from service.store.db import Database, on_thread
+from lmspd.config import Config, EngineConfig
+from lmspd.models.registry import ResolvedModel
+from lmspd.store.db import Database, on_thread
 
 ENGINE = EngineConfig(weight_dtype="quantized")
 TERMINAL = ("succeeded", "failed", "cancelled")
@@ -147,13 +147,13 @@ async def test_restart_with_the_disk_still_full_waits_and_then_follows_each_poli
 ) -> None:
     """Recovery at start cannot write either: the server starts anyway (reads still work),
     the interrupted tasks wait, said once, and are settled by their policies once there is room."""
-    from service.core.service import Core
-    from service.engine.client import EngineClient
-    from service.hub import Hub
-    from service.models.registry import ModelRegistry
-    from service.responses.schema import ResponseRequest
-    from service.store.tasks import TaskStore
-    from service.supervisor import Supervisor
+    from lmspd.core.hub import Hub
+    from lmspd.core.operations import Core
+    from lmspd.core.supervisor import Supervisor
+    from lmspd.engine.process import EngineClient
+    from lmspd.models.registry import ModelRegistry
+    from lmspd.responses.schema import ResponseRequest
+    from lmspd.store.task_store import TaskStore
 
     caplog.set_level(logging.INFO, logger="lmspd")
     config = tiny_config(tiny_long, model_cache, tmp_path)

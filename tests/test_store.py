@@ -10,16 +10,16 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from service.errors import (
+from lmspd.errors import (
     IdempotencyKeyReusedError,
     QueueFullError,
     TaskNotCancelableError,
     TaskNotFoundError,
 )
-from service.store.db import Database
-from service.store.migrate import MigrationError, migrate, migrations_dir
-from service.store.status import TERMINAL, TRANSITIONS
-from service.store.tasks import NewEvent, TaskRecord, TaskStore
+from lmspd.store.db import Database
+from lmspd.store.migrate import MigrationError, migrate, migrations_dir
+from lmspd.store.status import TERMINAL, TRANSITIONS
+from lmspd.store.task_store import NewEvent, TaskRecord, TaskStore
 
 EXPECTED_SCHEMA = {
     "tasks": [

@@ -15,10 +15,10 @@ import httpx
 import msgspec
 import pytest
 
-from service.cli import COMMANDS, build_parser, main
-from service.client.http import ClientError, TaskClient
-from service.client.sse import SseEvent, SseParser
-from service.client.watch import TaskView, watch
+from lmspd.cli.main import COMMANDS, build_parser, main
+from lmspd.client.http import ClientError, TaskClient
+from lmspd.client.sse import SseEvent, SseParser
+from lmspd.client.watch import TaskView, watch
 
 TASK_ID = "task_01TEST"
 WORDS = ["Once", " upon", " a", " time", ",", " a", " dragon", " 🐉", " slept", " under", " the", " hill", "."]

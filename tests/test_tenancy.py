@@ -26,10 +26,10 @@ import ulid
 from engine_host import Host, Hosts
 from starlette.testclient import TestClient
 
-from service.api.app import ROUTES
-from service.api.openapi import documented
-from service.config import Config, EngineConfig, ModelEntry, ServerConfig
-from service.models.registry import ResolvedModel
+from lmspd.api.app import ROUTES
+from lmspd.api.openapi import documented
+from lmspd.config import Config, EngineConfig, ModelEntry, ServerConfig
+from lmspd.models.registry import ResolvedModel
 
 ENGINE = EngineConfig(weight_dtype="quantized")
 TOKENS = {"alice": "tenancy-alice-token", "bob": "tenancy-bob-token"}

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import regex
 
-from service.tokenizer import IncrementalDetokenizer, Tokenizer
+from lmspd.models.tokenizer import IncrementalDetokenizer, Tokenizer
 
 TEXTS = [
     "What is the capital of France?",

@@ -20,7 +20,7 @@ import pytest
 from openresponses import validate, validate_event
 from test_acceptance_restart import Server, tiny_server
 
-from service.models.registry import ResolvedModel
+from lmspd.models.registry import ResolvedModel
 
 CITY = {
     "type": "object",

@@ -16,7 +16,7 @@ import jsonschema
 import pytest
 from test_acceptance_restart import Server, read_sse, tiny_server, wait_final
 
-from service.models.registry import ResolvedModel
+from lmspd.models.registry import ResolvedModel
 
 # Long arguments (28 enum items, ~95 tokens), so the kill lands mid-call with a wide margin.
 PARAMS = {

@@ -22,7 +22,7 @@ from langchain_openai import ChatOpenAI
 from openresponses import validate, validate_event
 from test_acceptance_restart import Server, tiny_server
 
-from service.models.registry import ResolvedModel
+from lmspd.models.registry import ResolvedModel
 
 LONG = {"input": "Tell me a story.", "max_output_tokens": 3000}
 

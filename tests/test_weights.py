@@ -9,9 +9,9 @@ from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_model
 
-from service.engine import kernels, packed, weights
-from service.engine.weights import apply_weight_dtype, measure
-from service.models.registry import ResolvedModel
+from lmspd.engine import kernels, packed, weights
+from lmspd.engine.weights import apply_weight_dtype, measure
+from lmspd.models.registry import ResolvedModel
 
 
 def _greedy(model: object, n: int = 20) -> list[int]:

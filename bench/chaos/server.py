@@ -15,9 +15,9 @@ from pathlib import Path
 import httpx
 
 from bench.serving import free_port
-from service.config import load_config
-from service.models.catalog import BUILTIN_MODELS
-from service.models.pull import pull_builtin
+from lmspd.config import load_config
+from lmspd.models.catalog import BUILTIN_MODELS
+from lmspd.models.pull import pull_builtin
 
 ROOT = Path(__file__).resolve().parents[2]
 TEST_CACHE = Path(os.environ.get("LMSPD_TEST_CACHE", ROOT / ".test-cache"))
@@ -66,7 +66,7 @@ class Server:
         """Start it in its own process group (the server, its engine and their helpers)."""
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
-        cmd = [sys.executable, "-m", "service.cli", "serve", "--config", str(self.config), "--port", str(port)]
+        cmd = [sys.executable, "-m", "lmspd.cli", "serve", "--config", str(self.config), "--port", str(port)]
         # Only the config written here: no LMSPD_* variable may point it at a real data directory.
         env = {k: v for k, v in os.environ.items() if not k.startswith(("LMSPD_", "LMSP_"))}
         with self.log.open("ab") as log:

@@ -1,15 +1,15 @@
 """The app factory: every route of the service, in one place.
 
 /healthz, /readyz                         liveness, readiness (no token)
-/openapi.json                             this app's OpenAPI document (no token) -> service.api.openapi
-/metrics                                  Prometheus metrics        -> service.metrics
+/openapi.json                             this app's OpenAPI document (no token) -> lmspd.api.openapi
+/metrics                                  Prometheus metrics        -> lmspd.metrics
 /lmsp/v1/capabilities, /lmsp/v1/models    discovery (LMSP 10)
-/lmsp/v1/tasks[...]                       durable tasks (LMSP 7)  -> service.api.tasks
-/lmsp/v1/tasks/{id}/events                event stream (LMSP 6.4) -> service.api.events
-/v1/responses[...], /lmsp/v1/responses[/compact]  OpenAI Responses API -> service.api.responses
-/v1/chat/completions                      Chat Completions view   -> service.api.chat
-Every handler translates HTTP to one call of the service layer, service.core.Core.
-Every request is logged, once, by service.api.access_log.
+/lmsp/v1/tasks[...]                       durable tasks (LMSP 7)  -> lmspd.api.tasks
+/lmsp/v1/tasks/{id}/events                event stream (LMSP 6.4) -> lmspd.api.events
+/v1/responses[...], /lmsp/v1/responses[/compact]  OpenAI Responses API -> lmspd.api.responses
+/v1/chat/completions                      Chat Completions view   -> lmspd.api.chat
+Every handler translates HTTP to one call of the service layer, lmspd.core.Core.
+Every request is logged, once, by lmspd.api.access_log.
 """
 
 from __future__ import annotations
@@ -27,24 +27,24 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from ..config import Config
-from ..core import Core
-from ..engine.client import EngineClient
-from ..engine.protocol import SamplingParams
-from ..errors import InvalidRequestError, LmspdError, MethodNotAllowedError, NotFoundError, StorageFullError
-from ..generation import check_request
-from ..hub import Hub
-from ..metrics import CONTENT_TYPE, Metrics
-from ..models.registry import ModelRegistry
-from ..store.db import Database
-from ..store.tasks import TaskStore
-from ..supervisor import Supervisor
-from . import chat, events, openapi, responses, tasks
-from .access_log import AccessLog
-from .auth import Authenticator
-from .problems import is_openai_path, openai_response, problem_response
-from .state import AppState, state_of
-from .wire import Capabilities, CapabilityFlags, Health, Limits, LmspModel, LmspModelList
+from lmspd.api import chat, events, openapi, responses, tasks
+from lmspd.api.access_log import AccessLog
+from lmspd.api.auth import Authenticator
+from lmspd.api.problems import is_openai_path, openai_response, problem_response
+from lmspd.api.state import AppState, state_of
+from lmspd.api.wire import Capabilities, CapabilityFlags, Health, Limits, LmspModel, LmspModelList
+from lmspd.config import Config
+from lmspd.core import Core
+from lmspd.core.hub import Hub
+from lmspd.core.supervisor import Supervisor
+from lmspd.engine.process import EngineClient
+from lmspd.engine.protocol import SamplingParams
+from lmspd.errors import InvalidRequestError, LmspdError, MethodNotAllowedError, NotFoundError, StorageFullError
+from lmspd.metrics import CONTENT_TYPE, Metrics
+from lmspd.models.registry import ModelRegistry
+from lmspd.prompting.generation import check_request
+from lmspd.store.db import Database
+from lmspd.store.task_store import TaskStore
 
 log = logging.getLogger("lmspd.server")
 

@@ -6,7 +6,7 @@ import hmac
 
 from starlette.requests import Request
 
-from ..errors import UnauthorizedError
+from lmspd.errors import UnauthorizedError
 
 
 class Authenticator:

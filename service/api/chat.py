@@ -1,7 +1,7 @@
 """``POST /v1/chat/completions``: a thin view on the same durable core as /v1/responses.
 
 The chat request becomes a (not stored) response task; its result and event log are
-rendered as a chat completion or chunks (``service.chat.view``).
+rendered as a chat completion or chunks (``lmspd.chat.view``).
 """
 
 from __future__ import annotations
@@ -10,14 +10,14 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from ..chat.schema import ChatCompletionRequest
-from ..chat.view import ChunkStream, completion
-from ..errors import LmspdError, error_for
-from ..responses import schema as s
-from .events import event_stream, openai_stream, unless_disconnected
-from .problems import openai_response
-from .state import state_of
-from .wire import decode, read_body
+from lmspd.api.events import event_stream, openai_stream, unless_disconnected
+from lmspd.api.problems import openai_response
+from lmspd.api.state import state_of
+from lmspd.api.wire import decode, read_body
+from lmspd.chat.schema import ChatCompletionRequest
+from lmspd.chat.view import ChunkStream, completion
+from lmspd.errors import LmspdError, error_for
+from lmspd.responses import schema as s
 
 
 async def create_chat_completion(request: Request) -> Response:

@@ -20,12 +20,12 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Send
 
-from ..core import Core
-from ..errors import EventHistoryExpiredError
-from ..store.status import TERMINAL
-from ..store.tasks import Event, TaskRecord
-from .state import state_of
-from .wire import ascii_int
+from lmspd.api.state import state_of
+from lmspd.api.wire import ascii_int
+from lmspd.core import Core
+from lmspd.errors import EventHistoryExpiredError
+from lmspd.store.status import TERMINAL
+from lmspd.store.task_store import Event, TaskRecord
 
 T = TypeVar("T")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

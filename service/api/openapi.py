@@ -4,7 +4,7 @@ Each handler has one :class:`Op` below: its request and response bodies (Structs
 JSON Schema by ``msgspec.json.schema_components``), its SSE payload if it streams, its
 parameters and the errors it can answer. The paths come from the app's routes themselves, and
 a route whose handler has no ``Op`` is an error, so the document cannot drift from the app.
-Errors are rendered per path like the app renders them (``service.api.problems``): OpenAI's
+Errors are rendered per path like the app renders them (``lmspd.api.problems``): OpenAI's
 envelope on /v1 and its aliases, RFC 9457 problem objects on /lmsp/v1 and the health routes.
 """
 
@@ -18,15 +18,15 @@ from typing import Any, ClassVar
 import msgspec
 from starlette.routing import BaseRoute, Route
 
-from .. import __version__
-from .. import errors as e
-from ..chat.schema import ChatCompletionRequest
-from ..chat.view import ChatCompletion, ChatCompletionChunk, ChatError
-from ..responses import schema as s
-from ..responses.items import INCLUDABLE, InputItemList
-from ..store.status import STATUSES
-from . import wire
-from .problems import OpenAIError, is_openai_path
+from lmspd import __version__
+from lmspd import errors as e
+from lmspd.api import wire
+from lmspd.api.problems import OpenAIError, is_openai_path
+from lmspd.chat.schema import ChatCompletionRequest
+from lmspd.chat.view import ChatCompletion, ChatCompletionChunk, ChatError
+from lmspd.responses import schema as s
+from lmspd.responses.items import INCLUDABLE, InputItemList
+from lmspd.store.status import STATUSES
 
 OPENAPI_VERSION = "3.1.0"
 REF = "#/components/schemas/{name}"
@@ -95,7 +95,7 @@ _EVENTS_OPENAI = (
 
 
 def _operations() -> dict[str, Op]:
-    from . import app, chat, events, responses, tasks
+    from lmspd.api import app, chat, events, responses, tasks
 
     ops: dict[Callable[..., Any], Op] = {
         app.healthz: Op("Liveness", "health", wire.Health, auth=False),

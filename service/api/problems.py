@@ -1,6 +1,6 @@
 """Errors as HTTP responses: problem objects on /lmsp/v1 (LMSP 9.3), OpenAI's envelope on /v1.
 
-Both are rendered from the error's class (``service.errors``): its code, status
+Both are rendered from the error's class (``lmspd.errors``): its code, status
 and title; nothing here knows individual errors.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import msgspec
 from starlette.responses import Response
 
-from ..errors import LmspdError
+from lmspd.errors import LmspdError
 
 
 class OpenAIErrorBody(msgspec.Struct):

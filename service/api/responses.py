@@ -1,6 +1,6 @@
 """OpenAI Responses API (``/v1/responses``, ``/responses``, ``POST /lmsp/v1/responses``).
 
-Translation only: every response is a durable task run by ``service.core``. A
+Translation only: every response is a durable task run by ``lmspd.core``. A
 synchronous request waits on it, a streaming one streams its event log, a
 background one is polled; a foreground client that goes away abandons its task.
 """
@@ -13,13 +13,9 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from ..core import Core
-from ..responses import items as input_items_of
-from ..responses import schema as s
-from ..store.tasks import Event, TaskRecord
-from .events import event_stream, openai_stream, resume_point, unless_disconnected
-from .state import state_of
-from .wire import (
+from lmspd.api.events import event_stream, openai_stream, resume_point, unless_disconnected
+from lmspd.api.state import state_of
+from lmspd.api.wire import (
     DeletedResponse,
     InputTokens,
     Model,
@@ -30,6 +26,10 @@ from .wire import (
     idempotency_key,
     read_body,
 )
+from lmspd.core import Core
+from lmspd.responses import items as input_items_of
+from lmspd.responses import schema as s
+from lmspd.store.task_store import Event, TaskRecord
 
 T = TypeVar("T")
 

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 from starlette.requests import Request
 
-from ..config import Config
-from ..core import Core
-from .auth import Authenticator
+from lmspd.api.auth import Authenticator
+from lmspd.config import Config
+from lmspd.core import Core
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""LMSP section 7 endpoints: create, read, list, cancel tasks (translation only: see service.core)."""
+"""LMSP section 7 endpoints: create, read, list, cancel tasks (translation only: see lmspd.core)."""
 
 from __future__ import annotations
 
@@ -6,11 +6,8 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from ..errors import InvalidRequestError
-from ..responses.schema import TaskCreate
-from ..store.status import STATUSES
-from .state import state_of
-from .wire import (
+from lmspd.api.state import state_of
+from lmspd.api.wire import (
     TaskList,
     ascii_int,
     decode,
@@ -21,6 +18,9 @@ from .wire import (
     task_cursor,
     task_object,
 )
+from lmspd.errors import InvalidRequestError
+from lmspd.responses.schema import TaskCreate
+from lmspd.store.status import STATUSES
 
 
 def _json(obj: object, status: int = 200, headers: dict[str, str] | None = None) -> Response:

@@ -10,8 +10,8 @@ from typing import Any, Literal, TypeVar
 import msgspec
 from starlette.requests import Request
 
-from ..errors import InvalidRequestError, PayloadTooLargeError, UnsupportedMediaTypeError
-from ..store.tasks import TaskRecord
+from lmspd.errors import InvalidRequestError, PayloadTooLargeError, UnsupportedMediaTypeError
+from lmspd.store.task_store import TaskRecord
 
 T = TypeVar("T")
 _UNKNOWN = re.compile(r"unknown field `([^`]+)`")

@@ -1,8 +1,8 @@
 """Chat Completions (SPEC 3.2): a thin compatibility view on the Responses core.
 
-:mod:`service.chat.schema` turns a ``POST /v1/chat/completions`` body into the
-:class:`~service.responses.schema.ResponseRequest` the core runs;
-:mod:`service.chat.view` turns the resulting response (or its event log) back
+:mod:`lmspd.chat.schema` turns a ``POST /v1/chat/completions`` body into the
+:class:`~lmspd.responses.schema.ResponseRequest` the core runs;
+:mod:`lmspd.chat.view` turns the resulting response (or its event log) back
 into ``chat.completion`` objects and ``chat.completion.chunk`` SSE frames.
 Nothing here touches HTTP or the database.
 """

@@ -14,9 +14,9 @@ from typing import Any, Literal
 
 import msgspec
 
-from ..errors import InvalidRequestError
-from ..responses.schema import MAX_TOKENS, ResponseRequest
-from ..responses.tools import text_param
+from lmspd.errors import InvalidRequestError
+from lmspd.responses.schema import MAX_TOKENS, ResponseRequest
+from lmspd.responses.tools import text_param
 
 MAX_STOP = 4
 MAX_TOP_LOGPROBS = 20
@@ -83,7 +83,7 @@ class _Message(msgspec.Struct, tag_field="role", forbid_unknown_fields=True, kw_
         """Raise InvalidRequestError for what decodes but cannot be honoured."""
 
     def items(self) -> list[dict[str, Any]]:
-        """Responses input items (as ``service.responses.inputs.parse_items`` accepts)."""
+        """Responses input items (as ``lmspd.responses.inputs.parse_items`` accepts)."""
         raise NotImplementedError
 
 

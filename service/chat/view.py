@@ -12,9 +12,9 @@ from typing import Any, Literal
 
 import msgspec
 
-from ..errors import error_for
-from ..responses import schema as s
-from ..store.tasks import Event
+from lmspd.errors import error_for
+from lmspd.responses import schema as s
+from lmspd.store.task_store import Event
 
 FinishReason = Literal["stop", "length", "content_filter", "tool_calls"]
 

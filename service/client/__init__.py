@@ -1,5 +1,5 @@
-"""A client of a running ``lmspd serve``: the LMSP task API over HTTP, behind ``lmspd tasks ...``.
+"""A client library for a running ``lmspd serve``: the LMSP task API over HTTP.
 
 ``http.TaskClient`` (typed requests; an event stream that resumes with ``Last-Event-ID``),
-``sse`` (the event-stream parser), ``watch`` (the live view), ``cli`` (the commands). Nothing
-here imports MLX or the server; this module imports nothing so that ``lmspd`` starts fast."""
+``sse`` (the event-stream parser), ``watch`` (the live view behind ``lmspd tasks watch``, whose
+commands are :mod:`lmspd.cli.tasks`). Imports nothing of lmspd's but itself, and no MLX."""

@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import msgspec
 
-from .sse import SseParser
+from lmspd.client.sse import SseParser
 
 FINAL_EVENTS = frozenset({"response.completed", "response.incomplete", "response.failed", "response.cancelled"})
 # Answers that may go away by themselves (a server starting up, a proxy in front of a restart).

@@ -15,7 +15,7 @@ from rich.live import Live
 from rich.segment import Segment
 from rich.text import Text
 
-from .http import FINAL_EVENTS, Json, TaskClient
+from lmspd.client.http import FINAL_EVENTS, Json, TaskClient
 
 TEXT_DELTA = "response.output_text.delta"
 TOKEN_EVENTS = frozenset({TEXT_DELTA, "response.reasoning_text.delta", "response.function_call_arguments.delta"})

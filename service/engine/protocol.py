@@ -18,7 +18,7 @@ MAX_TOP_LOGPROBS = 20
 
 def validate_top_logprobs(k: int | None, param: str = "top_logprobs") -> None:
     """Raise InvalidRequestError unless k is None (no logprobs) or in 0..MAX_TOP_LOGPROBS."""
-    from ..errors import InvalidRequestError
+    from lmspd.errors import InvalidRequestError
 
     if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
         raise InvalidRequestError(f"{param} must be between 0 and {MAX_TOP_LOGPROBS}, got {k}", param=param)
@@ -36,7 +36,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 
     def validate(self) -> None:
         """Raise InvalidRequestError naming the first out-of-range parameter."""
-        from ..errors import InvalidRequestError
+        from lmspd.errors import InvalidRequestError
 
         if not 0.0 <= self.temperature <= 2.0:
             raise InvalidRequestError(

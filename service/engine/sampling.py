@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from . import protocol as p
+from lmspd.engine import protocol as p
 
 
 class SeededSampler:

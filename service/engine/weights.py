@@ -27,7 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from . import kernels, packed
+from lmspd.engine import kernels, packed
 
 log = logging.getLogger("lmspd.engine.weights")
 

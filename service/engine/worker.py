@@ -19,17 +19,17 @@ from typing import Any
 
 import msgspec
 
-from ..config import EngineConfig
-from ..errors import LmspdError
-from ..logs import LogFormat
-from ..logs import setup as setup_logging
-from ..models.registry import context_length_of
-from ..tokenizer import IncrementalDetokenizer, Tokenizer
-from . import protocol as p
-from .constraint import GrammarError, GrammarMask, Grammars
-from .logprobs import TokenPieces, top_logprobs
-from .pacing import PrefillPacer
-from .sampling import SeededSampler
+from lmspd.config import EngineConfig
+from lmspd.engine import protocol as p
+from lmspd.engine.constraint import GrammarError, GrammarMask, Grammars
+from lmspd.engine.logprobs import TokenPieces, top_logprobs
+from lmspd.engine.pacing import PrefillPacer
+from lmspd.engine.sampling import SeededSampler
+from lmspd.errors import LmspdError
+from lmspd.logs import LogFormat
+from lmspd.logs import setup as setup_logging
+from lmspd.models.registry import context_length_of
+from lmspd.models.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("lmspd.engine")
 
@@ -101,7 +101,7 @@ class LoadedModel:
 
 class Engine:
     def __init__(self, conn: Connection, config: EngineConfig, cache_dir: Path | None = None, blas: str = "") -> None:
-        from .prompt_cache import PromptCache
+        from lmspd.engine.prompt_cache import PromptCache
 
         self.conn = conn
         self.blas = blas
@@ -212,9 +212,9 @@ class Engine:
         from mlx_lm.generate import BatchGenerator
         from mlx_lm.utils import load_model
 
-        from .packed import packed_matrix_bytes
-        from .prompt_cache import model_fingerprint
-        from .weights import apply_weight_dtype
+        from lmspd.engine.packed import packed_matrix_bytes
+        from lmspd.engine.prompt_cache import model_fingerprint
+        from lmspd.engine.weights import apply_weight_dtype
 
         self._evict_for_one()
         self.send(p.ModelLoading(name))
@@ -524,7 +524,7 @@ def main(
     log_format: LogFormat = "text",
 ) -> None:
     """Entry point of the spawned engine process."""
-    from .lifeline import bind_to_parent
+    from lmspd.engine.lifeline import bind_to_parent
 
     bind_to_parent(os.getppid())  # first: a server killed from now on takes its engine with it
     # The server's format, and its level for its own loggers (the root stays at its default
@@ -532,10 +532,10 @@ def main(
     text = "%(asctime)s engine %(levelname)s %(message)s"
     setup_logging(log_format, logging.WARNING, text=text, static={"process": "engine"})
     logging.getLogger("lmspd").setLevel(log_level)
-    from .blas import load as load_blas
+    from lmspd.engine.blas import load as load_blas
 
     blas = load_blas(config.blas)  # before anything imports MLX
-    from .lean import import_mlx_lm
+    from lmspd.engine.upstream.lean import import_mlx_lm
 
     import_mlx_lm()
     Engine(conn, config, Path(cache_dir) if cache_dir else None, blas).run()

@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ..errors import ModelConversionError
+from lmspd.errors import ModelConversionError
 
 _LAYER_RENAMES = {
     "attn_q": "self_attn.q_proj",

@@ -18,9 +18,9 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
-from ..errors import ModelConversionError, ModelDownloadError
-from .catalog import BuiltinModel
-from .gguf import convert_gguf
+from lmspd.errors import ModelConversionError, ModelDownloadError
+from lmspd.models.catalog import BuiltinModel
+from lmspd.models.gguf import convert_gguf
 
 log = logging.getLogger("lmspd.models.pull")
 

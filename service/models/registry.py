@@ -10,10 +10,10 @@ from typing import Any
 
 import msgspec
 
-from ..config import Config
-from ..errors import ModelNotFoundError
-from .catalog import BUILTIN_MODELS
-from .pull import Progress, is_pulled, pull_builtin
+from lmspd.config import Config
+from lmspd.errors import ModelNotFoundError
+from lmspd.models.catalog import BUILTIN_MODELS
+from lmspd.models.pull import Progress, is_pulled, pull_builtin
 
 _HF_REPO = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 

@@ -12,10 +12,10 @@ from collections.abc import Sequence
 
 import msgspec
 
-from ..store.tasks import Event, EventBuilder, NewEvent, TaskRecord
-from . import schema as s
-from .outputs import EventFactory, OutputItems, Status
-from .tools import JsonObjectFormat, JsonSchemaFormat, NamedFunction, reasoning_param, text_param
+from lmspd.responses import schema as s
+from lmspd.responses.outputs import EventFactory, OutputItems, Status
+from lmspd.responses.tools import JsonObjectFormat, JsonSchemaFormat, NamedFunction, reasoning_param, text_param
+from lmspd.store.task_store import Event, EventBuilder, NewEvent, TaskRecord
 
 
 def to_builder(factory: EventFactory, tokens: list[int] | None = None) -> EventBuilder:

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..errors import ContextLengthExceededError
-from .inputs import (
+from lmspd.errors import ContextLengthExceededError
+from lmspd.responses.inputs import (
     CompactionItem,
     FunctionCallItem,
     FunctionCallOutputItem,

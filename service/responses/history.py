@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import msgspec
 
-from ..errors import InvalidRequestError
-from ..store.status import TERMINAL
-from ..store.tasks import TaskStore
-from . import schema as s
-from .inputs import Item, parse_items
+from lmspd.errors import InvalidRequestError
+from lmspd.responses import schema as s
+from lmspd.responses.inputs import Item, parse_items
+from lmspd.store.status import TERMINAL
+from lmspd.store.task_store import TaskStore
 
 MAX_CHAIN = 256
 

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from ..errors import InvalidRequestError
+from lmspd.errors import InvalidRequestError
 
 
 class TextPart(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -10,8 +10,8 @@ from typing import Any, Literal
 
 import msgspec
 
-from ..errors import InvalidRequestError
-from .inputs import (
+from lmspd.errors import InvalidRequestError
+from lmspd.responses.inputs import (
     CompactionItem,
     FunctionCallItem,
     FunctionCallOutputItem,

@@ -15,8 +15,8 @@ from typing import Literal
 
 import ulid
 
-from . import schema as s
-from .output_parser import (
+from lmspd.responses import schema as s
+from lmspd.responses.parsing.output_parser import (
     ArgumentsDelta,
     CallDone,
     CallStarted,

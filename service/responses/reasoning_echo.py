@@ -9,7 +9,7 @@ rendered (intake check, ``/input_tokens``, the run itself: :meth:`ReasoningEcho.
 for all three), every assistant turn with no reasoning before it gets the remembered
 item back, and the prompt renders as it was generated.
 
-Turns are grouped as :func:`service.responses.inputs.to_messages` groups them: an
+Turns are grouped as :func:`lmspd.responses.inputs.to_messages` groups them: an
 assistant message starts a turn and the function calls right after it join it (calls
 with no message before them make a turn of their own); a reasoning item goes with the
 next turn.
@@ -26,12 +26,12 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from ..config import Config
-from ..errors import LmspdError
-from ..store.db import Database
-from ..store.echo import EchoStore
-from . import schema as s
-from .inputs import FunctionCallItem, Item, MessageItem, ReasoningItem, parse_items
+from lmspd.config import Config
+from lmspd.errors import LmspdError
+from lmspd.responses import schema as s
+from lmspd.responses.inputs import FunctionCallItem, Item, MessageItem, ReasoningItem, parse_items
+from lmspd.store.db import Database
+from lmspd.store.echo import EchoStore
 
 R = TypeVar("R", bound=s.ResponseRequest)
 log = logging.getLogger("lmspd.reasoning_echo")

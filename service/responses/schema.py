@@ -11,10 +11,10 @@ from typing import Any, Literal
 
 import msgspec
 
-from ..engine.protocol import SamplingParams, TokenLogprob, validate_top_logprobs
-from ..errors import InvalidRequestError
-from ..tokenizer import TEMPLATE_ARGUMENTS
-from .tools import (
+from lmspd.engine.protocol import SamplingParams, TokenLogprob, validate_top_logprobs
+from lmspd.errors import InvalidRequestError
+from lmspd.models.tokenizer import TEMPLATE_ARGUMENTS
+from lmspd.responses.tools import (
     FunctionTool,
     JsonObjectFormat,
     JsonSchemaFormat,
@@ -83,7 +83,7 @@ class ResponseRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, 
         return self.top_logprobs or 0
 
     def validate(self) -> None:
-        from .inputs import parse_items
+        from lmspd.responses.inputs import parse_items
 
         if isinstance(self.input, list):
             if not self.input:
@@ -163,7 +163,7 @@ class ResponseRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, 
 
     def check_structure(self) -> None:
         """tools, tool_choice, text and reasoning: shapes, and schemas the grammar can enforce."""
-        from ..grammar import check, json_schema_grammar
+        from lmspd.prompting.grammar import check, json_schema_grammar
 
         options = self.tool_options()
         fmt = self.text_format()
@@ -190,7 +190,7 @@ class ResponseRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, 
         return self.conversation or None
 
     def items(self) -> list[Any]:
-        from .inputs import parse_items
+        from lmspd.responses.inputs import parse_items
 
         if isinstance(self.input, str):
             return parse_items([{"role": "user", "content": self.input}])

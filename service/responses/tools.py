@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from ..errors import InvalidRequestError
+from lmspd.errors import InvalidRequestError
 
 BUILTIN_TOOLS = frozenset(
     {

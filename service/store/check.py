@@ -13,8 +13,8 @@ import sqlite3
 from importlib.resources.abc import Traversable
 from pathlib import Path
 
-from ..errors import LmspdError
-from .migrate import migrations
+from lmspd.errors import LmspdError
+from lmspd.store.migrate import migrations
 
 HEADER = b"SQLite format 3\x00"
 _SCHEMA = (

@@ -21,9 +21,9 @@ from typing import Any, TypeVar
 
 import aiosqlite
 
-from ..errors import LmspdError, StorageFullError
-from .check import DatabaseUnusableError, check, refusal
-from .migrate import migrate
+from lmspd.errors import LmspdError, StorageFullError
+from lmspd.store.check import DatabaseUnusableError, check, refusal
+from lmspd.store.migrate import migrate
 
 T = TypeVar("T")
 Job = Callable[[sqlite3.Connection], Any]

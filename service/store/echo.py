@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 
 import msgspec
 
-from .db import Database
-from .queries import q
+from lmspd.store.db import Database
+from lmspd.store.queries import q
 
 log = logging.getLogger("lmspd.store.echo")
 

@@ -1,7 +1,7 @@
 """Apply numbered ``migrations/NNN_name.sql`` files, tracked by ``PRAGMA user_version``.
 
-The files live in the project's ``migrations/`` folder; an installed wheel carries them as
-the package's ``migrations`` data (``importlib.resources``). Finding none is an error: an
+The files live in the project's ``migrations/`` folder, installed (editable or from the wheel) as
+the package ``lmspd.migrations`` and read with ``importlib.resources``. Finding none is an error: an
 empty list would silently leave a new database without tables.
 """
 
@@ -12,12 +12,10 @@ import sqlite3
 from functools import cache
 from importlib import resources
 from importlib.resources.abc import Traversable
-from pathlib import Path
 
-from ..errors import LmspdError
+from lmspd.errors import LmspdError
 
 _FILE = re.compile(r"^(\d+)_[\w-]+\.sql$")
-_TOP = __name__.split(".")[0]  # "lmspd" when installed, "service" in the source tree
 
 
 class MigrationError(LmspdError):
@@ -26,11 +24,7 @@ class MigrationError(LmspdError):
 
 @cache
 def migrations_dir() -> Traversable:
-    packaged: Traversable
-    try:
-        packaged = resources.files(f"{_TOP}.migrations")
-    except ModuleNotFoundError:  # the source tree: migrations/ next to the package
-        packaged = Path(__file__).resolve().parent.parent.parent / "migrations"
+    packaged = resources.files("lmspd.migrations")
     if not packaged.is_dir():
         raise MigrationError(f"the migrations folder {packaged} is missing: this lmspd is not installed whole")
     return packaged

@@ -1,7 +1,7 @@
 """Load the named queries of ``queries.sql`` (procrastinate's style: SQL lives in .sql files).
 
 ``{ACTIVE}``, ``{TERMINAL}`` and ``{STARTED}`` in a query stand for the status sets of
-``service.store.status``, so SQL and Python share one definition of the state machine.
+``lmspd.store.status``, so SQL and Python share one definition of the state machine.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import re
 from functools import cache
 from importlib import resources
 
-from .status import ACTIVE, STARTED, TERMINAL, sql_list
+from lmspd.store.status import ACTIVE, STARTED, TERMINAL, sql_list
 
 _NAME = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
 

@@ -5,8 +5,8 @@ or deploy script, CI."""
 import logging
 import sys
 
-from ...config import load_config
-from . import KernelUnavailable, cache_root, load
+from lmspd.config import load_config
+from lmspd.engine.kernels import KernelUnavailable, cache_root, load
 
 logging.basicConfig(level=logging.INFO, format="%(message)s")
 try:

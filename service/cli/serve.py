@@ -10,9 +10,9 @@ import signal
 import socket
 from typing import Any
 
-from .config import Config
-from .errors import ConfigError, LmspdError
-from .systemd import notify, notify_address, notify_when_ready
+from lmspd.cli.systemd import notify, notify_address, notify_when_ready
+from lmspd.config import Config
+from lmspd.errors import ConfigError, LmspdError
 
 log = logging.getLogger("lmspd.server")
 
@@ -34,7 +34,7 @@ class StartupError(LmspdError):
 
 
 def startup_error(config: Config, cause: BaseException | None) -> StartupError:
-    from .store.check import DatabaseUnusableError
+    from lmspd.store.check import DatabaseUnusableError
 
     if isinstance(cause, DatabaseUnusableError):
         return StartupError(cause.message)  # it names the file, the cause and `lmspd doctor`
@@ -77,7 +77,7 @@ async def run(config: Config) -> None:
     from hypercorn.config import Config as HypercornConfig
     from hypercorn.utils import LifespanFailureError
 
-    from .api.app import create_app
+    from lmspd.api.app import create_app
 
     check_bind(config)
     stop = asyncio.Event()
@@ -90,7 +90,7 @@ async def run(config: Config) -> None:
     ]
     hc.graceful_timeout = config.server.shutdown_grace_secs
     _drop_stalled_readers(hc, 2 * config.server.keepalive_secs)
-    hc.accesslog = None  # the app logs each request (service.api.access_log)
+    hc.accesslog = None  # the app logs each request (lmspd.api.access_log)
     sockets = _bind_now(hc, config)
     # Hypercorn's own lines go through the root handler, in the server's --log-format (given a
     # target name, Hypercorn would add a handler of its own with its own format).
@@ -142,7 +142,7 @@ def _bind_now(hc: Any, config: Config) -> Any:
 def _drop_stalled_readers(hc: Any, secs: float) -> None:
     """Have the kernel close a connection whose reader has taken nothing for ``secs`` (Linux's
     TCP_USER_TIMEOUT, inherited by accepted sockets): the app stops serving such a reader
-    (service.api.events), and this frees its socket too, even while the peer holds it open."""
+    (lmspd.api.events), and this frees its socket too, even while the peer holds it open."""
     option = getattr(socket, "TCP_USER_TIMEOUT", None)
     if option is None:  # not on macOS: there the peer's close frees it
         return

@@ -5,14 +5,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from . import grammar
-from .engine import protocol as p
-from .errors import ContextLengthExceededError, InvalidRequestError
-from .models.registry import ResolvedModel
-from .prompt import Prompt, build_prompt
-from .responses.inputs import Item
-from .responses.schema import ResponseRequest
-from .tokenizer import Tokenizer
+from lmspd.engine import protocol as p
+from lmspd.errors import ContextLengthExceededError, InvalidRequestError
+from lmspd.models.registry import ResolvedModel
+from lmspd.models.tokenizer import Tokenizer
+from lmspd.prompting import grammar
+from lmspd.prompting.prompt import Prompt, build_prompt
+from lmspd.responses.inputs import Item
+from lmspd.responses.schema import ResponseRequest
 
 _TOKENIZERS: dict[str, Tokenizer] = {}
 

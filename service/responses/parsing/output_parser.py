@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
-from .call_formats import (
+from lmspd.engine.upstream.parsers import infer_mlx_thinking, infer_mlx_tool_parser, parser_module
+from lmspd.responses.parsing.call_formats import (
     ARGUMENTS_KEY,
     HERMES_HEAD,
     LLAMA_HEAD,
@@ -37,8 +38,7 @@ from .call_formats import (
     json_value,
     parse_llama3_json,
 )
-from .mlx_parsers import infer_mlx_thinking, infer_mlx_tool_parser, parser_module
-from .qwen3_coder_call import Qwen3Coder
+from lmspd.responses.parsing.qwen3_coder_call import Qwen3Coder
 
 
 @dataclass(frozen=True)

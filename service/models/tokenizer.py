@@ -12,7 +12,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from .errors import InvalidRequestError, LmspdError, ModelError
+from lmspd.errors import InvalidRequestError, LmspdError, ModelError
 
 # Special tokens that carry structure the server parses (reasoning blocks, tool calls):
 # detokenized text keeps them, while other special tokens (turn ends, padding) are hidden.

@@ -19,9 +19,11 @@ from typing import Any, Literal
 import msgspec
 import ulid
 
-from .. import compactor
-from ..config import Config
-from ..errors import (
+from lmspd.config import Config
+from lmspd.core import compactor
+from lmspd.core.hub import Hub
+from lmspd.core.supervisor import Supervisor
+from lmspd.errors import (
     ContextLengthExceededError,
     InvalidRequestError,
     LmspdError,
@@ -29,20 +31,25 @@ from ..errors import (
     ServerOverloadedError,
     TaskNotCancelableError,
 )
-from ..generation import cache_key, check_request, count_tokens, prompt_for, refuse_by_size, user_text_bytes
-from ..hub import Hub
-from ..metrics import Metrics
-from ..models.registry import ModelInfo, ModelRegistry
-from ..responses import items as listed
-from ..responses import schema as s
-from ..responses.builder import ResponseState, initial_response
-from ..responses.compaction import default_keep_tokens
-from ..responses.history import history
-from ..responses.inputs import Item, item_json
-from ..responses.reasoning_echo import ReasoningEcho
-from ..store.status import ACTIVE, TERMINAL, OnRestart
-from ..store.tasks import Event, NewEvent, ResponseFields, TaskRecord, TaskStore
-from ..supervisor import Supervisor
+from lmspd.metrics import Metrics
+from lmspd.models.registry import ModelInfo, ModelRegistry
+from lmspd.prompting.generation import (
+    cache_key,
+    check_request,
+    count_tokens,
+    prompt_for,
+    refuse_by_size,
+    user_text_bytes,
+)
+from lmspd.responses import items as listed
+from lmspd.responses import schema as s
+from lmspd.responses.builder import ResponseState, initial_response
+from lmspd.responses.compaction import default_keep_tokens
+from lmspd.responses.history import history
+from lmspd.responses.inputs import Item, item_json
+from lmspd.responses.reasoning_echo import ReasoningEcho
+from lmspd.store.status import ACTIVE, TERMINAL, OnRestart
+from lmspd.store.task_store import Event, NewEvent, ResponseFields, TaskRecord, TaskStore
 
 log = logging.getLogger("lmspd.core")
 Kind = Literal["task", "response"]

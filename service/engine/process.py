@@ -22,11 +22,11 @@ from multiprocessing.connection import wait as mp_wait
 from pathlib import Path
 from typing import Any
 
-from ..config import EngineConfig
-from ..errors import EngineCrashedError, InvalidRequestError, LmspdError, error_for
-from ..logs import current_format
-from . import protocol as p
-from .worker import main as worker_main
+from lmspd.config import EngineConfig
+from lmspd.engine import protocol as p
+from lmspd.engine.worker import main as worker_main
+from lmspd.errors import EngineCrashedError, InvalidRequestError, LmspdError, error_for
+from lmspd.logs import current_format
 
 log = logging.getLogger("lmspd.engine")
 

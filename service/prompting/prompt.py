@@ -13,14 +13,14 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from . import grammar
-from .errors import InvalidRequestError
-from .responses.compaction import expand, fold_summary
-from .responses.inputs import Item, to_messages
-from .responses.output_parser import OutputParser, infer_tool_format, think_markers
-from .responses.schema import ResponseRequest
-from .responses.tools import FunctionTool, ToolOptions
-from .tokenizer import Tokenizer
+from lmspd.errors import InvalidRequestError
+from lmspd.models.tokenizer import Tokenizer
+from lmspd.prompting import grammar
+from lmspd.responses.compaction import expand, fold_summary
+from lmspd.responses.inputs import Item, to_messages
+from lmspd.responses.parsing.output_parser import OutputParser, infer_tool_format, think_markers
+from lmspd.responses.schema import ResponseRequest
+from lmspd.responses.tools import FunctionTool, ToolOptions
 
 HERMES_FORMAT = "json_tools"
 

@@ -16,14 +16,14 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, get_args
 
-from . import units
-from .client import cli as tasks_cli
-from .config import RESPONSES_FLAGS, Config, WeightDtype, load_config
-from .errors import LmspdError
-from .logs import ENV as LOG_FORMAT_ENV
-from .logs import FORMATS as LOG_FORMATS
-from .logs import default_format
-from .logs import setup as setup_logging
+from lmspd.cli import tasks as tasks_cli
+from lmspd.cli import units
+from lmspd.config import RESPONSES_FLAGS, Config, WeightDtype, load_config
+from lmspd.errors import LmspdError
+from lmspd.logs import ENV as LOG_FORMAT_ENV
+from lmspd.logs import FORMATS as LOG_FORMATS
+from lmspd.logs import default_format
+from lmspd.logs import setup as setup_logging
 
 EXIT_GRACE_SECS = 5.0  # a failed start exits within this, whatever is left running
 
@@ -97,10 +97,10 @@ def _config(args: argparse.Namespace) -> Config:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .models.registry import ModelRegistry
-    from .progress import pull_progress
-    from .serve import StartupError, check_bind, check_port, run
-    from .store.check import check as check_database
+    from lmspd.cli.progress import pull_progress
+    from lmspd.cli.serve import StartupError, check_bind, check_port, run
+    from lmspd.models.registry import ModelRegistry
+    from lmspd.store.check import check as check_database
 
     config = _config(args)
     check_bind(config)
@@ -148,8 +148,8 @@ def cmd_service_print(args: argparse.Namespace) -> int:
 
 
 def cmd_models_pull(args: argparse.Namespace) -> int:
-    from .models.registry import ModelRegistry
-    from .progress import pull_progress
+    from lmspd.cli.progress import pull_progress
+    from lmspd.models.registry import ModelRegistry
 
     config = _config(args)
     name = args.name or config.default_model
@@ -161,7 +161,7 @@ def cmd_models_pull(args: argparse.Namespace) -> int:
 
 
 def cmd_models_list(args: argparse.Namespace) -> int:
-    from .models.registry import ModelRegistry
+    from lmspd.models.registry import ModelRegistry
 
     config = _config(args)
     print(f"cache: {config.model_cache_dir}")
@@ -177,11 +177,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 async def _generate(args: argparse.Namespace) -> int:
-    from .engine import protocol as p
-    from .engine.client import EngineClient
-    from .generation import build_generate
-    from .models.registry import ModelRegistry
-    from .progress import pull_progress
+    from lmspd.cli.progress import pull_progress
+    from lmspd.engine import protocol as p
+    from lmspd.engine.process import EngineClient
+    from lmspd.models.registry import ModelRegistry
+    from lmspd.prompting.generation import build_generate
 
     config = _config(args)
     name = args.model or config.default_model
@@ -221,15 +221,15 @@ async def _generate(args: argparse.Namespace) -> int:
 def cmd_openapi(args: argparse.Namespace) -> int:
     import msgspec
 
-    from .api.app import create_app
-    from .api.openapi import document
+    from lmspd.api.app import create_app
+    from lmspd.api.openapi import document
 
     print(msgspec.json.format(msgspec.json.encode(document(create_app(Config()).routes)), indent=2).decode())
     return 0
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from . import doctor
+    from lmspd.cli import doctor
 
     return doctor.run(_config(args))
 

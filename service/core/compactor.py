@@ -1,5 +1,5 @@
 """Compaction on a model: count, split, summarize, check (shared by ``POST /v1/responses/compact``
-and ``context_management``). The pure rules are in :mod:`service.responses.compaction`.
+and ``context_management``). The pure rules are in :mod:`lmspd.responses.compaction`.
 
 Every refusal (a history longer than the context, a summary that does not fit, a compacted
 context that is not shorter) is a :class:`ContextLengthExceededError`, raised before
@@ -14,17 +14,17 @@ from dataclasses import dataclass
 
 import ulid
 
-from .engine import protocol as p
-from .engine.client import EngineClient
-from .errors import ContextLengthExceededError, EngineError, InvalidPromptError
-from .generation import build_generate, count_tokens, prompt_for, tokenizer_for
-from .metrics import Metrics
-from .models.registry import ResolvedModel
-from .responses import compaction
-from .responses.builder import ResponseState
-from .responses.inputs import CompactionItem, Item, encode_payload
-from .responses.schema import ResponseRequest
-from .store.tasks import EventBuilder
+from lmspd.engine import protocol as p
+from lmspd.engine.process import EngineClient
+from lmspd.errors import ContextLengthExceededError, EngineError, InvalidPromptError
+from lmspd.metrics import Metrics
+from lmspd.models.registry import ResolvedModel
+from lmspd.prompting.generation import build_generate, count_tokens, prompt_for, tokenizer_for
+from lmspd.responses import compaction
+from lmspd.responses.builder import ResponseState
+from lmspd.responses.inputs import CompactionItem, Item, encode_payload
+from lmspd.responses.schema import ResponseRequest
+from lmspd.store.task_store import EventBuilder
 
 Commit = Callable[[str, list[EventBuilder]], Awaitable[None]]
 

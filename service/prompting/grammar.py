@@ -13,8 +13,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import InvalidRequestError
-from .responses.tools import FunctionTool, JsonObjectFormat, JsonSchemaFormat, TextFormatParam, ToolOptions
+from lmspd.errors import InvalidRequestError
+from lmspd.responses.tools import FunctionTool, JsonObjectFormat, JsonSchemaFormat, TextFormatParam, ToolOptions
 
 # One canonical spacing: what json.dumps writes and chat templates show models, and a
 # bounded choice at every separator (free whitespace lets a weak model ramble).

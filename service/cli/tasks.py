@@ -53,7 +53,7 @@ def add_parser(sub: Any) -> None:
 
 
 def _run(args: argparse.Namespace, body: Callable[[Any], int]) -> int:
-    from .http import ClientError, TaskClient
+    from lmspd.client.http import ClientError, TaskClient
 
     url = args.url or os.environ.get("LMSPD_URL") or DEFAULT_URL
     token = args.token or os.environ.get("LMSPD_TOKEN") or None
@@ -91,7 +91,7 @@ def cmd_watch(args: argparse.Namespace) -> int:
 
 
 def _watch(client: Any, task_id: str, after: int | None) -> int:
-    from .watch import watch
+    from lmspd.client.watch import watch
 
     return watch(client, task_id, out=sys.stdout, err=sys.stderr, after=after)
 

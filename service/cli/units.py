@@ -1,7 +1,7 @@
 """``lmspd service print``: a systemd unit or a launchd plist for this install's paths.
 
 The shipped ``deploy/lmspd.service`` and ``deploy/com.lmspd.plist`` are these renderings for an
-install in ``/opt/lmspd`` (``python -m service.units`` rewrites them; a test keeps them equal).
+install in ``/opt/lmspd`` (``python -m lmspd.cli.units`` rewrites them; a test keeps them equal).
 
 System variants run as a dedicated user with their own state and cache directories; ``--user``
 variants (a systemd user unit, a launchd LaunchAgent) run as you, on your configured directories.
@@ -20,8 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import Config, load_config
-from .errors import ConfigError
+from lmspd.config import Config, load_config
+from lmspd.errors import ConfigError
 
 LABEL = "com.lmspd"
 SERVICE_USER = "lmspd"

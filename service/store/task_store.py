@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import msgspec
 from ulid import monotonic as ulid
 
-from ..errors import (
+from lmspd.errors import (
     IdempotencyKeyReusedError,
     QueueFullError,
     SequenceConflictError,
@@ -24,10 +24,10 @@ from ..errors import (
     TaskNotFoundError,
     TooManyBackgroundJobsError,
 )
-from ..metrics import Metrics
-from .db import Database
-from .queries import q
-from .status import TERMINAL, OnRestart, TaskStatus, sources
+from lmspd.metrics import Metrics
+from lmspd.store.db import Database
+from lmspd.store.queries import q
+from lmspd.store.status import TERMINAL, OnRestart, TaskStatus, sources
 
 
 class ResponseFields(msgspec.Struct, frozen=True, kw_only=True):

@@ -1,0 +1,6 @@
+"""Every use of MLX's and mlx-lm's internals, in one place (``README.md`` here lists each
+private name and the versions checked): ``lean`` (importing mlx-lm without transformers),
+``parsers`` (mlx-lm's tool parsers without MLX), ``cache`` (the prompt-cache trie), ``blas``
+(OpenBLAS symbols). An mlx-lm upgrade is checked here first.
+
+Imports nothing of lmspd's; importing this package loads no MLX."""

@@ -27,12 +27,9 @@ from prometheus_client import (
     generate_latest,
 )
 
-from lmspd.engine import protocol as p
-from lmspd.store.status import STATUSES
-
 log = logging.getLogger("lmspd.metrics")
 
-__all__ = ["CONTENT_TYPE", "FirstTokenStages", "Metrics", "StatusCounts", "TokenTimer"]
+__all__ = ["CONTENT_TYPE", "FirstTokenStages", "Metrics", "StatusCounts"]
 
 # No ``*_created`` series (each counter's creation time): they double the output and say nothing
 # a scraper does not know from the process start. A process-wide switch; lmspd is the process.
@@ -83,41 +80,6 @@ class FirstTokenStages:
             del self._open[task_id]
         else:
             self._open[task_id] = (entry[0] + 1, now)
-
-
-class TokenTimer:
-    """A generation's metrics, as its events arrive from the engine: time to the first
-    token, time per later token, tokens generated; at the end, the finish reason and the
-    prompt cache's share of the prompt."""
-
-    def __init__(self, metrics: Metrics, task_id: str) -> None:
-        self.metrics = metrics
-        self.task_id = task_id
-        self.last = time.perf_counter()  # the Generate is sent when the stream is first read
-        self.first = True
-
-    def saw(self, ev: p.Delta | p.Finished) -> None:
-        m = self.metrics
-        if isinstance(ev, p.Finished):
-            m.generations_finished.labels(ev.reason).inc()
-            if ev.reason != "cancelled":  # an early cancel never reached the engine
-                m.prompt_tokens.inc(ev.prompt_tokens)
-                if ev.cached_tokens:
-                    m.prompt_cache_hits.inc()
-                    m.prompt_cached_tokens.inc(ev.cached_tokens)
-            return
-        if not (n := len(ev.token_ids)):
-            return
-        now = time.perf_counter()
-        m.output_tokens.inc(n)
-        if self.first:
-            self.first = False
-            m.time_to_first_token.observe(now - self.last)
-            m.first_token_stages.mark(self.task_id, "engine")
-        else:
-            for _ in range(n):
-                m.token_latency.observe((now - self.last) / n)
-        self.last = now
 
 
 class StatusCounts(Protocol):
@@ -216,8 +178,7 @@ class Metrics:
 
     async def render(self, store: StatusCounts, *, engine_alive: bool) -> bytes:
         """The text exposition, with the scrape-time gauges read first."""
-        counts = await store.status_counts()
-        for status in STATUSES:
-            self.tasks.labels(status).set(counts.get(status, 0))
+        for status, n in (await store.status_counts()).items():
+            self.tasks.labels(status).set(n)
         self.engine_up.set(1 if engine_alive else 0)
         return generate_latest(self.registry)

@@ -1,4 +1,4 @@
-"""The app factory: every route of the service, in one place.
+"""The app factory and the route table: every route of the service, in one place.
 
 /healthz, /readyz                         liveness, readiness (no token)
 /openapi.json                             this app's OpenAPI document (no token) -> lmspd.api.openapi
@@ -8,7 +8,8 @@
 /lmsp/v1/tasks/{id}/events                event stream (LMSP 6.4) -> lmspd.api.events
 /v1/responses[...], /lmsp/v1/responses[/compact]  OpenAI Responses API -> lmspd.api.responses
 /v1/chat/completions                      Chat Completions view   -> lmspd.api.chat
-Every handler translates HTTP to one call of the service layer, lmspd.core.Core.
+Each route carries its OpenAPI contract (lmspd.api.routing); the service behind the app is
+built by lmspd.core.runtime. Every handler translates HTTP to one call of lmspd.core.Core.
 Every request is logged, once, by lmspd.api.access_log.
 """
 
@@ -18,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+from typing import Any
 
 import msgspec
 from starlette.applications import Starlette
@@ -25,26 +27,19 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
 
-from lmspd.api import chat, events, openapi, responses, tasks
+from lmspd.api import chat, events, openapi, responses, tasks, wire
 from lmspd.api.access_log import AccessLog
 from lmspd.api.auth import Authenticator
 from lmspd.api.problems import is_openai_path, openai_response, problem_response
+from lmspd.api.routing import AUTH, Op, Operation
 from lmspd.api.state import AppState, state_of
 from lmspd.api.wire import Capabilities, CapabilityFlags, Health, Limits, LmspModel, LmspModelList
 from lmspd.config import Config
-from lmspd.core import Core
-from lmspd.core.hub import Hub
-from lmspd.core.supervisor import Supervisor
+from lmspd.core import runtime
 from lmspd.engine.process import EngineClient
-from lmspd.engine.protocol import SamplingParams
-from lmspd.errors import InvalidRequestError, LmspdError, MethodNotAllowedError, NotFoundError, StorageFullError
-from lmspd.metrics import CONTENT_TYPE, Metrics
-from lmspd.models.registry import ModelRegistry
-from lmspd.prompting.generation import check_request
-from lmspd.store.db import Database
-from lmspd.store.task_store import TaskStore
+from lmspd.errors import InvalidRequestError, LmspdError, MethodNotAllowedError, NotFoundError
+from lmspd.metrics import CONTENT_TYPE
 
 log = logging.getLogger("lmspd.server")
 
@@ -124,118 +119,77 @@ async def on_unexpected(request: Request, exc: Exception) -> Response:
     return _render(request, LmspdError("internal server error"))
 
 
-def _openai_routes(prefix: str) -> list[Route]:
-    return [
-        Route(f"{prefix}/responses", responses.create_response, methods=["POST"]),
-        Route(f"{prefix}/responses/input_tokens", responses.input_tokens, methods=["POST"]),
-        Route(f"{prefix}/responses/compact", responses.compact, methods=["POST"]),
-        Route(f"{prefix}/responses/{{response_id}}", responses.get_response, methods=["GET"]),
-        Route(f"{prefix}/responses/{{response_id}}", responses.delete_response, methods=["DELETE"]),
-        Route(f"{prefix}/responses/{{response_id}}/cancel", responses.cancel_response, methods=["POST"]),
-        Route(f"{prefix}/responses/{{response_id}}/input_items", responses.list_input_items, methods=["GET"]),
-        Route(f"{prefix}/chat/completions", chat.create_chat_completion, methods=["POST"]),
-    ]
-
-
 ROUTES = [
-    Route("/healthz", healthz),
-    Route("/lmsp/v1/healthz", healthz),  # clients guess it
-    Route("/readyz", readyz),
-    Route("/openapi.json", openapi_json),
-    Route("/metrics", scrape),
-    Route("/lmsp/v1/capabilities", capabilities),
-    Route("/lmsp/v1/models", models),
-    Route("/lmsp/v1/tasks", tasks.create_task, methods=["POST"]),
-    Route("/lmsp/v1/tasks", tasks.list_tasks, methods=["GET"]),
-    Route("/lmsp/v1/tasks/{task_id}", tasks.get_task, methods=["GET"]),
-    Route("/lmsp/v1/tasks/{task_id}/cancel", tasks.cancel_task, methods=["POST"]),
-    Route("/lmsp/v1/tasks/{task_id}/events", events.task_events, methods=["GET"]),
-    Route("/lmsp/v1/responses", responses.create_response, methods=["POST"]),
-    Route("/lmsp/v1/responses/compact", responses.compact, methods=["POST"]),
+    Operation("/healthz", healthz, Op("Liveness", "health", wire.Health, auth=False)),
+    Operation("/lmsp/v1/healthz", healthz, Op("Liveness", "health", wire.Health, auth=False)),  # clients guess it
+    Operation(
+        "/readyz",
+        readyz,
+        Op(
+            "Readiness: accepting work and the engine is up",
+            "health",
+            wire.Health,
+            auth=False,
+            other={503: ("not ready (starting, shutting down or the engine is down)", wire.Health)},
+        ),
+    ),
+    Operation("/openapi.json", openapi_json, Op("This OpenAPI document", "meta", dict[str, Any], auth=False)),
+    Operation(
+        "/metrics",
+        scrape,
+        Op(
+            "Metrics in the Prometheus text format",
+            "meta",
+            str,
+            errors=AUTH,
+            media="text/plain; version=0.0.4; charset=utf-8",
+            description="Counters, gauges and histograms of tasks, tokens, latency, the engine, streams and the store.",
+        ),
+    ),
+    Operation(
+        "/lmsp/v1/capabilities",
+        capabilities,
+        Op("LMSP capabilities and limits (LMSP 10)", "lmsp", wire.Capabilities, errors=AUTH),
+    ),
+    Operation(
+        "/lmsp/v1/models",
+        models,
+        Op("Models, each saying whether it is ready", "lmsp", wire.LmspModelList, errors=AUTH),
+    ),
+    *tasks.ROUTES,
+    *responses.LMSP_ROUTES,
     # OpenAI Responses API, with and without /v1 (errors in OpenAI's envelope)
-    *_openai_routes("/v1"),
-    *_openai_routes(""),
-    Route("/v1/models", responses.list_models),
+    *responses.routes("/v1"),
+    chat.route("/v1"),
+    *responses.routes(""),
+    chat.route(""),
+    responses.MODELS,
 ]
 
 
-async def _janitor(config: Config, store: TaskStore) -> None:
-    s = config.server
-    while True:
-        await asyncio.sleep(s.janitor_interval_secs)
-        try:
-            counts = await store.purge(
-                event_retention_secs=s.event_retention_secs,
-                task_retention_secs=s.task_retention_secs,
-                idempotency_retention_secs=s.idempotency_retention_secs,
-            )
-            evicted = await store.enforce_response_limits(config.responses)
-            log.info("retention purge: %s; response store evictions: %d", counts, evicted)
-        except StorageFullError as exc:
-            log.warning("retention purge postponed: %s", exc.message)
-        except Exception:
-            log.exception("retention purge failed")
-
-
-def _warm_up(config: Config, registry: ModelRegistry) -> None:
-    """Load the default model's tokenizer and compile its chat template before the first request."""
-    with contextlib.suppress(LmspdError):
-        if (model := registry.resolve_local(config.default_model)) is not None:
-            check_request(model, [{"role": "user", "content": "warm-up"}], SamplingParams())
-
-
 def create_app(config: Config, engine: EngineClient | None = None, shutdown: asyncio.Event | None = None) -> Starlette:
-    """The app. ``engine``: one the caller started and keeps (tests share one); ``shutdown``:
-    set by the process on SIGTERM, so intake stops and event streams end before the server
-    waits for open connections."""
+    """The app, serving the service :func:`lmspd.core.runtime.started` builds (``engine`` and
+    ``shutdown`` are passed on to it)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        # Whatever started is stopped again, in reverse order, also when a later step fails:
-        # an open database or engine left behind keeps a failed server alive, never serving.
         async with contextlib.AsyncExitStack() as stack:
             try:
-                await _start(app, stack)
+                core = await stack.enter_async_context(runtime.started(config, engine, shutdown))
             except Exception as exc:
                 app.state.startup_error = exc  # for `lmspd serve`, which says why in one line
                 raise
+            app.state.lmsp = AppState(config, core, Authenticator(config.server.tokens))
             yield
-
-    async def _start(app: Starlette, stack: contextlib.AsyncExitStack) -> None:
-        metrics = Metrics()  # this app's own registry: many apps may share a process
-        db = await Database.open(config.server.database_path, on_commit=metrics.observe_commit)
-        stack.push_async_callback(db.close)
-        store = TaskStore(db, max_queued=config.server.max_queued_tasks, metrics=metrics)
-        hub = Hub()
-        registry = ModelRegistry(config)
-        runner = engine or EngineClient(config.engine, config.server.prompt_cache_dir)
-        supervisor = Supervisor(config, store, runner, hub, registry, metrics)
-        # A handed-in engine is the caller's to close.
-        stack.push_async_callback(supervisor.stop, close_engine=engine is None)
-        await supervisor.start()  # recovers unfinished tasks before any request is served
-        # Foreground store:false responses a crash left between their end and their release. Only
-        # at start: while serving, a slow reader may still be streaming a finished one.
-        with contextlib.suppress(StorageFullError):  # deleting needs room too: the janitor retries
-            await store.delete_finished_unstored()
-        core = Core(config, store, hub, supervisor, registry, metrics)
-        stack.push_async_callback(core.close)
-        app.state.lmsp = AppState(config, core, Authenticator(config.server.tokens))
-        await asyncio.to_thread(_warm_up, config, registry)
-        chores = [asyncio.create_task(_janitor(config, store))]
-        if shutdown is not None:
-            chores.append(asyncio.create_task(_on_shutdown(shutdown, core)))
-        for chore in chores:
-            stack.callback(chore.cancel)
 
     return Starlette(
         routes=ROUTES,
         middleware=[Middleware(AccessLog)],
         lifespan=lifespan,
-        exception_handlers={LmspdError: on_lmspd_error, HTTPException: on_http_error, Exception: on_unexpected},
+        exception_handlers={
+            LmspdError: on_lmspd_error,
+            HTTPException: on_http_error,
+            events.ClientGone: events.client_gone,
+            Exception: on_unexpected,
+        },
     )
-
-
-async def _on_shutdown(shutdown: asyncio.Event, core: Core) -> None:
-    await shutdown.wait()
-    log.info("shutting down: no new work; in-flight tasks stay recoverable by their policy")
-    core.begin_shutdown()

@@ -10,12 +10,13 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from lmspd.api.events import event_stream, openai_stream, unless_disconnected
+from lmspd.api.events import event_stream, openai_stream, while_connected
 from lmspd.api.problems import openai_response
+from lmspd.api.routing import AUTH, EVENTS_OPENAI, GENERATE, INTAKE, Op, Operation
 from lmspd.api.state import state_of
 from lmspd.api.wire import decode, read_body
 from lmspd.chat.schema import ChatCompletionRequest
-from lmspd.chat.view import ChunkStream, completion
+from lmspd.chat.view import ChatCompletion, ChatCompletionChunk, ChatError, ChunkStream, completion
 from lmspd.errors import LmspdError, error_for
 from lmspd.responses import schema as s
 
@@ -36,10 +37,7 @@ async def create_chat_completion(request: Request) -> Response:
         )
         stream = openai_stream(app.core, task, -1, chunks.frames, own=True)
         return event_stream(request, stream)
-    final = await unless_disconnected(request, app.core.wait(task.id))
-    if final is None:
-        app.core.abandon(task)
-        return Response(status_code=499)  # nobody is listening
+    final = await while_connected(request, app.core.wait(task.id), task=task)
     response = msgspec.json.decode(await app.core.snapshot(final), type=s.Response)
     await app.core.release(final)
     if response.status == "failed":
@@ -55,3 +53,20 @@ def failed_error(response: s.Response) -> LmspdError:
     if err is None:
         return LmspdError(f"the response ended {response.status}")
     return error_for(err.code, err.message)
+
+
+def route(prefix: str) -> Operation:
+    return Operation(
+        f"{prefix}/chat/completions",
+        create_chat_completion,
+        Op(
+            "Chat Completions (not stored); `stream: true` streams chunks",
+            "chat",
+            ChatCompletion,
+            request=ChatCompletionRequest,
+            events=(ChatCompletionChunk, ChatError),
+            errors=(*AUTH, *GENERATE, *INTAKE),
+            description=EVENTS_OPENAI + " A generation that fails mid-stream sends an error object as its last data.",
+        ),
+        "POST",
+    )

@@ -110,8 +110,18 @@ async def until_disconnected(request: Request) -> None:
         pass
 
 
-async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
-    """``work``'s result, or None if the client went away first (``work`` is then cancelled)."""
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that hung up: only the access log sees it
+
+
+class ClientGone(Exception):
+    """The client hung up before its answer; the app answers :data:`CLIENT_CLOSED_REQUEST`."""
+
+
+async def while_connected(request: Request, work: Awaitable[T], *, task: TaskRecord | None = None) -> T:
+    """``work``'s result while the client is still there. If it hangs up first, ``work`` is
+    cancelled, the foreground ``task`` it waited on (if any) is abandoned (docs/responses.md:
+    a sync request's task is cancelled, and forgotten when not stored) and :class:`ClientGone`
+    is raised. The one disconnect path of every request that waits before it answers."""
     job = asyncio.ensure_future(work)
     gone = asyncio.ensure_future(until_disconnected(request))
     try:
@@ -120,7 +130,16 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
         gone.cancel()
         if not job.done():
             job.cancel()
-    return job.result() if job.done() and not job.cancelled() else None
+    if job.done() and not job.cancelled():
+        return job.result()
+    if task is not None:
+        state_of(request).core.abandon(task)
+    raise ClientGone
+
+
+async def client_gone(request: Request, exc: Exception) -> Response:
+    """The app's handler for :class:`ClientGone`."""
+    return Response(status_code=CLIENT_CLOSED_REQUEST)
 
 
 Render = Callable[[list[Event]], bytes]

@@ -1,9 +1,10 @@
-"""The app's OpenAPI 3.1 document, generated from its routes and the msgspec Structs they speak.
+"""The app's OpenAPI 3.1 document, rendered from its routes and the msgspec Structs they speak.
 
-Each handler has one :class:`Op` below: its request and response bodies (Structs, turned into
-JSON Schema by ``msgspec.json.schema_components``), its SSE payload if it streams, its
-parameters and the errors it can answer. The paths come from the app's routes themselves, and
-a route whose handler has no ``Op`` is an error, so the document cannot drift from the app.
+Every route is an :class:`~lmspd.api.routing.Operation` carrying its handler's contract (an
+``Op``, declared beside the route in the handler's module): its request and response bodies
+(Structs, turned into JSON Schema by ``msgspec.json.schema_components``), its SSE payload if it
+streams, its parameters and the errors it can answer. This module imports no handler: it renders
+whatever route table it is given, and a route without a contract is an error.
 Errors are rendered per path like the app renders them (``lmspd.api.problems``): OpenAI's
 envelope on /v1 and its aliases, RFC 9457 problem objects on /lmsp/v1 and the health routes.
 """
@@ -11,8 +12,7 @@ envelope on /v1 and its aliases, RFC 9457 problem objects on /lmsp/v1 and the he
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar
 
 import msgspec
@@ -20,233 +20,13 @@ from starlette.routing import BaseRoute, Route
 
 from lmspd import __version__
 from lmspd import errors as e
-from lmspd.api import wire
 from lmspd.api.problems import OpenAIError, is_openai_path
-from lmspd.chat.schema import ChatCompletionRequest
-from lmspd.chat.view import ChatCompletion, ChatCompletionChunk, ChatError
+from lmspd.api.routing import Op, Operation
 from lmspd.responses import schema as s
-from lmspd.responses.items import INCLUDABLE, InputItemList
-from lmspd.store.status import STATUSES
 
 OPENAPI_VERSION = "3.1.0"
 REF = "#/components/schemas/{name}"
 _PATH_PARAM = re.compile(r"{(\w+)}")
-
-
-@dataclass(frozen=True)
-class Param:
-    name: str
-    where: str  # "query" | "header"
-    schema: dict[str, Any]
-    description: str
-
-    def render(self) -> dict[str, Any]:
-        return {"name": self.name, "in": self.where, "required": False, "description": self.description} | {
-            "schema": self.schema
-        }
-
-
-@dataclass(frozen=True)
-class Op:
-    """One handler's contract. Types are Structs or unions of tagged Structs."""
-
-    summary: str
-    tag: str
-    response: Any = None  # the success body (JSON); None: no body
-    status: int = 200
-    request: Any = None  # the JSON request body
-    events: tuple[Any, ...] = ()  # SSE ``data:`` payloads, when the operation streams
-    events_only: bool = False  # the success answer is always a stream
-    lmsp_frames: bool = False  # SSE framed as LMSP's (``id:`` per event, no ``[DONE]``) rather than OpenAI's
-    errors: tuple[type[e.LmspdError], ...] = ()
-    params: tuple[Param, ...] = ()
-    auth: bool = True
-    headers: dict[str, str] = field(default_factory=dict)  # success response headers -> description
-    other: dict[int, tuple[str, Any]] = field(default_factory=dict)  # status -> (description, body or None)
-    description: str = ""
-    media: str = "application/json"  # the success body's media type (a non-JSON one is text)
-
-
-def _query(name: str, schema: dict[str, Any], description: str) -> Param:
-    return Param(name, "query", schema, description)
-
-
-def _header(name: str, description: str) -> Param:
-    return Param(name, "header", {"type": "string"}, description)
-
-
-# --- the contracts, by handler ---------------------------------------------------------------
-
-_AUTH = (e.UnauthorizedError,)
-_BODY = (e.InvalidRequestError, e.PayloadTooLargeError, e.UnsupportedMediaTypeError)
-_GENERATE = (*_BODY, e.ContextLengthExceededError, e.UnsupportedCapabilityError, e.ModelNotFoundError)
-_INTAKE = (e.QueueFullError, e.ServerOverloadedError)
-
-_LIMIT = _query("limit", {"type": "integer", "minimum": 1, "maximum": 100, "default": 20}, "page size")
-_IDEMPOTENCY_KEY = _header("Idempotency-Key", "1-255 printable ASCII characters; a retry with it replays the task")
-_EVENTS_LMSP = (
-    "LMSP event stream (LMSP 6.4): `retry: 2000`, then per event `id: <sequence number>`, "
-    "`event: <type>` and `data: <JSON>` (described here), `: keep-alive` comments while idle; it "
-    "ends when the task does. Resume with `Last-Event-ID` (or `?after=`): no gap, no duplicate."
-)
-_EVENTS_OPENAI = (
-    "OpenAI server-sent events: per event `event: <type>` and `data: <JSON>` (described here), then `data: [DONE]`."
-)
-
-
-def _operations() -> dict[str, Op]:
-    from lmspd.api import app, chat, events, responses, tasks
-
-    ops: dict[Callable[..., Any], Op] = {
-        app.healthz: Op("Liveness", "health", wire.Health, auth=False),
-        app.readyz: Op(
-            "Readiness: accepting work and the engine is up",
-            "health",
-            wire.Health,
-            auth=False,
-            other={503: ("not ready (starting, shutting down or the engine is down)", wire.Health)},
-        ),
-        app.openapi_json: Op("This OpenAPI document", "meta", dict[str, Any], auth=False),
-        app.scrape: Op(
-            "Metrics in the Prometheus text format",
-            "meta",
-            str,
-            errors=_AUTH,
-            media="text/plain; version=0.0.4; charset=utf-8",
-            description="Counters, gauges and histograms of tasks, tokens, latency, the engine, streams and the store.",
-        ),
-        app.capabilities: Op("LMSP capabilities and limits (LMSP 10)", "lmsp", wire.Capabilities, errors=_AUTH),
-        app.models: Op("Models, each saying whether it is ready", "lmsp", wire.LmspModelList, errors=_AUTH),
-        tasks.create_task: Op(
-            "Create a durable task: answered once it is on disk",
-            "lmsp",
-            wire.TaskObject,
-            status=202,
-            request=s.TaskCreate,
-            errors=(*_AUTH, *_GENERATE, e.IdempotencyKeyReusedError, *_INTAKE),
-            params=(_IDEMPOTENCY_KEY,),
-            headers={
-                "Location": "the task's URL",
-                "Idempotent-Replayed": "`true` when an earlier request with this Idempotency-Key created the task",
-            },
-        ),
-        tasks.list_tasks: Op(
-            "List tasks, newest first",
-            "lmsp",
-            wire.TaskList,
-            errors=(*_AUTH, e.InvalidRequestError),
-            params=(
-                _query("status", {"type": "array", "items": {"enum": list(STATUSES)}}, "only these statuses"),
-                _LIMIT,
-                _query("after", {"type": "string"}, "the last task id of the previous page"),
-            ),
-        ),
-        tasks.get_task: Op(
-            "A task: its status, and its response or error once finished",
-            "lmsp",
-            wire.TaskObject,
-            errors=(*_AUTH, e.TaskNotFoundError),
-            params=(_header("If-None-Match", "an ETag from an earlier answer"),),
-            headers={"ETag": "changes when the task does"},
-            other={304: ("not modified since the ETag sent", None)},
-        ),
-        tasks.cancel_task: Op(
-            "Cancel a task (idempotent)",
-            "lmsp",
-            wire.TaskObject,
-            errors=(*_AUTH, e.TaskNotFoundError, e.TaskNotCancelableError),
-        ),
-        events.task_events: Op(
-            "Follow a task's events (SSE), replaying from a resume point",
-            "lmsp",
-            events=(s.ResponseEvent,),
-            events_only=True,
-            lmsp_frames=True,
-            errors=(*_AUTH, e.InvalidRequestError, e.TaskNotFoundError, e.EventHistoryExpiredError),
-            params=(
-                _header("Last-Event-ID", "resume after this sequence number (wins over `after`)"),
-                _query("after", {"type": "integer", "minimum": -1}, "resume after this sequence number"),
-            ),
-            description=_EVENTS_LMSP,
-        ),
-        responses.create_response: Op(
-            "Create a response: synchronous, streamed (`stream: true`) or in the background",
-            "responses",
-            s.Response,
-            request=s.ResponseRequest,
-            events=(s.ResponseEvent,),
-            errors=(*_AUTH, *_GENERATE, e.IdempotencyKeyReusedError, e.TooManyBackgroundJobsError, *_INTAKE),
-            params=(_header("Idempotency-Key", "background requests only: a retry with it replays the response"),),
-            description=_EVENTS_OPENAI,
-        ),
-        responses.input_tokens: Op(
-            "Count a request's input tokens, history included",
-            "responses",
-            wire.InputTokens,
-            request=s.ResponseRequest,
-            errors=(*_AUTH, *_GENERATE),
-        ),
-        responses.compact: Op(
-            "Compact a history into one compaction item (stores nothing)",
-            "responses",
-            s.CompactResponse,
-            request=s.CompactRequest,
-            errors=(*_AUTH, *_GENERATE, *_INTAKE),
-        ),
-        responses.get_response: Op(
-            "A stored response; `?stream=true` replays and follows its events",
-            "responses",
-            s.Response,
-            events=(s.ResponseEvent,),
-            errors=(*_AUTH, e.InvalidRequestError, e.NotFoundError),
-            params=(
-                _query("stream", {"type": "boolean"}, "stream the response's events"),
-                _query("starting_after", {"type": "integer", "minimum": -1}, "with stream: after this sequence number"),
-            ),
-            description=_EVENTS_OPENAI,
-        ),
-        responses.delete_response: Op(
-            "Delete a stored response (an unfinished background one: cancel first)",
-            "responses",
-            wire.DeletedResponse,
-            errors=(*_AUTH, e.InvalidRequestError, e.NotFoundError),
-        ),
-        responses.cancel_response: Op(
-            "Cancel a response (idempotent; a finished one comes back unchanged)",
-            "responses",
-            s.Response,
-            errors=(*_AUTH, e.NotFoundError),
-        ),
-        responses.list_input_items: Op(
-            "A response's input items",
-            "responses",
-            InputItemList,
-            errors=(*_AUTH, e.InvalidRequestError, e.NotFoundError),
-            params=(
-                _LIMIT,
-                _query("order", {"enum": ["asc", "desc"], "default": "desc"}, "by position in the input"),
-                _query("after", {"type": "string"}, "the last item id of the previous page"),
-                _query(
-                    "include", {"type": "array", "items": {"enum": sorted(INCLUDABLE)}}, "accepted, changes nothing"
-                ),
-            ),
-        ),
-        responses.list_models: Op("Models", "models", wire.ModelList, errors=_AUTH),
-        chat.create_chat_completion: Op(
-            "Chat Completions (not stored); `stream: true` streams chunks",
-            "chat",
-            ChatCompletion,
-            request=ChatCompletionRequest,
-            events=(ChatCompletionChunk, ChatError),
-            errors=(*_AUTH, *_GENERATE, *_INTAKE),
-            description=_EVENTS_OPENAI + " A generation that fails mid-stream sends an error object as its last data.",
-        ),
-    }
-    return {_key(fn): op for fn, op in ops.items()}
-
-
-def _key(fn: Callable[..., Any]) -> str:
-    return f"{fn.__module__.rpartition('.')[2]}.{fn.__qualname__}"
 
 
 # --- rendering -------------------------------------------------------------------------------
@@ -382,15 +162,14 @@ def documented(routes: Sequence[BaseRoute]) -> list[tuple[str, str]]:
 
 def document(routes: Sequence[BaseRoute]) -> dict[str, Any]:
     """The OpenAPI 3.1 document of ``routes`` (an app's ``app.routes``)."""
-    ops = _operations()
     schemas = _Schemas()
     paths: dict[str, dict[str, Any]] = {}
     for route in routes:
         if not isinstance(route, Route):
             raise TypeError(f"the OpenAPI document knows plain routes only, not {route!r}")
-        op = ops.get(_key(route.endpoint))
-        if op is None:
-            raise LookupError(f"{route.path} is served by {_key(route.endpoint)}, which has no Op in {__name__}")
+        if not isinstance(route, Operation):
+            raise LookupError(f"{route.path} has no OpenAPI contract: declare it as an api.routing.Operation")
+        op = route.op
         for path, method in documented([route]):
             paths.setdefault(path, {})[method] = _operation(path, method, op, schemas)
     doc = {

@@ -13,7 +13,10 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from lmspd.api.events import event_stream, openai_stream, resume_point, unless_disconnected
+from lmspd import errors as e
+from lmspd.api import wire
+from lmspd.api.events import event_stream, openai_stream, resume_point, while_connected
+from lmspd.api.routing import AUTH, EVENTS_OPENAI, GENERATE, INTAKE, LIMIT, Op, Operation, header, query
 from lmspd.api.state import state_of
 from lmspd.api.wire import (
     DeletedResponse,
@@ -26,10 +29,9 @@ from lmspd.api.wire import (
     idempotency_key,
     read_body,
 )
-from lmspd.core import Core
 from lmspd.responses import items as input_items_of
 from lmspd.responses import schema as s
-from lmspd.store.task_store import Event, TaskRecord
+from lmspd.store.task_store import Event
 
 T = TypeVar("T")
 
@@ -59,25 +61,14 @@ async def create_response(request: Request) -> Response:
         return _raw_json(await app.core.snapshot(task))
     if req.compact_threshold() is not None:
         # Compaction ends before the stream opens or the answer is awaited: a refusal is a 400.
-        past = await unless_disconnected(request, _past_compaction(app.core, task))
-        if past is None:
-            app.core.abandon(task)
-            return Response(status_code=499)
+        await while_connected(request, app.core.past_compaction(task), task=task)
     if req.stream:
         stream = openai_stream(app.core, task, -1, render, own=True)
         return event_stream(request, stream)
-    final = await unless_disconnected(request, app.core.wait(task.id))
-    if final is None:
-        app.core.abandon(task)
-        return Response(status_code=499)  # nobody is listening
+    final = await while_connected(request, app.core.wait(task.id), task=task)
     data = await app.core.snapshot(final)
     await app.core.release(final)
     return _raw_json(data)
-
-
-async def _past_compaction(core: Core, task: TaskRecord) -> bool:
-    await core.past_compaction(task)
-    return True
 
 
 async def compact(request: Request) -> Response:
@@ -86,10 +77,7 @@ async def compact(request: Request) -> Response:
     owner = app.auth.owner(request)
     body = decode(await read_body(request, app.config.server.max_body_bytes), s.CompactRequest)
     body.validate()
-    result = await unless_disconnected(request, app.core.compact(owner, body))
-    if result is None:
-        return Response(status_code=499)  # nobody is listening; the generation was cancelled
-    return _json(result)
+    return _json(await while_connected(request, app.core.compact(owner, body)))
 
 
 def openai_frame(ev: Event) -> bytes:
@@ -159,3 +147,109 @@ async def list_models(request: Request) -> Response:
     app = state_of(request)
     app.auth.owner(request)
     return _json(ModelList(data=[Model(id=m.name) for m in app.core.models()]))
+
+
+_CREATE = Op(
+    "Create a response: synchronous, streamed (`stream: true`) or in the background",
+    "responses",
+    s.Response,
+    request=s.ResponseRequest,
+    events=(s.ResponseEvent,),
+    errors=(*AUTH, *GENERATE, e.IdempotencyKeyReusedError, e.TooManyBackgroundJobsError, *INTAKE),
+    params=(header("Idempotency-Key", "background requests only: a retry with it replays the response"),),
+    description=EVENTS_OPENAI,
+)
+_COMPACT = Op(
+    "Compact a history into one compaction item (stores nothing)",
+    "responses",
+    s.CompactResponse,
+    request=s.CompactRequest,
+    errors=(*AUTH, *GENERATE, *INTAKE),
+)
+
+
+def routes(prefix: str) -> list[Operation]:
+    """The Responses API under ``prefix`` ("/v1", or "" for clients that leave it out)."""
+    return [
+        Operation(f"{prefix}/responses", create_response, _CREATE, "POST"),
+        Operation(
+            f"{prefix}/responses/input_tokens",
+            input_tokens,
+            Op(
+                "Count a request's input tokens, history included",
+                "responses",
+                wire.InputTokens,
+                request=s.ResponseRequest,
+                errors=(*AUTH, *GENERATE),
+            ),
+            "POST",
+        ),
+        Operation(f"{prefix}/responses/compact", compact, _COMPACT, "POST"),
+        Operation(
+            f"{prefix}/responses/{{response_id}}",
+            get_response,
+            Op(
+                "A stored response; `?stream=true` replays and follows its events",
+                "responses",
+                s.Response,
+                events=(s.ResponseEvent,),
+                errors=(*AUTH, e.InvalidRequestError, e.NotFoundError),
+                params=(
+                    query("stream", {"type": "boolean"}, "stream the response's events"),
+                    query(
+                        "starting_after", {"type": "integer", "minimum": -1}, "with stream: after this sequence number"
+                    ),
+                ),
+                description=EVENTS_OPENAI,
+            ),
+        ),
+        Operation(
+            f"{prefix}/responses/{{response_id}}",
+            delete_response,
+            Op(
+                "Delete a stored response (an unfinished background one: cancel first)",
+                "responses",
+                wire.DeletedResponse,
+                errors=(*AUTH, e.InvalidRequestError, e.NotFoundError),
+            ),
+            "DELETE",
+        ),
+        Operation(
+            f"{prefix}/responses/{{response_id}}/cancel",
+            cancel_response,
+            Op(
+                "Cancel a response (idempotent; a finished one comes back unchanged)",
+                "responses",
+                s.Response,
+                errors=(*AUTH, e.NotFoundError),
+            ),
+            "POST",
+        ),
+        Operation(
+            f"{prefix}/responses/{{response_id}}/input_items",
+            list_input_items,
+            Op(
+                "A response's input items",
+                "responses",
+                input_items_of.InputItemList,
+                errors=(*AUTH, e.InvalidRequestError, e.NotFoundError),
+                params=(
+                    LIMIT,
+                    query("order", {"enum": ["asc", "desc"], "default": "desc"}, "by position in the input"),
+                    query("after", {"type": "string"}, "the last item id of the previous page"),
+                    query(
+                        "include",
+                        {"type": "array", "items": {"enum": sorted(input_items_of.INCLUDABLE)}},
+                        "accepted, changes nothing",
+                    ),
+                ),
+            ),
+        ),
+    ]
+
+
+LMSP_ROUTES = [  # the same operations, errors as problem objects
+    Operation("/lmsp/v1/responses", create_response, _CREATE, "POST"),
+    Operation("/lmsp/v1/responses/compact", compact, _COMPACT, "POST"),
+]
+MODELS = Operation("/v1/models", list_models, Op("Models", "models", wire.ModelList, errors=AUTH))

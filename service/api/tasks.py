@@ -6,6 +6,10 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from lmspd import errors as e
+from lmspd.api import wire
+from lmspd.api.events import task_events
+from lmspd.api.routing import AUTH, EVENTS_LMSP, GENERATE, INTAKE, LIMIT, Op, Operation, header, query
 from lmspd.api.state import state_of
 from lmspd.api.wire import (
     TaskList,
@@ -19,6 +23,7 @@ from lmspd.api.wire import (
     task_object,
 )
 from lmspd.errors import InvalidRequestError
+from lmspd.responses import schema as s
 from lmspd.responses.schema import TaskCreate
 from lmspd.store.status import STATUSES
 
@@ -83,3 +88,81 @@ async def cancel_task(request: Request) -> Response:
     app = state_of(request)
     task = await app.core.cancel(request.path_params["task_id"], app.auth.owner(request))
     return _json(task_object(task))
+
+
+ROUTES = [
+    Operation(
+        "/lmsp/v1/tasks",
+        create_task,
+        Op(
+            "Create a durable task: answered once it is on disk",
+            "lmsp",
+            wire.TaskObject,
+            status=202,
+            request=s.TaskCreate,
+            errors=(*AUTH, *GENERATE, e.IdempotencyKeyReusedError, *INTAKE),
+            params=(header("Idempotency-Key", "1-255 printable ASCII characters; a retry with it replays the task"),),
+            headers={
+                "Location": "the task's URL",
+                "Idempotent-Replayed": "`true` when an earlier request with this Idempotency-Key created the task",
+            },
+        ),
+        "POST",
+    ),
+    Operation(
+        "/lmsp/v1/tasks",
+        list_tasks,
+        Op(
+            "List tasks, newest first",
+            "lmsp",
+            wire.TaskList,
+            errors=(*AUTH, e.InvalidRequestError),
+            params=(
+                query("status", {"type": "array", "items": {"enum": list(STATUSES)}}, "only these statuses"),
+                LIMIT,
+                query("after", {"type": "string"}, "the last task id of the previous page"),
+            ),
+        ),
+    ),
+    Operation(
+        "/lmsp/v1/tasks/{task_id}",
+        get_task,
+        Op(
+            "A task: its status, and its response or error once finished",
+            "lmsp",
+            wire.TaskObject,
+            errors=(*AUTH, e.TaskNotFoundError),
+            params=(header("If-None-Match", "an ETag from an earlier answer"),),
+            headers={"ETag": "changes when the task does"},
+            other={304: ("not modified since the ETag sent", None)},
+        ),
+    ),
+    Operation(
+        "/lmsp/v1/tasks/{task_id}/cancel",
+        cancel_task,
+        Op(
+            "Cancel a task (idempotent)",
+            "lmsp",
+            wire.TaskObject,
+            errors=(*AUTH, e.TaskNotFoundError, e.TaskNotCancelableError),
+        ),
+        "POST",
+    ),
+    Operation(
+        "/lmsp/v1/tasks/{task_id}/events",
+        task_events,
+        Op(
+            "Follow a task's events (SSE), replaying from a resume point",
+            "lmsp",
+            events=(s.ResponseEvent,),
+            events_only=True,
+            lmsp_frames=True,
+            errors=(*AUTH, e.InvalidRequestError, e.TaskNotFoundError, e.EventHistoryExpiredError),
+            params=(
+                header("Last-Event-ID", "resume after this sequence number (wins over `after`)"),
+                query("after", {"type": "integer", "minimum": -1}, "resume after this sequence number"),
+            ),
+            description=EVENTS_LMSP,
+        ),
+    ),
+]

@@ -20,6 +20,7 @@ from lmspd.core import compactor
 from lmspd.core.compactor import summary_id
 from lmspd.core.hub import Hub
 from lmspd.core.storage_backoff import StorageBackoff
+from lmspd.core.token_timer import TokenTimer
 from lmspd.engine import protocol as p
 from lmspd.engine.process import EngineClient
 from lmspd.errors import (
@@ -28,7 +29,7 @@ from lmspd.errors import (
     StorageFullError,
     error_for,
 )
-from lmspd.metrics import Metrics, TokenTimer
+from lmspd.metrics import Metrics
 from lmspd.models.registry import ModelRegistry, ResolvedModel
 from lmspd.models.slots import ModelSlots
 from lmspd.prompting.generation import build_generate, cache_key, prompt_for, tokenizer_for

@@ -27,7 +27,7 @@ from lmspd.errors import (
 from lmspd.metrics import Metrics
 from lmspd.store.db import Database
 from lmspd.store.queries import q
-from lmspd.store.status import TERMINAL, OnRestart, TaskStatus, sources
+from lmspd.store.status import STATUSES, TERMINAL, OnRestart, TaskStatus, sources
 
 
 class ResponseFields(msgspec.Struct, frozen=True, kw_only=True):
@@ -356,8 +356,10 @@ class TaskStore:
         return changed
 
     async def status_counts(self) -> dict[str, int]:
-        """How many tasks the database holds in each status (a table its triggers maintain)."""
-        return {r["status"]: int(r["n"]) for r in await self.db.fetchall(q("status_counts"))}
+        """How many tasks the database holds in each status (a table its triggers maintain), every
+        status named, so a scrape sets a status back to zero once its last task leaves it."""
+        counts = {r["status"]: int(r["n"]) for r in await self.db.fetchall(q("status_counts"))}
+        return {status: counts.get(status, 0) for status in STATUSES}
 
     async def queued_ids(self, limit: int) -> list[str]:
         return [r["id"] for r in await self.db.fetchall(q("queued_ids"), {"limit": limit})]

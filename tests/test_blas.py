@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from lmspd.engine import blas
+from lmspd.engine.upstream import blas
 
 
 def test_none_and_an_explicit_path() -> None:

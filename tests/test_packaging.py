@@ -24,7 +24,8 @@ def test_every_source_package_is_in_the_wheel() -> None:
 def test_every_data_file_is_package_data() -> None:
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
     non_python = {p.relative_to(ROOT) for p in (ROOT / "service").rglob("*") if p.is_file()}
-    non_python = {p for p in non_python if p.suffix not in (".py", ".pyc")}
+    # A README beside the code is for its readers (engine/upstream/README.md), not package data.
+    non_python = {p for p in non_python if p.suffix not in (".py", ".pyc") and p.name != "README.md"}
     # SQL files and the C++ kernels' source (built on the user's machine, so shipped as source).
     assert {p.suffix for p in non_python} == {".sql", ".cpp"}
     for path in non_python:

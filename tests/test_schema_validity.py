@@ -26,6 +26,7 @@ from lmspd.engine.process import EngineClient
 from lmspd.models.registry import ResolvedModel
 from lmspd.models.tokenizer import Tokenizer
 from lmspd.prompting import grammar
+from lmspd.responses.enforce import check
 from lmspd.responses.tools import JsonSchemaFormat, tool_options
 
 pytestmark = pytest.mark.real_model
@@ -146,7 +147,7 @@ def schema_grammar(schema: dict[str, Any]) -> str:
         special={},
     )
     assert lark is not None
-    grammar.check(lark, "text.format.schema")  # every keyword above is one llguidance enforces
+    check(lark, "text.format.schema")  # every keyword above is one llguidance enforces
     return lark
 
 

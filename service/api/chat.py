@@ -27,7 +27,7 @@ async def create_chat_completion(request: Request) -> Response:
     chat = decode(await read_body(request, app.config.server.max_body_bytes), ChatCompletionRequest)
     req, extras = chat.to_response_request()
     if extras.logprobs is not None:
-        req = msgspec.structs.replace(req, include=[s.LOGPROBS], top_logprobs=extras.logprobs)
+        req = s.replace(req, include=[s.LOGPROBS], top_logprobs=extras.logprobs)
     task_request = s.TaskRequest.of(req, stop=extras.stop or None, seed=extras.seed)
     task, _ = await app.core.submit(owner, task_request, kind="response")
     completion_id = f"chatcmpl-{task.response_id.removeprefix('resp_')}"

@@ -186,7 +186,7 @@ def _port(config: Config) -> Finding:
 
 
 def _blas(config: Config) -> Finding:
-    from lmspd.engine import blas
+    from lmspd.engine.upstream import blas
 
     if not sys.platform.startswith("linux"):
         return Finding("ok", "blas", "MLX's own (Metal or Accelerate)")

@@ -34,6 +34,8 @@ from mlx_lm.models.cache import (
     trim_prompt_cache,
 )
 
+from lmspd.engine.upstream.cache import exact_entry
+
 log = logging.getLogger("lmspd.engine.cache")
 
 FORMAT = "lmspd-prompt-cache-1"
@@ -105,11 +107,7 @@ class PromptCache:
         log.info("prompt cache: %d entries, %d bytes of %d", len(self.lru), self.nbytes, self.lru.max_bytes)
 
     def _entry(self, key: Key) -> Any | None:
-        # mlx-lm exposes no lookup by exact key; its trie is the one source of truth.
-        try:
-            return self.lru._trie.get(key[0], list(key[1]))
-        except KeyError:
-            return None
+        return exact_entry(self.lru, key[0], key[1])
 
     # --- disk -----------------------------------------------------------------------------------
 

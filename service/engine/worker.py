@@ -532,7 +532,7 @@ def main(
     text = "%(asctime)s engine %(levelname)s %(message)s"
     setup_logging(log_format, logging.WARNING, text=text, static={"process": "engine"})
     logging.getLogger("lmspd").setLevel(log_level)
-    from lmspd.engine.blas import load as load_blas
+    from lmspd.engine.upstream.blas import load as load_blas
 
     blas = load_blas(config.blas)  # before anything imports MLX
     from lmspd.engine.upstream.lean import import_mlx_lm

@@ -9,8 +9,8 @@ from lmspd.engine import protocol as p
 from lmspd.errors import ContextLengthExceededError, InvalidRequestError
 from lmspd.models.registry import ResolvedModel
 from lmspd.models.tokenizer import Tokenizer
-from lmspd.prompting import grammar
 from lmspd.prompting.prompt import Prompt, build_prompt
+from lmspd.responses.enforce import check_lark
 from lmspd.responses.inputs import Item
 from lmspd.responses.schema import ResponseRequest
 
@@ -100,7 +100,7 @@ def check_request(
     """
     sampling.validate()
     if isinstance(prompt, Prompt) and prompt.grammar is not None:
-        grammar.check_lark(prompt.grammar, prompt.grammar_param)
+        check_lark(prompt.grammar, prompt.grammar_param)
     tok = tokenizer_for(model)
     rendered = _text(tok, prompt, template_kwargs)
     if not check_length or len(rendered.encode()) + 8 < model.context_length:

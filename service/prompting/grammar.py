@@ -8,18 +8,12 @@ distinct grammar) and masks the logits of that request with it.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from lmspd.errors import InvalidRequestError
+from lmspd.responses.enforce import with_layout
 from lmspd.responses.tools import FunctionTool, JsonObjectFormat, JsonSchemaFormat, TextFormatParam, ToolOptions
-
-# One canonical spacing: what json.dumps writes and chat templates show models, and a
-# bounded choice at every separator (free whitespace lets a weak model ramble).
-_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-_UNIMPLEMENTED = re.compile(r'Unimplemented keys: \["([^"]+)"')
 
 
 @dataclass(frozen=True)
@@ -32,10 +26,6 @@ class CallSyntax:
     separator: str = "\n"
 
 
-def _with_layout(schema: Mapping[str, Any]) -> dict[str, Any]:
-    return {**schema, "x-guidance": {**_LAYOUT, **schema.get("x-guidance", {})}}
-
-
 def _params(tool: FunctionTool) -> dict[str, Any]:
     # A function declared without parameters takes none.
     return dict(tool.parameters) if tool.parameters is not None else {"type": "object", "additionalProperties": False}
@@ -44,7 +34,7 @@ def _params(tool: FunctionTool) -> dict[str, Any]:
 def _json_call(key: str) -> Callable[[FunctionTool, Mapping[str, int]], str]:
     def body(tool: FunctionTool, special: Mapping[str, int]) -> str:
         head = json.dumps({"name": tool.name})[:-1] + f', "{key}": '
-        return f"{json.dumps(head)} %json {json.dumps(_with_layout(_params(tool)))} " + '"}"'
+        return f"{json.dumps(head)} %json {json.dumps(with_layout(_params(tool)))} " + '"}"'
 
     return body
 
@@ -57,7 +47,7 @@ def _xml_value(schema: Mapping[str, Any]) -> str:
         return " | ".join(json.dumps(v) for v in enum)
     if schema.get("type") == "string":
         return f"/[^<]{{{schema.get('minLength', 0)},{schema.get('maxLength', 256)}}}/"
-    return f"%json {json.dumps(_with_layout(schema))}"
+    return f"%json {json.dumps(with_layout(schema))}"
 
 
 def _xml_call(tool: FunctionTool, special: Mapping[str, int]) -> str:
@@ -72,7 +62,7 @@ def _xml_call(tool: FunctionTool, special: Mapping[str, int]) -> str:
 
 
 def _mistral_call(tool: FunctionTool, special: Mapping[str, int]) -> str:
-    return f'"{tool.name}" {_marker("[ARGS]", special)} %json {json.dumps(_with_layout(_params(tool)))}'
+    return f'"{tool.name}" {_marker("[ARGS]", special)} %json {json.dumps(with_layout(_params(tool)))}'
 
 
 SYNTAXES: dict[str, CallSyntax] = {
@@ -90,30 +80,6 @@ def _marker(text: str, special: Mapping[str, int]) -> str:
     if not text:
         return ""
     return f"<[{special[text]}]>" if text in special else json.dumps(text)
-
-
-def json_schema_grammar(schema: Mapping[str, Any]) -> str:
-    from llguidance import LLMatcher
-
-    return str(LLMatcher.grammar_from_json_schema(_with_layout(schema)))
-
-
-def check(grammar: str, param: str) -> None:
-    """400 naming the schema keyword (or the reason) the grammar cannot enforce."""
-    from llguidance import LLMatcher
-
-    error = LLMatcher.validate_grammar(grammar)
-    if error:
-        found = _UNIMPLEMENTED.search(error)
-        where = f"{param}.{found.group(1)}" if found else param
-        what = f"keyword '{found.group(1)}' cannot be enforced" if found else error.strip().splitlines()[0]
-        raise InvalidRequestError(f"{param}: {what} by constrained decoding", param=where)
-
-
-def check_lark(lark: str, param: str) -> None:
-    from llguidance import LLMatcher
-
-    check(str(LLMatcher.grammar_from_lark(lark)), param)
 
 
 def _calls(
@@ -154,9 +120,9 @@ def build(
     this marker and constrains what follows."""
     answer: str | None = None
     if isinstance(text_format, JsonSchemaFormat):
-        answer = f"%json {json.dumps(_with_layout(text_format.schema))}"
+        answer = f"%json {json.dumps(with_layout(text_format.schema))}"
     elif isinstance(text_format, JsonObjectFormat):
-        answer = f"%json {json.dumps(_with_layout({'type': 'object'}))}"
+        answer = f"%json {json.dumps(with_layout({'type': 'object'}))}"
     syntax = SYNTAXES.get(tool_format or "")
     rules = ""
     if tools.constrained and syntax is not None:

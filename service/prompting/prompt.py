@@ -86,7 +86,8 @@ def build_prompt(
     tok: Tokenizer, request: ResponseRequest, history: list[Item], after: list[Item] | None = None
 ) -> Prompt:
     """``after``: items that follow the request's own (a compaction item made for this turn)."""
-    options = request.tool_options()
+    parsed = request.directives
+    options = parsed.tools
     model = traits(tok)
     think, native, tool_format = model.think, model.native_tools, model.tool_format
     expanded = expand([*history, *request.items(), *(after or [])])
@@ -118,11 +119,11 @@ def build_prompt(
             param="tool_choice",
         )
     lark = grammar.build(
-        text_format=request.text_format(),
+        text_format=parsed.text_format,
         tools=options,
         tool_format=parse_format,
         special=tok.special_tokens,
         think_end=think[1] if think is not None and reasoning_open else None,
     )
-    param = grammar.grammar_param(request.text_format(), options)
+    param = grammar.grammar_param(parsed.text_format, options)
     return Prompt(text, parse_format, options, think, reasoning_open, lark, param)

@@ -14,7 +14,7 @@ import msgspec
 
 from lmspd.responses import schema as s
 from lmspd.responses.outputs import EventFactory, OutputItems, Status
-from lmspd.responses.tools import JsonObjectFormat, JsonSchemaFormat, NamedFunction, reasoning_param, text_param
+from lmspd.responses.tools import JsonObjectFormat, JsonSchemaFormat, NamedFunction, ReasoningParam, TextParam
 from lmspd.store.task_store import Event, EventBuilder, NewEvent, TaskRecord
 
 
@@ -26,8 +26,7 @@ def to_builder(factory: EventFactory, tokens: list[int] | None = None) -> EventB
     return build
 
 
-def _echoed_text(request: s.ResponseRequest) -> s.TextField:
-    param = text_param(request.text)
+def _echoed_text(param: TextParam) -> s.TextField:
     fmt, verbosity = param.format, param.verbosity
     if isinstance(fmt, JsonSchemaFormat):
         echoed = s.EchoedJsonSchema(name=fmt.name, description=fmt.description, strict=bool(fmt.strict))
@@ -37,15 +36,15 @@ def _echoed_text(request: s.ResponseRequest) -> s.TextField:
     return s.TextField(verbosity=verbosity)
 
 
-def _echoed_reasoning(request: s.ResponseRequest) -> s.ReasoningConfig | None:
-    param = reasoning_param(request.reasoning)
+def _echoed_reasoning(param: ReasoningParam | None) -> s.ReasoningConfig | None:
     return None if param is None else s.ReasoningConfig(param.effort, param.summary or param.generate_summary)
 
 
 def initial_response(
     request: s.ResponseRequest, *, response_id: str, model: str, created_at: int, background: bool = True
 ) -> s.Response:
-    options = request.tool_options()
+    parsed = request.directives
+    options = parsed.tools
     choice: str | NamedFunction = options.choice
     if choice not in ("none", "auto", "required"):
         choice = NamedFunction(type="function", name=options.choice)
@@ -56,8 +55,8 @@ def initial_response(
         parallel_tool_calls=options.parallel,
         tools=options.tools,
         tool_choice=choice,
-        text=_echoed_text(request),
-        reasoning=_echoed_reasoning(request),
+        text=_echoed_text(parsed.text),
+        reasoning=_echoed_reasoning(parsed.reasoning),
         safety_identifier=request.safety_identifier,
         prompt_cache_key=request.prompt_cache_key,
         id=response_id,

@@ -7,7 +7,8 @@ unknown fields are rejected so nothing a client sends is silently ignored.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import functools
+from typing import Any, Literal, TypeVar
 
 import msgspec
 
@@ -15,15 +16,12 @@ from lmspd.engine.protocol import SamplingParams, TokenLogprob, validate_top_log
 from lmspd.errors import InvalidRequestError
 from lmspd.models.tokenizer import TEMPLATE_ARGUMENTS
 from lmspd.responses.tools import (
+    Directives,
     FunctionTool,
     JsonObjectFormat,
-    JsonSchemaFormat,
     NamedFunction,
     TextFormatPlain,
-    ToolOptions,
-    reasoning_param,
-    text_param,
-    tool_options,
+    directives,
 )
 
 # --- requests -------------------------------------------------------------------------------
@@ -36,9 +34,10 @@ MAX_COMPACT_THRESHOLD = 100_000_000
 MAX_TOKENS = 2**31 - 1
 
 
-class ResponseRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
+class ResponseRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True, dict=True):
     """A Responses request. Decoding validates types and rejects unknown fields;
-    :meth:`validate` checks values and the features that are not served yet."""
+    :meth:`validate` checks values and the features that are not served yet, and parses
+    :attr:`directives` (``dict=True`` holds them; only the fields are encoded)."""
 
     model: str | None = None
     input: str | list[Any]
@@ -101,7 +100,7 @@ class ResponseRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, 
                     )
         if self.truncation not in (None, "disabled"):
             raise InvalidRequestError("truncation must be 'disabled'", param="truncation")
-        self.check_structure()
+        self.directives  # noqa: B018 (parsed and checked here, at intake)
         validate_top_logprobs(self.top_logprobs)
         for i, value in enumerate(self.include or []):
             if value != LOGPROBS:
@@ -155,25 +154,18 @@ class ResponseRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, 
             threshold = value
         return threshold
 
-    def tool_options(self) -> ToolOptions:
-        return tool_options(self.tools, self.tool_choice, self.parallel_tool_calls, self.max_tool_calls)
-
-    def text_format(self) -> TextFormatPlain | JsonSchemaFormat | JsonObjectFormat | None:
-        return text_param(self.text).format
-
-    def check_structure(self) -> None:
-        """tools, tool_choice, text and reasoning: shapes, and schemas the grammar can enforce."""
-        from lmspd.prompting.grammar import check, json_schema_grammar
-
-        options = self.tool_options()
-        fmt = self.text_format()
-        reasoning_param(self.reasoning)
-        if isinstance(fmt, JsonSchemaFormat):
-            check(json_schema_grammar(fmt.schema), "text.format.schema")
-        if options.constrained:
-            for tool in options.callable:
-                if tool.parameters is not None:
-                    check(json_schema_grammar(tool.parameters), f"tools[{options.tools.index(tool)}].parameters")
+    @functools.cached_property
+    def directives(self) -> Directives:
+        """tools, tool_choice, text and reasoning in their typed, checked form: parsed once per
+        request (by :meth:`validate` at intake), then read by every later stage."""
+        return directives(
+            tools=self.tools,
+            tool_choice=self.tool_choice,
+            parallel_tool_calls=self.parallel_tool_calls,
+            max_tool_calls=self.max_tool_calls,
+            text=self.text,
+            reasoning=self.reasoning,
+        )
 
     def sampling(self) -> SamplingParams:
         """The engine's sampling parameters, with OpenAI's defaults."""
@@ -197,6 +189,23 @@ class ResponseRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, 
         return parse_items(self.input)
 
 
+R = TypeVar("R", bound=ResponseRequest)
+_DIRECTIVE_FIELDS = frozenset({"tools", "tool_choice", "parallel_tool_calls", "max_tool_calls", "text", "reasoning"})
+
+
+def _keep_directives(source: ResponseRequest, copy: R) -> R:
+    if "directives" in source.__dict__:  # parsed already: the copy has the same fields
+        copy.__dict__["directives"] = source.__dict__["directives"]
+    return copy
+
+
+def replace(request: R, **changes: Any) -> R:
+    """``msgspec.structs.replace`` that keeps the parsed :attr:`~ResponseRequest.directives`
+    when none of their fields change (a request is parsed once)."""
+    copy = msgspec.structs.replace(request, **changes)
+    return copy if _DIRECTIVE_FIELDS & set(changes) else _keep_directives(request, copy)
+
+
 class TaskRequest(ResponseRequest, kw_only=True, omit_defaults=True):
     """What a task runs, as stored with it: a Responses request plus what other views
     (Chat Completions) may ask for. Clients never send this shape directly."""
@@ -209,7 +218,7 @@ class TaskRequest(ResponseRequest, kw_only=True, omit_defaults=True):
         if isinstance(request, TaskRequest) and not extra:
             return request
         fields = {f: getattr(request, f) for f in request.__struct_fields__}
-        return cls(**fields, **extra)
+        return _keep_directives(request, cls(**fields, **extra))
 
     def sampling(self) -> SamplingParams:
         return (

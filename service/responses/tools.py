@@ -1,7 +1,8 @@
 """Function tools, tool_choice, text.format and reasoning of a Responses request.
 
-Decoding validates the shapes; :func:`options_of` checks how they fit together and
-returns the settings generation needs, each wrong value a 400 naming its field.
+Decoding validates the shapes; :func:`directives` checks how they fit together and returns
+them in their typed form (:class:`Directives`), each wrong value a 400 naming its field. A
+request is parsed into its directives once, at intake; every later stage reads them.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any, Literal
 import msgspec
 
 from lmspd.errors import InvalidRequestError
+from lmspd.responses.enforce import check, json_schema_grammar
 
 BUILTIN_TOOLS = frozenset(
     {
@@ -178,3 +180,41 @@ def text_param(raw: dict[str, Any] | None) -> TextParam:
 
 def reasoning_param(raw: dict[str, Any] | None) -> ReasoningParam | None:
     return None if raw is None else _convert(raw, ReasoningParam, "reasoning")
+
+
+class Directives(msgspec.Struct, frozen=True, kw_only=True):
+    """A request's tools, tool_choice, text and reasoning, typed and checked together: what the
+    response echoes, the prompt renders and the grammar enforces."""
+
+    tools: ToolOptions
+    text: TextParam
+    reasoning: ReasoningParam | None
+
+    @property
+    def text_format(self) -> TextFormatParam | None:
+        return self.text.format
+
+
+def directives(
+    *,
+    tools: list[dict[str, Any]] | None,
+    tool_choice: str | dict[str, Any] | None,
+    parallel_tool_calls: bool | None,
+    max_tool_calls: int | None,
+    text: dict[str, Any] | None,
+    reasoning: dict[str, Any] | None,
+) -> Directives:
+    """The raw fields parsed, and every schema checked to be one constrained decoding enforces."""
+    parsed = Directives(
+        tools=tool_options(tools, tool_choice, parallel_tool_calls, max_tool_calls),
+        text=text_param(text),
+        reasoning=reasoning_param(reasoning),
+    )
+    fmt, options = parsed.text_format, parsed.tools
+    if isinstance(fmt, JsonSchemaFormat):
+        check(json_schema_grammar(fmt.schema), "text.format.schema")
+    if options.constrained:
+        for tool in options.callable:
+            if tool.parameters is not None:
+                check(json_schema_grammar(tool.parameters), f"tools[{options.tools.index(tool)}].parameters")
+    return parsed

@@ -61,7 +61,7 @@ class Raw:
 
 
 def serve(model_dir: Path, dtype: str) -> None:
-    from lmspd.engine.blas import load as load_blas
+    from lmspd.engine.upstream.blas import load as load_blas
 
     load_blas("auto")  # before MLX, as the engine does
     import mlx.core as mx

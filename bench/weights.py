@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from lmspd.engine.blas import load as load_blas
+from lmspd.engine.upstream.blas import load as load_blas
 
 BLAS = load_blas("auto")  # before MLX is imported, as in the engine
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The full fuzz run behind the README's figures: 10,000 schemathesis cases against real
+# The full fuzz run behind the figures in docs/benchmarks.md: 10,000 schemathesis cases against real
 # `lmspd serve` processes, the coverage phase (every field's boundary values) included.
 # CI runs a bounded budget of the same (.ci/run). Extra arguments go to bench.fuzz (--seed N).
 set -euo pipefail

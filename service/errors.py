@@ -4,7 +4,7 @@ Every error the service raises on purpose derives from :class:`LmspdError` and
 carries, as class attributes, a stable ``code`` (the LMSP problem code), its
 HTTP ``status`` and ``title``, and how the OpenAI envelope names it; where one
 field is to blame, the instance carries ``param``. The HTTP layer renders a
-problem object (LMSP 9.3) or OpenAI's ``{"error": {...}}`` from the class alone,
+problem object (docs/lmsp.md §9.3) or OpenAI's ``{"error": {...}}`` from the class alone,
 and a failed task's ``error`` is the same problem object.
 """
 
@@ -59,7 +59,7 @@ class LmspdError(Exception):
 
 
 class Problem(msgspec.Struct, omit_defaults=True, kw_only=True):
-    """RFC 9457 problem object (LMSP 9.3)."""
+    """RFC 9457 problem object (docs/lmsp.md §9.3)."""
 
     type: str
     title: str

@@ -125,7 +125,7 @@ class Metrics:
             Histogram(
                 "lmspd_first_token_stage_seconds",
                 "Where the time to a request's first token goes, by stage "
-                "(intake, claim, prompt, engine, commit, deliver; see the README)",
+                "(intake, claim, prompt, engine, commit, deliver; see docs/operations.md)",
                 ["stage"],
                 buckets=STAGE_BUCKETS,
                 registry=r,

@@ -27,7 +27,7 @@ EVENT_SCHEMAS = {
     "response.function_call_arguments.delta": "ResponseFunctionCallArgumentsDeltaStreamingEvent",
     "response.function_call_arguments.done": "ResponseFunctionCallArgumentsDoneStreamingEvent",
 }
-# SPEC 3 names reasoning events as OpenAI does (``response.reasoning_text.*``); Open Responses
+# docs/responses.md ("Streaming") names reasoning events as OpenAI does (``response.reasoning_text.*``); Open Responses
 # calls the same shape ``response.reasoning.*``.
 RENAMED_EVENTS = {
     "response.reasoning_text.delta": ("response.reasoning.delta", "ResponseReasoningDeltaStreamingEvent"),
@@ -59,7 +59,7 @@ def validate_event(event: dict[str, Any]) -> None:
     elif etype in RENAMED_EVENTS:
         their_name, schema = RENAMED_EVENTS[etype]
         validate(schema, {**event, "type": their_name})
-    elif etype == "response.cancelled":  # LMSP 6.3: {type, sequence_number, response}
+    elif etype == "response.cancelled":  # docs/lmsp.md §6.3: {type, sequence_number, response}
         assert set(event) == {"type", "sequence_number", "response"}
         validate("ResponseResource", event["response"])
     elif etype == "lmsp.attempt.restarted":

@@ -134,7 +134,7 @@ def test_a_failed_background_response_survives_the_purge(
         r = c.get(f"/v1/responses/{rid}", headers=ALICE)
         assert r.status_code == 200 and r.json()["error"]["code"] == "server_restarted"
         task = c.get("/lmsp/v1/tasks", headers=ALICE).json()["data"][0]
-        assert task["status"] == "failed" and task["response"] is None  # LMSP 7.1: only when succeeded
+        assert task["status"] == "failed" and task["response"] is None  # docs/lmsp.md §7.1: only when succeeded
         r = c.post(f"/lmsp/v1/tasks/{task['id']}/cancel", headers=ALICE)
         assert r.status_code == 409 and r.json()["code"] == "task_not_cancelable"
 

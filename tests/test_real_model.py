@@ -30,7 +30,7 @@ def paris(model_cache: Path, request: pytest.FixtureRequest) -> subprocess.Compl
     and quantized_float32 keeps them packed and computes each as its exact affine value in
     float32 (lmspd's kernels): on the BLAS the engine runs on (OpenBLAS where installed, which orders the sums
     its own way) greedy decoding must give the quantized model's answer, "The capital of
-    France is Paris." (README), and end it the same way."""
+    France is Paris." (docs/benchmarks.md), and end it the same way."""
     return _lmspd(
         "generate",
         FRANCE,

@@ -1,4 +1,4 @@
-"""Tenancy matrix (LMSP 9.1), generated from the app's own routes: every route × {no token,
+"""Tenancy matrix (docs/lmsp.md §9.1), generated from the app's own routes: every route × {no token,
 wrong token, another tenant's token}, on /v1, its aliases and /lmsp/v1 alike.
 
 A route added to the app is in the matrix without a change here; one whose path parameter or

@@ -3,9 +3,9 @@
 /healthz, /readyz                         liveness, readiness (no token)
 /openapi.json                             this app's OpenAPI document (no token) -> lmspd.api.openapi
 /metrics                                  Prometheus metrics        -> lmspd.metrics
-/lmsp/v1/capabilities, /lmsp/v1/models    discovery (LMSP 10)
-/lmsp/v1/tasks[...]                       durable tasks (LMSP 7)  -> lmspd.api.tasks
-/lmsp/v1/tasks/{id}/events                event stream (LMSP 6.4) -> lmspd.api.events
+/lmsp/v1/capabilities, /lmsp/v1/models    discovery (docs/lmsp.md §10)
+/lmsp/v1/tasks[...]                       durable tasks (docs/lmsp.md §7)  -> lmspd.api.tasks
+/lmsp/v1/tasks/{id}/events                event stream (docs/lmsp.md §6.4) -> lmspd.api.events
 /v1/responses[...], /lmsp/v1/responses[/compact]  OpenAI Responses API -> lmspd.api.responses
 /v1/chat/completions                      Chat Completions view   -> lmspd.api.chat
 Each route carries its OpenAPI contract (lmspd.api.routing); the service behind the app is

@@ -1,4 +1,4 @@
-"""Bearer tokens (LMSP 9.1): constant-time comparison, one owner name per token."""
+"""Bearer tokens (docs/lmsp.md §9.1): constant-time comparison, one owner name per token."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Server-sent events: a task's event log as SSE, in LMSP's framing (LMSP 6.4) or OpenAI's.
+"""Server-sent events: a task's event log as SSE, in LMSP's framing (docs/lmsp.md §6.4) or OpenAI's.
 
 Every stream is an :class:`EventStream`: events are read from the database only as fast as
 the reader takes them (each write, of at most ``SSE_CHUNK_BYTES``, waits for the socket), so

@@ -1,4 +1,4 @@
-"""Errors as HTTP responses: problem objects on /lmsp/v1 (LMSP 9.3), OpenAI's envelope on /v1.
+"""Errors as HTTP responses: problem objects on /lmsp/v1 (docs/lmsp.md §9.3), OpenAI's envelope on /v1.
 
 Both are rendered from the error's class (``lmspd.errors``): its code, status
 and title; nothing here knows individual errors.

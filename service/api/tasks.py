@@ -1,4 +1,4 @@
-"""LMSP section 7 endpoints: create, read, list, cancel tasks (translation only: see lmspd.core)."""
+"""LMSP tasks (docs/lmsp.md §7): create, read, list, cancel tasks (translation only: see lmspd.core)."""
 
 from __future__ import annotations
 

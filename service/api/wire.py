@@ -69,7 +69,7 @@ class Limits(msgspec.Struct, kw_only=True):
 
 
 class Capabilities(msgspec.Struct, kw_only=True):
-    """``GET /lmsp/v1/capabilities`` (LMSP 10)."""
+    """``GET /lmsp/v1/capabilities`` (docs/lmsp.md §10)."""
 
     object: Literal["capabilities"] = "capabilities"
     lmsp_version: str

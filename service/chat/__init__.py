@@ -1,4 +1,4 @@
-"""Chat Completions (SPEC 3.2): a thin compatibility view on the Responses core.
+"""Chat Completions: a thin compatibility view on the Responses core (docs/responses.md).
 
 :mod:`lmspd.chat.schema` turns a ``POST /v1/chat/completions`` body into the
 :class:`~lmspd.responses.schema.ResponseRequest` the core runs;

@@ -27,7 +27,7 @@ MIN_RATE_SPAN = 0.5
 @dataclass
 class TaskView:
     """What a task's events say so far. ``apply`` them in order; the output text is that of the
-    current attempt (``lmsp.attempt.restarted`` discards what came before, as LMSP 6.3 says)."""
+    current attempt (``lmsp.attempt.restarted`` discards what came before, as docs/lmsp.md §6.3 says)."""
 
     task_id: str
     status: str = "waiting"

@@ -375,7 +375,7 @@ class Core:
     # --- cancel ---------------------------------------------------------------------------------
 
     async def cancel(self, task_id: str, owner: str | None) -> TaskRecord:
-        """LMSP 7.3. A queued task is cancelled at once with its final events; a started one
+        """docs/lmsp.md §7.3. A queued task is cancelled at once with its final events; a started one
         goes to ``cancelling`` and the supervisor settles it at the next decode step."""
         task = await self.store.get(task_id, owner)
         if task.status in TERMINAL or task.status == "cancelling":

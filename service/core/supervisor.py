@@ -137,7 +137,7 @@ class Supervisor:
             self._backoff = min(self._backoff * 2, 30.0)
         self.wake()
 
-    # --- recovery (LMSP 7.5) --------------------------------------------------------------------
+    # --- recovery (docs/lmsp.md §7.5) ---------------------------------------------------------
 
     async def recover(self) -> None:
         """Settle every unfinished task by its policy before new work is accepted. A task

@@ -1,4 +1,4 @@
-"""Turn a generation's progress into Responses streaming events (SPEC 6.3).
+"""Turn a generation's progress into Responses streaming events (docs/lmsp.md §6.3).
 
 The state of a response in progress (its output items so far, generated token ids)
 is derived from its event log, so after a restart a ``resume`` task rebuilds it

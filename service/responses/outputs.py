@@ -3,7 +3,7 @@
 Pieces from the output parser (message text, reasoning text, function calls) become
 items in output order: a reasoning item, a message, function calls. Each item is
 announced (``output_item.added``), grows by deltas and is closed (``.done`` events)
-before the next one opens, as SPEC 3.1 orders them. The state is rebuilt from the
+before the next one opens (docs/responses.md, "Streaming"). The state is rebuilt from the
 event log with :meth:`OutputItems.replay`, so a resumed task carries on the same items.
 """
 

@@ -46,7 +46,7 @@ class ResponseRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, 
     temperature: float | None = None
     top_p: float | None = None
     metadata: dict[str, str] | None = None
-    stream: bool | None = None  # LMSP 7.1: ignored inside a task envelope
+    stream: bool | None = None  # docs/lmsp.md §7.1: ignored inside a task envelope
     background: bool = False
     store: bool = True
     previous_response_id: str | None = None
@@ -437,7 +437,7 @@ class Response(msgspec.Struct, kw_only=True, omit_defaults=False):
     prompt_cache_key: str | None = None
 
 
-# --- events (SPEC 6.3) ----------------------------------------------------------------------
+# --- events (docs/lmsp.md §6.3) -------------------------------------------------------------
 
 
 class _Event(msgspec.Struct, tag_field="type", kw_only=True):

@@ -140,7 +140,7 @@ UPDATE tasks SET conversation = NULL WHERE conversation IS NOT NULL AND (owner, 
     WHERE running > :budget);
 
 -- name: cancel_task
--- LMSP 7.3: a queued task is cancelled at once, a started one goes to cancelling.
+-- docs/lmsp.md §7.3: a queued task is cancelled at once, a started one goes to cancelling.
 UPDATE tasks SET status = :to, updated_at = :now,
                  response = coalesce(:response, response),
                  finished_at = CASE WHEN :to IN {TERMINAL} THEN :now ELSE finished_at END

@@ -1,4 +1,4 @@
-"""The task state machine of LMSP 7.2: one definition for Python and for the SQL in queries.sql."""
+"""The task state machine of docs/lmsp.md §7.2: one definition for Python and for the SQL in queries.sql."""
 
 from __future__ import annotations
 

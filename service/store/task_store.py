@@ -284,7 +284,7 @@ class TaskStore:
         final_events: Sequence[EventBuilder],
         response: bytes | None = None,
     ) -> TaskRecord:
-        """LMSP 7.3: queued → cancelled now (with ``final_events`` and the final ``response``);
+        """docs/lmsp.md §7.3: queued → cancelled now (with ``final_events`` and the final ``response``);
         loading/running → cancelling; idempotent; 409 if finished."""
 
         def job(conn: sqlite3.Connection) -> TaskRecord:
@@ -391,7 +391,7 @@ class TaskStore:
         batch: int = 500,
         now: int | None = None,
     ) -> PurgeCounts:
-        """Retention (LMSP 11.2) in small transactions, so the writer is never held for long."""
+        """Retention (docs/lmsp.md §11.2) in small transactions, so the writer is never held for long."""
         now = _now() if now is None else now
         counts = PurgeCounts()
         steps: list[tuple[str, str, int]] = [

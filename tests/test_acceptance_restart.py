@@ -7,8 +7,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import signal
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -21,6 +19,8 @@ from typing import IO, Any
 import httpx
 import msgspec
 import pytest
+from support.server import Server, read_sse, task, tiny_server, wait_final
+from support.server import submit as submit_task
 
 from lmspd.cli.tasks import output_text
 from lmspd.models.registry import ResolvedModel
@@ -34,74 +34,8 @@ MAX_TOKENS = 160
 FINALS = ("response.completed", "response.incomplete", "response.failed", "response.cancelled")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Server:
-    def __init__(self, config: Path, port: int, log: Path) -> None:
-        self.config, self.port, self.log = config, port, log
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.url = f"http://127.0.0.1:{port}"
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "lmspd.cli", "serve", "--config", str(self.config), "--port", str(self.port)],
-            stdout=self.log.open("ab"),
-            stderr=subprocess.STDOUT,
-        )
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.log.read_text()
-            try:
-                if httpx.get(f"{self.url}/readyz", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        raise AssertionError("server did not become ready")
-
-    def kill9(self) -> None:
-        assert self.proc is not None
-        os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(10)
-
-    def stop(self) -> int:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(30)
-
-
-@contextlib.contextmanager
-def tiny_server(
-    tmp: Path,
-    model_cache: Path,
-    tiny: ResolvedModel,
-    *,
-    engine: str = "",
-    server: str = "",
-    models: str = "",
-    dtype: str = "quantized",
-) -> Iterator[Server]:
-    """A configured (not yet started) ``lmspd serve`` on the tiny model, killed on exit.
-    ``engine``, ``server`` and ``models`` are extra TOML lines for those sections; ``dtype``
-    the engine's weight dtype (float32 where the bundled model must prefill fast)."""
-    config = tmp / "lmspd.toml"
-    config.write_text(
-        f'default_model = "tiny"\ncache_dir = "{model_cache}"\n'
-        f'[engine]\nweight_dtype = "{dtype}"\n{engine}'
-        f'[server]\ndata_dir = "{tmp / "data"}"\n{server}'
-        f'[models.tiny]\npath = "{tiny.path}"\n{models}'
-    )
-    srv = Server(config, free_port(), tmp / "server.log")
-    try:
-        yield srv
-    finally:
-        if srv.proc and srv.proc.poll() is None:
-            srv.proc.kill()
-            srv.proc.wait(10)
+def submit(url: str, on_restart: str) -> dict[str, Any]:
+    return submit_task(url, on_restart, PROMPT, MAX_TOKENS)
 
 
 @pytest.fixture
@@ -110,46 +44,6 @@ def server(tmp_path: Path, model_cache: Path, tiny_long: ResolvedModel) -> Itera
         tmp_path, model_cache, tiny_long, engine="max_concurrency = 4\n", server="keepalive_secs = 1.0\n"
     ) as srv:
         yield srv
-
-
-def submit(url: str, on_restart: str, max_tokens: int = MAX_TOKENS, text: str = PROMPT) -> dict[str, Any]:
-    body = {
-        "type": "response",
-        "on_restart": on_restart,
-        "input": {"input": text, "temperature": 0, "max_output_tokens": max_tokens},
-    }
-    r = httpx.post(f"{url}/lmsp/v1/tasks", json=body, timeout=30)
-    assert r.status_code == 202, r.text
-    return dict(r.json())
-
-
-def read_sse(
-    url: str, task_id: str, out: list[dict[str, Any]], last_event_id: int | None = None, stop_after: int | None = None
-) -> None:
-    headers = {"Last-Event-ID": str(last_event_id)} if last_event_id is not None else {}
-    try:
-        with httpx.stream("GET", f"{url}/lmsp/v1/tasks/{task_id}/events", headers=headers, timeout=60) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    out.append(msgspec.json.decode(line[6:]))
-                    if stop_after is not None and len(out) >= stop_after:
-                        return
-    except httpx.HTTPError:
-        pass  # the server was killed under us
-
-
-def task(url: str, task_id: str) -> dict[str, Any]:
-    return dict(httpx.get(f"{url}/lmsp/v1/tasks/{task_id}", timeout=10).json())
-
-
-def wait_final(url: str, task_id: str, timeout: float = 120) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        t = task(url, task_id)
-        if t["status"] in ("succeeded", "failed", "cancelled"):
-            return t
-        time.sleep(0.1)
-    raise AssertionError(f"{task_id} did not finish: {task(url, task_id)}")
 
 
 def all_events(url: str, task_id: str) -> list[dict[str, Any]]:

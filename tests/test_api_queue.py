@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_host import Host, Hosts, tiny_config
 from starlette.testclient import TestClient
+from support.engine_host import Host, Hosts, tiny_config
 
 from lmspd.config import Config, EngineConfig
 from lmspd.models.registry import ResolvedModel

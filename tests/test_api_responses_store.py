@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_host import Host, Hosts, purge
-from families import make_thinker
 from starlette.testclient import TestClient
+from support.engine_host import Host, Hosts, purge
+from support.families import make_thinker
 
 from lmspd.config import Config, EngineConfig, ModelEntry, ResponsesConfig, ServerConfig
 from lmspd.models.registry import ResolvedModel

@@ -13,10 +13,10 @@ from typing import Any
 
 import msgspec
 import pytest
-from engine_host import Host, Hosts, purge, tiny_config
-from openresponses import validate, validate_event
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
+from support.engine_host import Host, Hosts, purge, tiny_config
+from support.openresponses import validate, validate_event
 
 from lmspd.api import events
 from lmspd.config import Config, EngineConfig

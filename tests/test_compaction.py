@@ -9,8 +9,8 @@ from typing import Any
 
 import msgspec
 import pytest
-from families import FAMILY_FORMAT, make_family_tokenizer
-from openresponses import validate
+from support.families import FAMILY_FORMAT, make_family_tokenizer
+from support.openresponses import validate
 
 from lmspd.errors import ContextLengthExceededError, InvalidRequestError
 from lmspd.models.tokenizer import Tokenizer

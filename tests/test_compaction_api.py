@@ -14,8 +14,8 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from openresponses import validate, validate_event
-from test_acceptance_restart import Server, tiny_server
+from support.openresponses import validate, validate_event
+from support.server import Server, tiny_server
 
 from lmspd.models.registry import ResolvedModel
 

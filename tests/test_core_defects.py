@@ -11,9 +11,9 @@ from typing import Any
 
 import msgspec
 import pytest
-from engine_host import Host, Hosts, purge
-from openresponses import validate
 from starlette.testclient import TestClient
+from support.engine_host import Host, Hosts, purge
+from support.openresponses import validate
 
 from lmspd.config import Config, EngineConfig, ModelEntry, ResponsesConfig, ServerConfig
 from lmspd.core import Core

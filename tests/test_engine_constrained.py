@@ -10,7 +10,7 @@ import json
 import jsonschema
 import msgspec
 import pytest
-from test_engine import PROMPTS, collect, request
+from support.generation import PROMPTS, collect, request
 
 from lmspd.engine.process import EngineClient
 from lmspd.errors import InvalidRequestError

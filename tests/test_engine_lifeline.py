@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import httpx
-from test_acceptance_restart import submit, tiny_server
+from support.server import submit, tiny_server
 
 from lmspd.models.registry import ResolvedModel
 

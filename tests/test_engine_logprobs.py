@@ -6,7 +6,7 @@ import asyncio
 
 import msgspec
 import pytest
-from test_engine import PROMPTS, collect, request
+from support.generation import PROMPTS, collect, request
 
 from lmspd.engine import protocol as p
 from lmspd.engine.logprobs import LOGPROB_FLOOR, TokenPieces, top_logprobs

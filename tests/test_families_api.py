@@ -14,10 +14,10 @@ from typing import Any
 import jsonschema
 import openai
 import pytest
-from conftest import make_tiny_model
-from families import FAMILY_FORMAT, make_family_tokenizer
-from openresponses import validate, validate_event
-from test_acceptance_restart import Server, tiny_server
+from support.families import FAMILY_FORMAT, make_family_tokenizer
+from support.models import make_tiny_model
+from support.openresponses import validate, validate_event
+from support.server import Server, tiny_server
 
 from lmspd.models.registry import ResolvedModel
 

@@ -12,8 +12,8 @@ from typing import Any
 
 import msgspec
 import pytest
-from engine_host import Host, Hosts, tiny_config
 from starlette.testclient import TestClient
+from support.engine_host import Host, Hosts, tiny_config
 
 from lmspd.config import Config, EngineConfig, ModelEntry, ServerConfig
 from lmspd.errors import InvalidRequestError, ModelNotFoundError

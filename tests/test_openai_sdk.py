@@ -15,8 +15,8 @@ import msgspec
 import openai
 import pydantic
 import pytest
-from openresponses import validate, validate_event
-from test_acceptance_restart import Server, tiny_server
+from support.openresponses import validate, validate_event
+from support.server import Server, tiny_server
 
 from lmspd.engine.prompt_cache import stored_lengths
 from lmspd.models.registry import ResolvedModel

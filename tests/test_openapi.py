@@ -1,7 +1,7 @@
 """The OpenAPI document: valid OpenAPI 3.1, every route of the app and nothing else, errors
 per path family, served at /openapi.json and printed by ``lmspd openapi``.
 
-``data/openapi-3.1-schema.json`` is the OpenAPI Initiative's published schema for 3.1 documents
+``support/data/openapi-3.1-schema.json`` is the OpenAPI Initiative's published schema for 3.1 documents
 (https://spec.openapis.org/oas/3.1/schema/2022-10-07, Apache-2.0), vendored verbatim so the test
 runs offline. Its ``$dynamicRef: "#meta"`` (a hook for schemas that extend it) resolves to its own
 ``$defs/schema`` here, so it is read with that as a plain ``$ref``: the same check, five times
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import json
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -23,6 +22,7 @@ import msgspec
 import pytest
 from starlette.applications import Starlette
 from starlette.routing import Route
+from support import DATA
 
 from lmspd.api.app import create_app
 from lmspd.api.openapi import document
@@ -32,9 +32,7 @@ from lmspd.config import Config
 from lmspd.errors import QueueFullError, TaskNotFoundError
 
 META = json.loads(
-    (Path(__file__).parent / "data" / "openapi-3.1-schema.json")
-    .read_text()
-    .replace('"$dynamicRef": "#meta"', '"$ref": "#/$defs/schema"')
+    (DATA / "openapi-3.1-schema.json").read_text().replace('"$dynamicRef": "#meta"', '"$ref": "#/$defs/schema"')
 )
 Doc = dict[str, Any]
 

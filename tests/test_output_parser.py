@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from families import FAMILY_FORMAT, make_family_tokenizer
+from support.families import FAMILY_FORMAT, make_family_tokenizer
 from tokenizers import Tokenizer
 
 from lmspd.responses.parsing.call_formats import chat_tools

@@ -9,7 +9,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from openresponses import validate, validate_event
+from support.openresponses import validate, validate_event
 
 from lmspd.prompting.prompt import Prompt
 from lmspd.responses import schema as s

@@ -10,7 +10,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from families import make_family_tokenizer
+from support.families import make_family_tokenizer
 
 from lmspd.config import Config, EngineConfig, ResponsesConfig
 from lmspd.models.tokenizer import Tokenizer

@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
-from test_acceptance_restart import tiny_server
+from support.server import tiny_server
 
 from lmspd.cli.main import main
 from lmspd.cli.systemd import notify

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from engine_host import tiny_config
-from test_acceptance_restart import free_port
+from support.engine_host import tiny_config
+from support.server import free_port
 
 from lmspd.api.app import create_app
 from lmspd.cli import doctor

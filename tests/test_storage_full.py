@@ -17,8 +17,8 @@ from typing import Any
 
 import msgspec
 import pytest
-from engine_host import Host, Hosts, tiny_config
 from starlette.testclient import TestClient
+from support.engine_host import Host, Hosts, tiny_config
 
 from lmspd.config import Config, EngineConfig
 from lmspd.models.registry import ResolvedModel

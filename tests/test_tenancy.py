@@ -23,8 +23,8 @@ from typing import Any
 
 import pytest
 import ulid
-from engine_host import Host, Hosts
 from starlette.testclient import TestClient
+from support.engine_host import Host, Hosts
 
 from lmspd.api.app import ROUTES
 from lmspd.api.openapi import documented

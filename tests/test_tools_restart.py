@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import jsonschema
 import pytest
-from test_acceptance_restart import Server, read_sse, tiny_server, wait_final
+from support.server import Server, read_sse, tiny_server, wait_final
 
 from lmspd.models.registry import ResolvedModel
 

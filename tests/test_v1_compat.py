@@ -19,8 +19,8 @@ import openai
 import pytest
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 from langchain_openai import ChatOpenAI
-from openresponses import validate, validate_event
-from test_acceptance_restart import Server, tiny_server
+from support.openresponses import validate, validate_event
+from support.server import Server, tiny_server
 
 from lmspd.models.registry import ResolvedModel
 

@@ -1,16 +1,17 @@
-"""Validate objects against the Open Responses OpenAPI schema (a copy in tests/data, so the
+"""Validate objects against the Open Responses OpenAPI schema (a copy in tests/support/data, so
 tests need nothing outside the project)."""
 
 from __future__ import annotations
 
 import json
 from functools import cache
-from pathlib import Path
 from typing import Any
 
 import jsonschema
 
-SCHEMA = Path(__file__).resolve().parent / "data" / "openresponses-openapi.json"
+from support import DATA
+
+SCHEMA = DATA / "openresponses-openapi.json"
 EVENT_SCHEMAS = {
     "response.created": "ResponseCreatedStreamingEvent",
     "response.queued": "ResponseQueuedStreamingEvent",

@@ -9,7 +9,7 @@ import pytest
 from lmspd.config import Config, load_config
 from lmspd.errors import ConfigError
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_defaults() -> None:

@@ -27,7 +27,7 @@ from lmspd.cli.units import EXAMPLE_EXECUTABLE, examples, install_for, launchd_p
 from lmspd.config import load_config
 from lmspd.models.registry import ResolvedModel
 
-DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 LAUNCHD_KEYS = {"Label", "ProgramArguments", "KeepAlive", "RunAtLoad", "StandardOutPath", "StandardErrorPath"}
 
 

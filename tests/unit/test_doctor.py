@@ -20,7 +20,7 @@ from lmspd.cli.main import main
 from lmspd.config import Config, load_config
 from lmspd.store.migrate import migrate, migrations
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class _Healthz(http.server.BaseHTTPRequestHandler):

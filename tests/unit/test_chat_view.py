@@ -544,7 +544,7 @@ def test_a_failed_response_ends_with_an_error_frame() -> None:
     ],
 )
 def test_the_error_frame_is_typed_as_its_code(code: str, kind: str) -> None:
-    """As the same failure answers without streaming (tests/test_api_chat.py)."""
+    """As the same failure answers without streaming (tests/unit/test_api_chat.py)."""
     frames = parse_frames(stream(event_log("failed", error=s.ResponseError(code, "it failed"))))
     assert frames[-1] == {"error": {"message": "it failed", "type": kind, "param": None, "code": code}}
 

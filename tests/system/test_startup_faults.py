@@ -38,7 +38,7 @@ from lmspd.store.check import DatabaseUnusableError
 from lmspd.store.db import Database
 from lmspd.store.task_store import NewEvent, TaskRecord, TaskStore
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 EXIT_BOUND_SECS = 60.0  # generous for a loaded machine; before the fix, these never exited
 
 

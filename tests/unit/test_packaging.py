@@ -8,7 +8,7 @@ import tomllib
 from fnmatch import fnmatch
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_every_source_package_is_in_the_wheel() -> None:

@@ -44,7 +44,7 @@ def test_parsers_load_without_mlx() -> None:
         "    parser_module(name).parse_tool_call\n"
         "assert 'mlx' not in sys.modules and 'transformers' not in sys.modules, sorted(sys.modules)\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parent.parent)
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])
 
 
 def test_a_loaded_parser_parses_like_the_original() -> None:

@@ -10,13 +10,11 @@ killed and restarted, the bundled model). Helpers live in support/ (imported as
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import shutil
 import subprocess
 import sys
-import time
 import zipfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -24,6 +22,7 @@ from pathlib import Path
 import pytest
 from support.engine_host import Hosts
 from support.models import CACHE, SMOL, make_tiny_model
+from support.wait import wait_until_async
 
 from lmspd.config import EngineConfig
 from lmspd.engine.process import EngineClient
@@ -129,11 +128,13 @@ async def engine(shared_engine: EngineClient) -> AsyncIterator[EngineClient]:
     assert shared_engine.stats()["in_flight"] == 0
     yield shared_engine
     # An abandoned stream (``break`` out of ``async for``) is closed by the event loop's
-    # async-generator finalizer shortly after, not at once: poll for it.
-    deadline = time.monotonic() + 10
-    while shared_engine.stats()["in_flight"] and time.monotonic() < deadline:
-        await asyncio.sleep(0.01)
-    assert shared_engine.stats()["in_flight"] == 0, "the test left requests running on the shared engine"
+    # async-generator finalizer shortly after, not at once: wait for it.
+    await wait_until_async(
+        lambda: shared_engine.stats()["in_flight"] == 0,
+        "the test left requests running on the shared engine",
+        timeout=10,
+        interval=0.01,
+    )
     assert not shared_engine._early_cancels, "the test left cancels remembered on the shared engine"
     assert shared_engine.alive, "the test killed the shared engine: start a private one"
 

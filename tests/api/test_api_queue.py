@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import signal
 import sqlite3
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,6 +12,7 @@ from typing import Any
 import pytest
 from starlette.testclient import TestClient
 from support.engine_host import Host, Hosts, tiny_config
+from support.wait import wait_until
 
 from lmspd.config import Config, EngineConfig
 from lmspd.models.registry import ResolvedModel
@@ -55,6 +55,12 @@ def status(client: TestClient, task_id: str) -> str:
     return str(client.get(f"/lmsp/v1/tasks/{task_id}").json()["status"])
 
 
+def finished(client: TestClient, task_id: str) -> str | None:
+    """The task's status once it is finished (None before)."""
+    found = status(client, task_id)
+    return found if found in ("succeeded", "failed", "cancelled") else None
+
+
 def test_full_queue_is_429_with_retry_after_and_persists_nothing(client: TestClient, config: Config) -> None:
     accepted = []
     for _ in range(10):
@@ -87,21 +93,17 @@ def test_full_queue_is_429_with_retry_after_and_persists_nothing(client: TestCli
 def test_engine_crash_applies_policies_and_the_engine_comes_back(client: TestClient) -> None:
     supervisor = client.app.state.lmsp.core.supervisor  # type: ignore[attr-defined]
     failing = client.post("/lmsp/v1/tasks", json=long_task("fail")).json()["id"]
-    while status(client, failing) != "running":
-        time.sleep(0.02)
+    wait_until(lambda: status(client, failing) == "running", "the first task to run")
     retried = client.post("/lmsp/v1/tasks", json=long_task("retry")).json()["id"]
-    time.sleep(0.3)
+    # Killed mid-generation: once the engine has the running task's request, not after a pause.
+    wait_until(lambda: failing in supervisor.engine._streams, "the engine to generate the running task")
     os.kill(supervisor.engine.process.pid, signal.SIGKILL)
-    deadline = time.monotonic() + 60
-    while status(client, failing) != "failed" and time.monotonic() < deadline:
-        time.sleep(0.05)
+    assert wait_until(lambda: finished(client, failing), "the running task to end") == "failed"
     task = client.get(f"/lmsp/v1/tasks/{failing}").json()
     assert task["status"] == "failed" and task["error"]["code"] == "engine_crashed"
     # The supervisor restarts the engine and the queue goes on.
     client.post(f"/lmsp/v1/tasks/{retried}/cancel")
     quick = {"type": "response", "input": {"input": "Hi", "temperature": 0, "max_output_tokens": 5}}
     again = client.post("/lmsp/v1/tasks", json=quick).json()["id"]
-    while status(client, again) not in ("succeeded", "failed") and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert status(client, again) == "succeeded"
+    assert wait_until(lambda: finished(client, again), "the next task to finish") == "succeeded"
     assert client.get("/readyz").status_code == 200

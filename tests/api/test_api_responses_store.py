@@ -13,6 +13,7 @@ import pytest
 from starlette.testclient import TestClient
 from support.engine_host import Host, Hosts, purge
 from support.families import make_thinker
+from support.wait import wait_until
 
 from lmspd.config import Config, EngineConfig, ModelEntry, ResponsesConfig, ServerConfig
 from lmspd.models.registry import ResolvedModel
@@ -146,8 +147,8 @@ def test_store_byte_budget_and_ttl(make_client: Callable[..., TestClient]) -> No
 def test_ephemeral_background_result_expires(make_client: Callable[..., TestClient]) -> None:
     c = make_client(background_ephemeral_ttl_secs=5)
     r = c.post("/v1/responses", json={**QUICK, "background": True, "store": False}).json()
-    while c.get(f"/v1/responses/{r['id']}").json()["status"] in ("queued", "in_progress"):
-        time.sleep(0.05)
+    waiting = ("queued", "in_progress")
+    wait_until(lambda: c.get(f"/v1/responses/{r['id']}").json()["status"] not in waiting, "the response to end")
     purge(c, later_by=6)
     assert c.get(f"/v1/responses/{r['id']}").status_code == 404
 

@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 from support.engine_host import Host, Hosts, purge, tiny_config
 from support.openresponses import validate, validate_event
+from support.wait import wait_until
 
 from lmspd.api import events
 from lmspd.config import Config, EngineConfig
@@ -59,13 +60,18 @@ def db_rows(config: Config, sql: str) -> list[tuple[Any, ...]]:
 
 
 def wait_done(client: TestClient, task_id: str, timeout: float = 60) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def done() -> dict[str, Any] | None:
         task: dict[str, Any] = client.get(f"/lmsp/v1/tasks/{task_id}", headers=ALICE).json()
-        if task["status"] in ("succeeded", "failed", "cancelled"):
-            return task
-        time.sleep(0.05)
-    raise AssertionError(f"task {task_id} did not finish")
+        return task if task["status"] in ("succeeded", "failed", "cancelled") else None
+
+    return wait_until(done, f"task {task_id} to finish", timeout=timeout)
+
+
+def wait_running(client: TestClient, task_id: str) -> None:
+    def running() -> bool:
+        return bool(client.get(f"/lmsp/v1/tasks/{task_id}", headers=ALICE).json()["status"] == "running")
+
+    wait_until(running, f"task {task_id} to run")
 
 
 def sse(
@@ -153,8 +159,7 @@ def test_etag_and_if_none_match(client: TestClient) -> None:
 
 def test_cancel_running_then_idempotent_then_409_for_finished(client: TestClient) -> None:
     task_id = client.post("/lmsp/v1/tasks", json=task_body(max_output_tokens=3000), headers=ALICE).json()["id"]
-    while client.get(f"/lmsp/v1/tasks/{task_id}", headers=ALICE).json()["status"] != "running":
-        time.sleep(0.02)
+    wait_running(client, task_id)
     r = client.post(f"/lmsp/v1/tasks/{task_id}/cancel", headers=ALICE)
     assert r.status_code == 200 and r.json()["status"] in ("cancelling", "cancelled")
     assert wait_done(client, task_id)["status"] == "cancelled"
@@ -356,8 +361,7 @@ def test_cancel_racing_completion(client: TestClient) -> None:
     cancelled = []
     for _ in range(3):
         task_id = client.post("/lmsp/v1/tasks", json=long_body, headers=ALICE).json()["id"]
-        while client.get(f"/lmsp/v1/tasks/{task_id}", headers=ALICE).json()["status"] != "running":
-            time.sleep(0.01)
+        wait_running(client, task_id)
         r = client.post(f"/lmsp/v1/tasks/{task_id}/cancel", headers=ALICE)
         assert r.status_code == 200 and r.json()["status"] in ("cancelling", "cancelled")
         cancelled.append((task_id, 200))
@@ -504,18 +508,14 @@ def test_the_engine_starts_before_the_claim_lands_and_stops_if_it_fails(client: 
     store.transition = held_claim
     try:
         task = client.post("/lmsp/v1/tasks", json=task_body(max_output_tokens=200), headers=ALICE).json()
-        deadline = time.monotonic() + 60
-        while task["id"] not in engine._streams and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert task["id"] in engine._streams, "the generation did not start before the claim landed"
+        wait_until(lambda: task["id"] in engine._streams, "the generation to start before the claim lands")
         # The engine is generating; none of it is committed while the claim is pending.
         assert client.get(f"/lmsp/v1/tasks/{task['id']}", headers=ALICE).json()["status"] == "queued"
         cancel = client.post(f"/lmsp/v1/tasks/{task['id']}/cancel", headers=ALICE)
         assert cancel.status_code == 200 and cancel.json()["status"] == "cancelled"
         client.portal.call(gate.set)
-        while task["id"] in core.supervisor.running and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert task["id"] not in core.supervisor.running and task["id"] not in engine._streams
+        wait_until(lambda: task["id"] not in core.supervisor.running, "the supervisor to let go of the task")
+        assert task["id"] not in engine._streams
     finally:
         store.transition = transition
     events = sse(client, task["id"])

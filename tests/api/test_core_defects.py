@@ -3,7 +3,6 @@ logs, the background cap under concurrency, cancel of a resumed task."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -14,6 +13,7 @@ import pytest
 from starlette.testclient import TestClient
 from support.engine_host import Host, Hosts, purge
 from support.openresponses import validate
+from support.wait import wait_until
 
 from lmspd.config import Config, EngineConfig, ModelEntry, ResponsesConfig, ServerConfig
 from lmspd.core import Core
@@ -55,15 +55,15 @@ def client(host: Host, tmp_path: Path, model_cache: Path, tiny_long: ResolvedMod
 
 
 def finish(client: TestClient, task_id: str) -> dict[str, Any]:
-    deadline = time.monotonic() + 60
-    while (task := client.get(f"/lmsp/v1/tasks/{task_id}", headers=ALICE).json())["status"] not in (
-        "succeeded",
-        "failed",
-        "cancelled",
-    ):
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    return dict(task)
+    def finished() -> dict[str, Any] | None:
+        task = dict(client.get(f"/lmsp/v1/tasks/{task_id}", headers=ALICE).json())
+        return task if task["status"] in ("succeeded", "failed", "cancelled") else None
+
+    return wait_until(finished, f"task {task_id} to finish")
+
+
+def response_status(client: TestClient, response_id: str) -> str:
+    return str(client.get(f"/v1/responses/{response_id}", headers=ALICE).json()["status"])
 
 
 def test_a_task_input_means_what_it_means_on_v1(client: TestClient) -> None:
@@ -104,8 +104,9 @@ def test_finished_tasks_after_their_events_are_purged(client: TestClient) -> Non
     long = client.post("/v1/responses", json={**QUICK, "background": True, "max_output_tokens": 3000}, headers=ALICE)
     cancelled = client.post(f"/v1/responses/{long.json()['id']}/cancel", headers=ALICE).json()
     assert cancelled["status"] == "cancelled"
-    while client.get(f"/v1/responses/{quick['id']}", headers=ALICE).json()["status"] in ("queued", "in_progress"):
-        time.sleep(0.02)
+    wait_until(
+        lambda: response_status(client, quick["id"]) not in ("queued", "in_progress"), "the quick response to end"
+    )
     purge(client, events_older_than=1)
     core: Core = client.app.state.lmsp.core  # type: ignore[attr-defined]
     for rid, status, cancel_status in [(quick["id"], "incomplete", 409), (long.json()["id"], "cancelled", 200)]:
@@ -125,8 +126,7 @@ def test_a_failed_background_response_survives_the_purge(
     config = config_for(tmp_path, model_cache, tiny_long)
     with host.serve(config) as c:
         b = c.post("/v1/responses", json={**QUICK, "background": True, "max_output_tokens": 3000}, headers=ALICE)
-        while c.get(f"/v1/responses/{b.json()['id']}", headers=ALICE).json()["status"] == "queued":
-            time.sleep(0.02)
+        wait_until(lambda: response_status(c, b.json()["id"]) != "queued", "the background response to start")
     with host.serve(config) as c:  # a restart: fail policy -> failed server_restarted
         rid = b.json()["id"]
         assert c.get(f"/v1/responses/{rid}", headers=ALICE).json()["status"] == "failed"

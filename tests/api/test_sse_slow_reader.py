@@ -14,12 +14,12 @@ import re
 import signal
 import socket
 import sys
-import time
-from collections.abc import AsyncGenerator, Callable, Iterator, MutableMapping
+from collections.abc import AsyncGenerator, Iterator, MutableMapping
 from typing import Any
 
 import httpx
 import pytest
+from support.wait import wait_until
 
 from bench.serving import free_port, kill, spawn
 from bench.tasks import seed_history
@@ -68,13 +68,6 @@ def server(tmp_path_factory: pytest.TempPathFactory, tiny: ResolvedModel) -> Ite
         kill(proc, signal.SIGTERM)
 
 
-def _until(what: str, ok: Callable[[], bool], timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not ok():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
-
-
 def _dechunk(raw: bytes) -> bytes:
     """The body of a chunked HTTP/1.1 response, as far as it arrived (a cut last chunk kept)."""
     head, _, rest = raw.partition(b"\r\n\r\n")
@@ -114,10 +107,15 @@ def test_a_reader_that_never_reads_is_disconnected_and_resumes(server: Server) -
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.connect(("127.0.0.1", server.port))
     sock.sendall(f"GET /lmsp/v1/tasks/{server.task_id}/events HTTP/1.1\r\nHost: x\r\n\r\n".encode())
-    _until("the connection accepted", lambda: server.fds() > baseline)
+    wait_until(lambda: server.fds() > baseline, "the connection accepted", timeout=30, interval=0.05)
     # Not reading: the server's writes block; after two keep-alive intervals it gives up on us
     # (the app ends the stream, and on Linux the kernel drops the socket even while we hold it).
-    _until("the slow reader disconnected", lambda: server.fds() <= baseline and server.streams() == 0)
+    wait_until(
+        lambda: server.fds() <= baseline and server.streams() == 0,
+        "the slow reader disconnected",
+        timeout=30,
+        interval=0.05,
+    )
     raw = b""
     sock.settimeout(10)
     try:
@@ -134,7 +132,9 @@ def test_a_reader_that_never_reads_is_disconnected_and_resumes(server: Server) -
     rest, text = _read_stream(server, received[-1] if received else None)
     assert received + rest == list(range(server.events))
     assert "event: response.completed" in text
-    _until("nothing left open", lambda: server.streams() == 0 and server.fds() <= baseline)
+    wait_until(
+        lambda: server.streams() == 0 and server.fds() <= baseline, "nothing left open", timeout=30, interval=0.05
+    )
 
 
 async def test_an_event_stream_gives_up_on_a_send_that_does_not_finish() -> None:

@@ -15,7 +15,6 @@ PUBLIC. Alice owns a task, a background response and a conversation; then:
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +24,7 @@ import pytest
 import ulid
 from starlette.testclient import TestClient
 from support.engine_host import Host, Hosts
+from support.wait import wait_until
 
 from lmspd.api.app import ROUTES
 from lmspd.api.openapi import documented
@@ -152,13 +152,14 @@ def _as(who: str) -> dict[str, str]:
 
 
 def _settled(client: TestClient, url: str) -> dict[str, Any]:
-    deadline = time.monotonic() + 60
-    while True:
-        body: dict[str, Any] = client.get(url, headers=_as("alice")).json()
-        if body["status"] not in ("queued", "loading", "running", "in_progress", "cancelling"):
-            return body
-        assert time.monotonic() < deadline, body
-        time.sleep(0.05)
+    def body() -> dict[str, Any]:
+        return dict(client.get(url, headers=_as("alice")).json())
+
+    def settled() -> dict[str, Any] | None:
+        found = body()
+        return found if found["status"] not in ("queued", "loading", "running", "in_progress", "cancelling") else None
+
+    return wait_until(settled, lambda: f"{url} to settle: {body()}")
 
 
 @pytest.fixture(scope="module")

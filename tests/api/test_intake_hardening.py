@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import gc
 import socket
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,7 @@ import msgspec
 import pytest
 from starlette.testclient import TestClient
 from support.engine_host import Host, Hosts, tiny_config
+from support.wait import wait_until
 
 from lmspd.config import Config, EngineConfig, ModelEntry, ServerConfig
 from lmspd.errors import InvalidRequestError, ModelNotFoundError
@@ -305,24 +305,28 @@ def test_requests_name_models_by_any_spelling_without_reloads(
 def test_max_loaded_models_is_a_hard_bound(paths_client: TestClient) -> None:
     """One model resident (ENGINE's max_loaded_models = 1): a task on another model waits in
     ``loading`` while the first generates, and runs once it is done."""
+    slots = paths_client.app.state.lmsp.core.supervisor.slots  # type: ignore[attr-defined]
+
+    def task(task_id: str) -> dict[str, Any]:
+        return dict(paths_client.get(f"/lmsp/v1/tasks/{task_id}", headers=ALICE).json())
+
+    def waits_for_a_slot(task_id: str) -> bool:
+        """Queued for a model slot (ModelSlots.acquire), not admitted: the event that proves
+        the bound holds it back, where a pause would only hope the model had time to load."""
+        assert (found := task(task_id))["status"] in ("queued", "loading"), f"it went on: {found}"
+        return any(holder == task_id and not admitted.done() for holder, _, admitted in list(slots._queue))
+
     long = as_task({**QUICK, "input": "Tell me a story.", "max_output_tokens": 3000})
     first = paths_client.post("/lmsp/v1/tasks", json=long, headers=ALICE).json()
-    deadline = time.monotonic() + 60
-    while paths_client.get(f"/lmsp/v1/tasks/{first['id']}", headers=ALICE).json()["status"] != "running":
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    wait_until(lambda: task(first["id"])["status"] == "running", "the first task to run")
     second = paths_client.post("/lmsp/v1/tasks", json=as_task({**QUICK, "model": "other"}), headers=ALICE).json()
-    time.sleep(0.6)  # ample for the tiny model to load, were it allowed to
-    assert paths_client.get(f"/lmsp/v1/tasks/{second['id']}", headers=ALICE).json()["status"] == "loading"
-    assert paths_client.get(f"/lmsp/v1/tasks/{first['id']}", headers=ALICE).json()["status"] == "running"
+    wait_until(lambda: waits_for_a_slot(second["id"]), "the second task to wait for a model slot")
+    assert task(second["id"])["status"] == "loading"
+    assert task(first["id"])["status"] == "running"
+    assert len(slots.in_use()) == 1  # the first task's model, held while it generates
     paths_client.post(f"/lmsp/v1/tasks/{first['id']}/cancel", headers=ALICE)
-    while (task := paths_client.get(f"/lmsp/v1/tasks/{second['id']}", headers=ALICE).json())["status"] not in (
-        "succeeded",
-        "failed",
-    ):
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    assert task["status"] == "succeeded", task
+    wait_until(lambda: task(second["id"])["status"] in ("succeeded", "failed"), "the second task to end")
+    assert task(second["id"])["status"] == "succeeded", task(second["id"])
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import sqlite3
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ import msgspec
 import pytest
 from starlette.testclient import TestClient
 from support.engine_host import Host, Hosts, tiny_config
+from support.wait import wait_until
 
 from lmspd.config import Config, EngineConfig
 from lmspd.models.registry import ResolvedModel
@@ -69,13 +69,14 @@ def rows(config: Config, sql: str) -> list[tuple[Any, ...]]:
 
 
 def wait_all(client: TestClient, ids: list[str], timeout: float = 90) -> dict[str, dict[str, Any]]:
-    deadline = time.monotonic() + timeout
-    while True:
-        tasks = {i: client.get(f"/lmsp/v1/tasks/{i}").json() for i in ids}
-        if all(t["status"] in TERMINAL for t in tasks.values()):
-            return tasks
-        assert time.monotonic() < deadline, {i: t["status"] for i, t in tasks.items()}
-        time.sleep(0.1)
+    def tasks() -> dict[str, dict[str, Any]]:
+        return {i: client.get(f"/lmsp/v1/tasks/{i}").json() for i in ids}
+
+    def finished() -> dict[str, dict[str, Any]] | None:
+        found = tasks()
+        return found if all(t["status"] in TERMINAL for t in found.values()) else None
+
+    return wait_until(finished, lambda: {i: t["status"] for i, t in tasks().items()}, timeout=timeout, interval=0.1)
 
 
 def test_intake_answers_503_writes_nothing_half_and_recovers(host: Host, client: TestClient, config: Config) -> None:
@@ -112,21 +113,29 @@ def test_intake_answers_503_writes_nothing_half_and_recovers(host: Host, client:
 
 
 def test_generation_stopped_by_a_full_disk_follows_each_policy(
-    host: Host, client: TestClient, caplog: pytest.LogCaptureFixture
+    host: Host, client: TestClient, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     caplog.set_level(logging.INFO, logger="lmspd")
+    storage = client.app.state.lmsp.core.supervisor.storage  # type: ignore[attr-defined]
+    rounds: list[float] = []  # each wait the supervisor's backoff took, as it is taken
+
+    waited = storage.longer
+
+    def longer() -> None:
+        rounds.append(storage.wait)
+        waited()
+
+    monkeypatch.setattr(storage, "longer", longer)
     ids = {
         policy: client.post("/lmsp/v1/tasks", json=body("Tell me a story.", policy, 300)).json()["id"]
         for policy in ("fail", "retry", "resume")
     }
     set_room(host, client, 1)  # room for a few events each: then the disk is full mid-generation
-    deadline = time.monotonic() + 60
-    while not any("is full" in r.getMessage() for r in caplog.records):
-        assert time.monotonic() < deadline, "the generations never filled the database"
-        time.sleep(0.05)
-    # Several rounds of the supervisor's backoff, still full. (A small write may still fit in
-    # a page's free space: a stopped task may be settled meanwhile, a requeued one claimed.)
-    time.sleep(1.5)
+    wait_until(lambda: any("is full" in r.getMessage() for r in caplog.records), "the generations to fill the database")
+    # Several rounds of the supervisor's backoff, still full: two waited out, as they happen.
+    # (A small write may still fit in a page's free space: a stopped task may be settled
+    # meanwhile, a requeued one claimed.)
+    wait_until(lambda: len(rounds) >= 2, lambda: f"two rounds of the backoff, still full: {rounds}")
     set_room(host, client, None)
     done = wait_all(client, list(ids.values()))
     failed = done[ids["fail"]]

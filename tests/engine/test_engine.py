@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import time
 
 import pytest
 from support.generation import PROMPTS, collect, request
+from support.wait import wait_until_async
 
 from lmspd.config import EngineConfig
 from lmspd.engine import protocol as p
@@ -120,10 +120,7 @@ async def test_leaving_the_stream_cancels_the_request(engine: EngineClient, tiny
         assert isinstance(ev, p.Delta)
         break
     # The event loop closes the abandoned stream soon after (its async-generator finalizer).
-    deadline = time.monotonic() + 5
-    while engine.stats()["in_flight"] and time.monotonic() < deadline:
-        await asyncio.sleep(0.01)
-    assert engine.stats()["in_flight"] == 0
+    await wait_until_async(lambda: engine.stats()["in_flight"] == 0, "the abandoned stream to close", timeout=5)
     _, _, fin = await collect(engine, request(tiny, PROMPTS[1], max_tokens=3))
     assert fin.completion_tokens == 3
 
@@ -142,8 +139,15 @@ async def test_kill_9_ends_in_flight_requests_with_engine_crashed(tiny: Resolved
     client = EngineClient(EngineConfig(weight_dtype="quantized"))
     await client.start()
     try:
-        streams = [asyncio.create_task(collect(client, request(tiny, q, max_tokens=5000 // 20))) for q in PROMPTS]
-        await asyncio.sleep(0.5)
+        generating: set[str] = set()  # the requests whose first token came
+
+        async def generate(cmd: p.Generate) -> None:
+            async for _ in client.generate(cmd):
+                generating.add(cmd.request_id)
+
+        streams = [asyncio.create_task(generate(request(tiny, q, max_tokens=5000 // 20))) for q in PROMPTS]
+        # Killed mid-generation: once every request has its first token, not after a pause.
+        await wait_until_async(lambda: len(generating) == len(PROMPTS), "every request to generate", interval=0.005)
         assert client.process is not None and client.process.pid is not None
         os.kill(client.process.pid, signal.SIGKILL)
         for s in streams:

@@ -6,6 +6,8 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator
 
+from support.wait import wait_until_async
+
 from lmspd.config import EngineConfig
 from lmspd.engine import protocol as p
 from lmspd.engine.pacing import MIN_STEP, PrefillPacer
@@ -71,7 +73,8 @@ async def test_a_running_stream_keeps_decoding_while_a_long_prompt_is_admitted(t
     await engine.start()
     try:
         timeline: list[str] = []
-        running = engine.generate(generate(tiny_long, "Tell me a story.", max_tokens=400))
+        story = generate(tiny_long, "Tell me a story.", max_tokens=400)
+        running = engine.generate(story)
         assert isinstance(await anext(running), p.Delta)
         long = generate(tiny_long, "word " * 1000, max_tokens=1)
         assert len(long.prompt) > 1000
@@ -84,7 +87,10 @@ async def test_a_running_stream_keeps_decoding_while_a_long_prompt_is_admitted(t
                     return
 
         reader = asyncio.create_task(follow(running, "running"))
-        await asyncio.sleep(0.2)  # the running stream's tokens so far are read
+        # The running stream's tokens so far are read (none waits in its queue), so none that
+        # came before the long prompt counts after it.
+        backlog = engine._streams[story.request_id]
+        await wait_until_async(backlog.empty, "the running stream's tokens so far to be read", interval=0.001)
         timeline.append("submitted")
         await follow(engine.generate(long), "long")
         between = timeline[timeline.index("submitted") : timeline.index("long")]

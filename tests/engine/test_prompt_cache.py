@@ -16,6 +16,7 @@ from typing import Any, cast
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache
+from support.wait import wait_until_async
 
 from lmspd.config import EngineConfig
 from lmspd.engine import protocol as p
@@ -196,12 +197,11 @@ async def test_a_resumed_request_counts_cached_tokens_of_its_prompt_only(
 
 
 async def wait_for_files(folder: Path, count: int) -> list[Path]:
-    for _ in range(600):  # polls a condition; the bound only stops a broken run
-        found = sorted(f for f in folder.rglob(f"*{SUFFIX}") if not f.name.startswith("."))  # not mid-write
-        if len(found) >= count:
-            return found
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"no prompt cache files in {folder}")
+    def found() -> list[Path] | None:
+        files = sorted(f for f in folder.rglob(f"*{SUFFIX}") if not f.name.startswith("."))  # not mid-write
+        return files if len(files) >= count else None
+
+    return await wait_until_async(found, f"{count} prompt cache files in {folder}", interval=0.05)
 
 
 async def test_the_cache_survives_kill_9_and_a_corrupt_file_is_ignored(

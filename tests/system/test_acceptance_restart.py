@@ -11,7 +11,6 @@ import sqlite3
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -21,6 +20,7 @@ import msgspec
 import pytest
 from support.server import Server, read_sse, task, tiny_server, wait_final
 from support.server import submit as submit_task
+from support.wait import wait_until
 
 from lmspd.cli.tasks import output_text
 from lmspd.models.registry import ResolvedModel
@@ -113,10 +113,7 @@ def test_kill_9_mid_generation_then_restart(server: Server, procs: list[subproce
     seen: list[dict[str, Any]] = []
     reader = threading.Thread(target=read_sse, args=(server.url, tasks["resume"]["id"], seen), daemon=True)
     reader.start()
-    deadline = time.monotonic() + 60
-    while len(seen) < 40 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert len(seen) >= 40, "generation did not get going"
+    wait_until(lambda: len(seen) >= 40, "generation to get going (40 events)", interval=0.01)
     assert watched.ready.wait(30) and watched.data, notices.data.decode()  # the CLI is printing the text too
     cancel = httpx.post(f"{server.url}/lmsp/v1/tasks/{to_cancel['id']}/cancel", timeout=10)
     assert cancel.status_code == 200
@@ -201,9 +198,7 @@ def test_a_sigterm_shutdown_leaves_foreground_streams_to_their_policy(
         for reader in readers:
             reader.start()
         assert deltas.acquire(timeout=60)  # one generates, the others wait for the slot
-        deadline = time.monotonic() + 30
-        while len(ids) < 4 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: len(ids) == 4, lambda: f"all four streams created: {ids}", timeout=30, interval=0.01)
         assert server.stop() == 0
         for reader in readers:
             reader.join(10)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import base64
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ import openai
 import pytest
 from support.openresponses import validate, validate_event
 from support.server import Server, tiny_server
+from support.wait import wait_until
 
 from lmspd.models.registry import ResolvedModel
 
@@ -220,10 +220,8 @@ def test_context_management_compacts_on_the_third_turn(server: Server) -> None:
     task = post(server, "/lmsp/v1/tasks", {"type": "response", "input": third_body})
     assert task.status_code == 202, task.text
     task_id, task_response = task.json()["id"], task.json()["response_id"]
-    deadline = time.monotonic() + 60
-    while httpx.get(f"{server.url}/lmsp/v1/tasks/{task_id}").json()["status"] not in ("succeeded", "failed"):
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    done = ("succeeded", "failed")
+    wait_until(lambda: httpx.get(f"{server.url}/lmsp/v1/tasks/{task_id}").json()["status"] in done, "the task to end")
     replay = sse(server, "GET", f"/lmsp/v1/tasks/{task_id}/events")
     assert [e["type"] for e in replay][2:6] == [
         "mlx.compaction.started",
@@ -247,10 +245,12 @@ def test_context_management_refusals_and_the_output_cap(server: Server, client: 
     # Background: the job fails (seed: invalid_prompt).
     queued = post(server, "/v1/responses", body | {"background": True})
     assert queued.status_code == 200 and queued.json()["status"] == "queued"
-    deadline = time.monotonic() + 60
-    while (job := client.responses.retrieve(queued.json()["id"])).status in ("queued", "in_progress"):
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+
+    def ended() -> Any:
+        found = client.responses.retrieve(queued.json()["id"])
+        return found if found.status not in ("queued", "in_progress") else None
+
+    job = wait_until(ended, "the background job to end")
     assert job.status == "failed" and job.error is not None and job.error.code == "invalid_prompt"
 
     # Below the threshold, generation stops where the context ends: incomplete, max_output_tokens.

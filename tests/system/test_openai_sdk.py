@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +16,7 @@ import pydantic
 import pytest
 from support.openresponses import validate, validate_event
 from support.server import Server, tiny_server
+from support.wait import wait_until
 
 from lmspd.engine.prompt_cache import stored_lengths
 from lmspd.models.registry import ResolvedModel
@@ -43,11 +43,11 @@ def raw(server: Server, method: str, path: str, **kw: Any) -> httpx.Response:
 
 
 def wait(client: openai.OpenAI, response_id: str, timeout: float = 60) -> Any:
-    deadline = time.monotonic() + timeout
-    while (r := client.responses.retrieve(response_id)).status in ("queued", "in_progress"):
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    return r
+    def ended() -> Any:
+        found = client.responses.retrieve(response_id)
+        return found if found.status not in ("queued", "in_progress") else None
+
+    return wait_until(ended, f"{response_id} to end", timeout=timeout, interval=0.05)
 
 
 @pytest.mark.real_model
@@ -232,8 +232,7 @@ def test_models(client: openai.OpenAI) -> None:
 def test_stored_responses_survive_kill_and_restart(server: Server, client: openai.OpenAI) -> None:
     stored = client.responses.create(input="Remember me.", temperature=0, max_output_tokens=5)
     running = client.responses.create(input="Tell me a story.", background=True, max_output_tokens=3000)
-    while client.responses.retrieve(running.id).status == "queued":
-        time.sleep(0.05)
+    wait_until(lambda: client.responses.retrieve(running.id).status != "queued", "the background response to start")
     server.kill9()
     server.start()
     again = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
@@ -254,12 +253,10 @@ def test_the_next_turn_reuses_the_prompt_cache_even_after_kill_9(server: Server,
     assert second.usage is not None
     # At least turn 1's prompt comes from the cache (its answer too, where it re-tokenizes the same).
     assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
-    deadline = time.monotonic() + 60
     # Turn 2's cache is written to disk once the engine is idle (turn 1's may land later than
     # turn 1's answer, so wait for a new file as long as turn 2's input, not just a new file).
-    while max(stored_lengths(folder, skip=earlier), default=0) < second.usage.input_tokens:
-        assert time.monotonic() < deadline, "the prompt cache was never written"
-        time.sleep(0.05)
+    turn_2 = second.usage.input_tokens
+    wait_until(lambda: max(stored_lengths(folder, skip=earlier), default=0) >= turn_2, "turn 2's prompt cache file")
     server.kill9()
     server.start()
     again = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)

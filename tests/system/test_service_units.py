@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 import pytest
 from support.server import tiny_server
+from support.wait import wait_until
 
 from lmspd.cli.main import main
 from lmspd.cli.systemd import notify
@@ -210,20 +211,22 @@ def test_ready_only_once_ready_and_stopping_on_sigterm(
         # answer must come before READY=1: one after it would mean READY=1 came before readiness.
         messages: list[str] = []
         not_ready: list[str] = []
-        deadline = time.monotonic() + 120
-        while not any(m.startswith("READY=1") for m in messages):
-            assert time.monotonic() < deadline, srv.log.read_text()
-            assert srv.proc.poll() is None, srv.log.read_text()
-            probe = f"test: probe {len(messages)}-{len(not_ready)}-{time.monotonic()}"
-            marker.send(probe.encode())
+
+        def probe() -> bool:
+            """One marker, one look at /readyz; whether READY=1 has come."""
+            assert srv.proc is not None and srv.proc.poll() is None, srv.log.read_text()
+            marker_text = f"test: probe {len(messages)}-{len(not_ready)}-{time.monotonic()}"
+            marker.send(marker_text.encode())
             try:
                 ready = httpx.get(f"{srv.url}/readyz", timeout=5).status_code == 200
             except httpx.TransportError:
                 ready = False
             if not ready:
-                not_ready.append(probe)
-            messages += drain(sock)
-            time.sleep(0.02)
+                not_ready.append(marker_text)
+            messages.extend(drain(sock))
+            return any(m.startswith("READY=1") for m in messages)
+
+        wait_until(probe, lambda: srv.log.read_text(), timeout=120)
         ready_at = next(i for i, m in enumerate(messages) if m.startswith("READY=1"))
         assert not_ready, "the test never saw the server starting"
         assert set(not_ready) <= set(messages[:ready_at]), (not_ready, messages)

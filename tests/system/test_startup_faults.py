@@ -24,6 +24,7 @@ import msgspec
 import pytest
 from support.engine_host import tiny_config
 from support.server import free_port
+from support.wait import wait_until_async
 
 from lmspd.api.app import create_app
 from lmspd.cli import doctor
@@ -186,14 +187,11 @@ async def test_a_failed_start_stops_what_it_started(tmp_path: Path, monkeypatch:
     with pytest.raises(EngineCrashedError):
         async with app.router.lifespan_context(app):
             pass
-    deadline = time.monotonic() + 5
 
     def left() -> list[threading.Thread]:  # asyncio's own executor threads end with the loop
         return [t for t in threading.enumerate() if t not in before and not t.daemon and "asyncio" not in t.name]
 
-    while left() and time.monotonic() < deadline:
-        await asyncio.sleep(0.01)
-    assert not left()
+    await wait_until_async(lambda: not left(), lambda: f"the start's threads to end: {left()}", timeout=5)
     message = startup_error(config, app.state.startup_error).message
     assert message == (
         f"the engine process exited (code 1) (database {config.server.database_path}); run `lmspd doctor` for details"

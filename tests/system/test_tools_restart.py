@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ import httpx
 import jsonschema
 import pytest
 from support.server import Server, read_sse, tiny_server, wait_final
+from support.wait import wait_until
 
 from lmspd.models.registry import ResolvedModel
 
@@ -60,10 +60,8 @@ def test_kill_9_mid_arguments_then_resume_gives_the_same_call(server: Server) ->
     seen: list[dict[str, Any]] = []
     reader = threading.Thread(target=read_sse, args=(server.url, task_id, seen), daemon=True)
     reader.start()
-    deadline = time.monotonic() + 60
-    while sum(e["type"] == "response.function_call_arguments.delta" for e in list(seen)) < 8:
-        assert time.monotonic() < deadline, "the call did not get going"
-        time.sleep(0.01)
+    arguments = "response.function_call_arguments.delta"
+    wait_until(lambda: sum(e["type"] == arguments for e in list(seen)) >= 8, "the call to get going", interval=0.01)
     server.kill9()
     reader.join(10)
     before = list(seen)

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
-from support.engine_host import Hosts
+from support.engine_host import Host, Hosts
 from support.models import CACHE, SMOL, make_tiny_model
 from support.wait import wait_until_async
 
@@ -145,3 +145,12 @@ def engine_hosts() -> Iterator[Hosts]:
     one per engine config, closed at the end of the session."""
     with contextlib.ExitStack() as stack:
         yield Hosts(stack)
+
+
+@pytest.fixture(scope="module")
+def host(request: pytest.FixtureRequest, engine_hosts: Hosts) -> Host:
+    """The session's engine host on the module's ``ENGINE`` config: one engine process per
+    config, shared by every module on it, each test's apps still with their own database.
+    (A test that kills it leaves it to its app's supervisor, or the next ``get``, to restart.)"""
+    config: EngineConfig = request.module.ENGINE
+    return engine_hosts.get(config)

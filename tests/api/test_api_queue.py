@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from starlette.testclient import TestClient
-from support.engine_host import Host, Hosts, tiny_config
+from support.engine_host import Host, tiny_config
 from support.wait import wait_until
 
 from lmspd.config import Config, EngineConfig
@@ -26,13 +26,8 @@ def long_task(policy: str = "fail") -> dict[str, Any]:
     }
 
 
+# The host fixture's engine (tests/conftest.py): the crash test kills it; its app's supervisor restarts it.
 ENGINE = EngineConfig(weight_dtype="quantized", max_concurrency=1)
-
-
-@pytest.fixture(scope="module")
-def host(engine_hosts: Hosts) -> Host:
-    """The session's engine on ENGINE (the crash test kills it; its app's supervisor restarts it)."""
-    return engine_hosts.get(ENGINE)
 
 
 @pytest.fixture

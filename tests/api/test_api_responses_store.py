@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from starlette.testclient import TestClient
-from support.engine_host import Host, Hosts, purge
+from support.engine_host import Host, purge
 from support.families import make_thinker
 from support.wait import wait_until
 
@@ -23,12 +23,6 @@ LONG = {"input": "Tell me a story.", "max_output_tokens": 3000, "background": Tr
 
 
 ENGINE = EngineConfig(weight_dtype="quantized")
-
-
-@pytest.fixture(scope="module")
-def host(engine_hosts: Hosts) -> Host:
-    """The session's engine on ENGINE; every test's apps have their own database."""
-    return engine_hosts.get(ENGINE)
 
 
 @pytest.fixture

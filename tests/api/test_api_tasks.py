@@ -15,7 +15,7 @@ import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
-from support.engine_host import Host, Hosts, purge, tiny_config
+from support.engine_host import Host, purge, tiny_config
 from support.openresponses import validate, validate_event
 from support.wait import wait_until
 
@@ -33,12 +33,6 @@ def task_body(text: str = "Tell me a story.", **extra: Any) -> dict[str, Any]:
 
 
 ENGINE = EngineConfig(weight_dtype="quantized")
-
-
-@pytest.fixture(scope="module")
-def host(engine_hosts: Hosts) -> Host:
-    """The session's engine on ENGINE; every test still gets a new app and database."""
-    return engine_hosts.get(ENGINE)
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from typing import Any
 import msgspec
 import pytest
 from starlette.testclient import TestClient
-from support.engine_host import Host, Hosts, purge
+from support.engine_host import Host, purge
 from support.openresponses import validate
 from support.wait import wait_until
 
@@ -29,12 +29,6 @@ ALICE = {"Authorization": f"Bearer {TOKENS['alice']}"}
 BOB = {"Authorization": f"Bearer {TOKENS['bob']}"}
 QUICK = {"input": "Hi", "temperature": 0, "max_output_tokens": 4}
 ENGINE = EngineConfig(weight_dtype="quantized", max_concurrency=1)
-
-
-@pytest.fixture(scope="module")
-def host(engine_hosts: Hosts) -> Host:
-    """The session's engine on ENGINE; every test gets a new app and database."""
-    return engine_hosts.get(ENGINE)
 
 
 def config_for(tmp_path: Path, model_cache: Path, tiny: ResolvedModel, **responses: int) -> Config:

@@ -12,7 +12,7 @@ from typing import Any
 import msgspec
 import pytest
 from starlette.testclient import TestClient
-from support.engine_host import Host, Hosts, tiny_config
+from support.engine_host import Host, tiny_config
 from support.wait import wait_until
 
 from lmspd.config import Config, EngineConfig, ModelEntry, ServerConfig
@@ -26,11 +26,6 @@ TOKENS = {"alice": "alice-secret-token"}
 ALICE = {"Authorization": f"Bearer {TOKENS['alice']}"}
 ENGINE = EngineConfig(weight_dtype="quantized")  # test_api_tasks' engine: one host for both
 QUICK: dict[str, Any] = {"input": "Hi", "temperature": 0, "max_output_tokens": 2}
-
-
-@pytest.fixture(scope="module")
-def host(engine_hosts: Hosts) -> Host:
-    return engine_hosts.get(ENGINE)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 import pytest
 from starlette.testclient import TestClient
-from support.engine_host import Host, Hosts, tiny_config
+from support.engine_host import Host, tiny_config
 from support.wait import wait_until
 
 from lmspd.config import Config, EngineConfig
@@ -26,11 +26,6 @@ from lmspd.store.db import Database, on_thread
 
 ENGINE = EngineConfig(weight_dtype="quantized")
 TERMINAL = ("succeeded", "failed", "cancelled")
-
-
-@pytest.fixture(scope="module")
-def host(engine_hosts: Hosts) -> Host:
-    return engine_hosts.get(ENGINE)
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import ulid
 from starlette.testclient import TestClient
-from support.engine_host import Host, Hosts
+from support.engine_host import Host
 from support.wait import wait_until
 
 from lmspd.api.app import ROUTES
@@ -125,11 +125,6 @@ def calls(path: str, method: str, alice: Alice) -> list[Call]:
     if route == "/chat/completions":
         return [Call("POST", url, {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2})]
     raise LookupError(f"request body of POST {path}")
-
-
-@pytest.fixture(scope="module")
-def host(engine_hosts: Hosts) -> Host:
-    return engine_hosts.get(ENGINE)
 
 
 @pytest.fixture(scope="module")

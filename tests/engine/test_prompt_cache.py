@@ -84,13 +84,12 @@ async def cold() -> AsyncIterator[EngineClient]:
     await client.close()
 
 
-@pytest.fixture(scope="module")
-async def warm() -> AsyncIterator[EngineClient]:
-    """One engine with the cache on (in memory); each test keeps to its own cache key."""
-    client = EngineClient(CONFIG)
-    await client.start()
-    yield client
-    await client.close()
+@pytest.fixture
+def warm(engine: EngineClient) -> EngineClient:
+    """The session's shared engine, whose config is CONFIG: the cache on (in memory); each
+    test keeps to its own cache key."""
+    assert engine.config == CONFIG
+    return engine
 
 
 @pytest.fixture

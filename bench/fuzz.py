@@ -60,9 +60,9 @@ class Tally:
 
 
 def tiny_model(dest: Path) -> Path:
-    """The tests' tiny random-weight model (tests/conftest.py), with the bundled tokenizer."""
+    """The tests' tiny random-weight model (tests/support/models.py), with the bundled tokenizer."""
     sys.path.insert(0, str(ROOT / "tests"))
-    from conftest import CACHE, SMOL, make_tiny_model
+    from support.models import CACHE, SMOL, make_tiny_model
 
     from lmspd.models.pull import pull_builtin
 

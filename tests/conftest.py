@@ -1,38 +1,33 @@
-"""Shared fixtures: the real bundled model (pulled once per cache) and tiny random models.
+"""Fixtures every tier shares: the real bundled model (pulled once per cache), the tiny
+random-weight models (support.models), the shared engine process (the engine tier) and the
+engine hosts of in-process apps (the api tier).
 
-The tiny models are real mlx-lm llama directories (random weights, 4-bit like the
-bundled model) with the real SmolLM2 tokenizer, so the real engine path runs in
-milliseconds per token.
+Tiers by folder: unit/ (no model run, no engine, no server), engine/ (a real engine
+process), api/ (an app on the tiny model, or a real server on it), system/ (real processes
+killed and restarted, the bundled model). Helpers live in support/ (imported as
+``support.<module>``: this file's folder is on ``sys.path``).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import json
 import os
 import shutil
 import subprocess
 import sys
-import time
 import zipfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
-from engine_host import Hosts
+from support.engine_host import Host, Hosts
+from support.models import CACHE, SMOL, make_tiny_model
+from support.wait import wait_until_async
 
 from lmspd.config import EngineConfig
 from lmspd.engine.process import EngineClient
-from lmspd.models.catalog import BUILTIN_MODELS
 from lmspd.models.pull import pull_builtin
 from lmspd.models.registry import ResolvedModel
-
-ROOT = Path(__file__).resolve().parent.parent
-CACHE = Path(os.environ.get("LMSPD_TEST_CACHE", ROOT / ".test-cache"))
-# The engine builds its kernels once per machine (about 10 s), not once per test server.
-os.environ.setdefault("LMSPD_KERNEL_DIR", str(CACHE / "kernels"))
-SMOL = BUILTIN_MODELS["smollm2-135m-instruct"]
 
 
 @pytest.fixture(scope="session")
@@ -88,58 +83,6 @@ def smol(smol_dir: Path) -> ResolvedModel:
     return ResolvedModel(name=SMOL.name, path=smol_dir)
 
 
-def make_tiny_model(out: Path, tokenizer_from: Path, seed: int = 0, context: int = 256) -> Path:
-    """A 2-layer llama with random 4-bit weights and the real tokenizer."""
-    import mlx.core as mx
-    import mlx.nn as nn
-    from mlx.utils import tree_flatten
-    from mlx_lm.models.llama import Model, ModelArgs
-    from tokenizers import Tokenizer
-
-    # One embedding row per token, added (special) tokens included, rounded up to the
-    # quantization group as real checkpoints pad theirs.
-    vocab = Tokenizer.from_file(str(tokenizer_from / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
-
-    config = {
-        "model_type": "llama",
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "vocab_size": -(-vocab // 32) * 32,
-        "max_position_embeddings": context,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-        "rope_traditional": True,
-        "tie_word_embeddings": True,
-        "eos_token_id": 2,
-        "bos_token_id": 1,
-        "quantization": {"group_size": 32, "bits": 4},
-    }
-    mx.random.seed(seed)
-    model = Model(ModelArgs.from_dict(config))
-    # With default init a random model repeats one token forever; these scales (found
-    # by trying) give varied output whose greedy choices are well separated.
-    model.model.embed_tokens.weight = mx.random.normal(model.model.embed_tokens.weight.shape) * 0.5
-    for layer in model.model.layers:
-        for proj in (
-            *(getattr(layer.self_attn, f"{n}_proj") for n in "qkvo"),
-            layer.mlp.gate_proj,
-            layer.mlp.up_proj,
-            layer.mlp.down_proj,
-        ):
-            proj.weight = proj.weight * 3.0
-    nn.quantize(model, group_size=32, bits=4)
-    out.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    (out / "config.json").write_text(json.dumps(config))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer_from / name, out / name)
-    return out
-
-
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory: pytest.TempPathFactory, smol_dir: Path) -> ResolvedModel:
     path = make_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny", smol_dir, seed=0)
@@ -185,11 +128,13 @@ async def engine(shared_engine: EngineClient) -> AsyncIterator[EngineClient]:
     assert shared_engine.stats()["in_flight"] == 0
     yield shared_engine
     # An abandoned stream (``break`` out of ``async for``) is closed by the event loop's
-    # async-generator finalizer shortly after, not at once: poll for it.
-    deadline = time.monotonic() + 10
-    while shared_engine.stats()["in_flight"] and time.monotonic() < deadline:
-        await asyncio.sleep(0.01)
-    assert shared_engine.stats()["in_flight"] == 0, "the test left requests running on the shared engine"
+    # async-generator finalizer shortly after, not at once: wait for it.
+    await wait_until_async(
+        lambda: shared_engine.stats()["in_flight"] == 0,
+        "the test left requests running on the shared engine",
+        timeout=10,
+        interval=0.01,
+    )
     assert not shared_engine._early_cancels, "the test left cancels remembered on the shared engine"
     assert shared_engine.alive, "the test killed the shared engine: start a private one"
 
@@ -200,3 +145,12 @@ def engine_hosts() -> Iterator[Hosts]:
     one per engine config, closed at the end of the session."""
     with contextlib.ExitStack() as stack:
         yield Hosts(stack)
+
+
+@pytest.fixture(scope="module")
+def host(request: pytest.FixtureRequest, engine_hosts: Hosts) -> Host:
+    """The session's engine host on the module's ``ENGINE`` config: one engine process per
+    config, shared by every module on it, each test's apps still with their own database.
+    (A test that kills it leaves it to its app's supervisor, or the next ``get``, to restart.)"""
+    config: EngineConfig = request.module.ENGINE
+    return engine_hosts.get(config)

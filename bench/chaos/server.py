@@ -29,7 +29,7 @@ def tiny_model(dest: Path) -> Path:
     4096-token context, so a generation takes a second or two and a cycle a few seconds."""
     smol = pull_builtin(BUILTIN_MODELS["smollm2-135m-instruct"], TEST_CACHE / "models")
     sys.path.insert(0, str(ROOT / "tests"))
-    from conftest import make_tiny_model  # one definition of the tiny model, the tests'
+    from support.models import make_tiny_model  # one definition of the tiny model, the tests'
 
     return make_tiny_model(dest / "tiny", smol, seed=0, context=4096)
 

@@ -1,0 +1,287 @@
+"""The engine's prompt cache: the next turn reuses the KV of the last, gives the same tokens as
+a cold run, and the hottest entries survive the engine process (but never a corrupt file)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import signal
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any, cast
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import KVCache
+from support.wait import wait_until_async
+
+from lmspd.config import EngineConfig
+from lmspd.engine import protocol as p
+from lmspd.engine.process import EngineClient
+from lmspd.engine.prompt_cache import SUFFIX, DiskCache, PromptCache, stored_lengths
+from lmspd.engine.worker import KEEP_PREFILL_TOKENS, KEEP_SOON_TOKENS, Request, keeps_early
+from lmspd.models.registry import ResolvedModel
+from lmspd.prompting.generation import build_generate
+
+GREEDY = p.SamplingParams(temperature=0.0)
+CONFIG = EngineConfig(weight_dtype="quantized", max_concurrency=4)
+
+
+def kv(tokens: int, seed: int = 0) -> list[KVCache]:
+    """A two-layer KV cache holding ``tokens`` positions of random keys and values."""
+    mx.random.seed(seed)
+    layers = []
+    for _ in range(2):
+        c = KVCache()
+        c.update_and_fetch(mx.random.normal((1, 2, tokens, 4)), mx.random.normal((1, 2, tokens, 4)))
+        layers.append(c)
+    return layers
+
+
+def command(model: ResolvedModel, prompt: list[int], max_tokens: int = 12, key: str = "") -> p.Generate:
+    base = build_generate(model, [{"role": "user", "content": "x"}], request_id="probe", max_tokens=1, sampling=GREEDY)
+    return p.Generate(
+        request_id=uuid.uuid4().hex,
+        model=model.name,
+        path=str(model.path),
+        prompt=prompt,
+        max_tokens=max_tokens,
+        sampling=GREEDY,
+        stop_token_ids=base.stop_token_ids,
+        cache_key=key,
+    )
+
+
+def first_prompt(model: ResolvedModel) -> list[int]:
+    return build_generate(
+        model,
+        [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "Name three rivers."}],
+        request_id="p",
+        max_tokens=1,
+        sampling=GREEDY,
+    ).prompt
+
+
+async def run(engine: EngineClient, cmd: p.Generate) -> tuple[list[int], p.Finished]:
+    ids: list[int] = []
+    async for ev in engine.generate(cmd):
+        if isinstance(ev, p.Delta):
+            ids += ev.token_ids
+        else:
+            return ids, ev
+    raise AssertionError("no Finished")
+
+
+@pytest.fixture(scope="module")
+async def cold() -> AsyncIterator[EngineClient]:
+    """An engine with the prompt cache off: what every answer must equal."""
+    client = EngineClient(EngineConfig(weight_dtype="quantized", max_concurrency=4, prompt_cache_max_bytes=0))
+    await client.start()
+    yield client
+    await client.close()
+
+
+@pytest.fixture
+def warm(engine: EngineClient) -> EngineClient:
+    """The session's shared engine, whose config is CONFIG: the cache on (in memory); each
+    test keeps to its own cache key."""
+    assert engine.config == CONFIG
+    return engine
+
+
+@pytest.fixture
+def key() -> str:
+    return uuid.uuid4().hex
+
+
+async def two_turns(engine: EngineClient, model: ResolvedModel, key: str) -> tuple[list[int], list[int]]:
+    """Turn 1, then turn 2 = turn 1's prompt, its answer and a new user turn."""
+    one = first_prompt(model)
+    answer, fin = await run(engine, command(model, one, key=key))
+    assert fin.cached_tokens == 0
+    return one, [*one, *answer, *first_prompt(model)[-8:]]
+
+
+async def test_the_next_turn_prefills_only_its_new_part_and_gives_the_same_tokens(
+    warm: EngineClient, cold: EngineClient, tiny: ResolvedModel, key: str
+) -> None:
+    one, two = await two_turns(warm, tiny, key)
+    answer, fin = await run(warm, command(tiny, two, key=key))
+    # Everything of turn 1 is reused: its prompt and its answer (mlx-lm feeds each token to
+    # the model one step before reporting it, so the last one's KV is there too).
+    assert fin.cached_tokens == len(one) + 12
+    assert fin.prompt_tokens == len(two)
+    expected, cold_fin = await run(cold, command(tiny, two))
+    assert cold_fin.cached_tokens == 0
+    assert answer == expected
+
+
+async def test_cached_and_fresh_requests_share_one_batch(
+    warm: EngineClient, cold: EngineClient, tiny: ResolvedModel, key: str
+) -> None:
+    _, two = await two_turns(warm, tiny, key)
+    fresh = [*first_prompt(tiny)[:-3], 42, 43, 44]
+    (hit, hit_fin), (new, new_fin) = await asyncio.gather(
+        run(warm, command(tiny, two, key=key)), run(warm, command(tiny, fresh, key=key + "-fresh"))
+    )
+    assert hit_fin.cached_tokens > 0 and new_fin.cached_tokens == 0
+    assert hit == (await run(cold, command(tiny, two)))[0]
+    assert new == (await run(cold, command(tiny, fresh)))[0]
+
+
+async def test_a_long_prompt_is_cached_once_prefilled_not_only_when_its_answer_ends(
+    warm: EngineClient, tiny_long: ResolvedModel, key: str
+) -> None:
+    prompt = [*first_prompt(tiny_long), *range(1000, 1000 + KEEP_PREFILL_TOKENS)]
+    long = command(tiny_long, prompt, max_tokens=3000, key=key)
+    stream = warm.generate(long)
+    first = await anext(stream)  # a token: the prompt has been prefilled
+    assert isinstance(first, p.Delta)
+    _, fin = await run(warm, command(tiny_long, prompt, max_tokens=2, key=key))
+    assert fin.cached_tokens == len(prompt) - 1
+    await warm.cancel(long.request_id)
+    async for ev in stream:
+        if isinstance(ev, p.Finished):
+            assert ev.reason == "cancelled"
+
+
+@pytest.mark.parametrize(
+    ("prompt", "cached", "max_tokens", "kept"),
+    [
+        (KEEP_PREFILL_TOKENS, 0, 3000, True),
+        (KEEP_PREFILL_TOKENS - 1, 0, 3000, False),  # short: cached with its answer
+        (KEEP_PREFILL_TOKENS + 10, 20, 3000, False),  # the cache gave part of it: too little computed
+        (KEEP_PREFILL_TOKENS, 0, KEEP_SOON_TOKENS, False),  # its answer ends soon: cached then
+        (KEEP_PREFILL_TOKENS, 0, KEEP_SOON_TOKENS + 1, True),
+    ],
+)
+def test_which_prompts_are_cached_once_prefilled(
+    tiny: ResolvedModel, prompt: int, cached: int, max_tokens: int, kept: bool
+) -> None:
+    req = Request(command(tiny, list(range(prompt)), max_tokens=max_tokens), 0, cast(Any, None), 0, cached)
+    assert keeps_early(req) == kept
+
+
+async def test_an_exact_repeat_still_runs_its_last_token(
+    warm: EngineClient, cold: EngineClient, tiny: ResolvedModel, key: str
+) -> None:
+    prompt = first_prompt(tiny)
+    first, _ = await run(warm, command(tiny, prompt, key=key))
+    again, fin = await run(warm, command(tiny, prompt, key=key))
+    assert fin.cached_tokens == len(prompt) - 1
+    assert again == first == (await run(cold, command(tiny, prompt)))[0]
+
+
+async def test_clients_never_share_cached_prefixes(warm: EngineClient, tiny: ResolvedModel, key: str) -> None:
+    _, two = await two_turns(warm, tiny, key)
+    _, fin = await run(warm, command(tiny, two, key=key + "-someone-else"))
+    assert fin.cached_tokens == 0
+    _, fin = await run(warm, command(tiny, two, key=key))
+    assert fin.cached_tokens > 0
+
+
+async def test_a_resumed_request_counts_cached_tokens_of_its_prompt_only(
+    warm: EngineClient, tiny: ResolvedModel, key: str
+) -> None:
+    prompt = first_prompt(tiny)
+    answer, _ = await run(warm, command(tiny, prompt, max_tokens=12, key=key))
+    resumed = command(tiny, prompt, max_tokens=12, key=key)
+    resumed = p.Generate(**{**{f: getattr(resumed, f) for f in resumed.__struct_fields__}, "generated": answer[:6]})
+    rest, fin = await run(warm, resumed)
+    assert rest == answer[6:]
+    assert fin.cached_tokens == len(prompt)
+
+
+async def wait_for_files(folder: Path, count: int) -> list[Path]:
+    def found() -> list[Path] | None:
+        files = sorted(f for f in folder.rglob(f"*{SUFFIX}") if not f.name.startswith("."))  # not mid-write
+        return files if len(files) >= count else None
+
+    return await wait_until_async(found, f"{count} prompt cache files in {folder}", interval=0.05)
+
+
+async def test_the_cache_survives_kill_9_and_a_corrupt_file_is_ignored(
+    tmp_path: Path, cold: EngineClient, tiny: ResolvedModel
+) -> None:
+    folder = tmp_path / "prompt-cache"
+    engine = EngineClient(CONFIG, folder)
+    await engine.start()
+    try:
+        one, two = await two_turns(engine, tiny, "")
+        (written,) = await wait_for_files(folder, 1)
+        assert engine.process is not None and engine.process.pid is not None
+        os.kill(engine.process.pid, signal.SIGKILL)
+    finally:
+        await engine.close()
+    # A torn write, a file whose bytes do not match its name, and bytes that are no cache.
+    (written.parent / f".tmp-123{SUFFIX}").write_bytes(b"half")
+    corrupt = written.parent / f"{'0' * 64}{SUFFIX}"
+    corrupt.write_bytes(written.read_bytes())
+    garbage = b"not a safetensors file"
+    (written.parent / f"{hashlib.sha256(garbage).hexdigest()}{SUFFIX}").write_bytes(garbage)
+
+    engine = EngineClient(CONFIG, folder)
+    await engine.start()
+    try:
+        answer, fin = await run(engine, command(tiny, two))
+    finally:
+        await engine.close()
+    assert fin.cached_tokens == len(one) + 12
+    assert answer == (await run(cold, command(tiny, two)))[0]
+    # The bad files are gone; what is left is the cache of turn 2, which superseded turn 1's.
+    (left,) = written.parent.iterdir()
+    assert left.name == f"{hashlib.sha256(left.read_bytes()).hexdigest()}{SUFFIX}" != written.name
+
+
+# --- the cache without an engine -----------------------------------------------------------
+
+
+def test_disk_entries_round_trip_and_are_bounded(tmp_path: Path) -> None:
+    disk = DiskCache(tmp_path, max_bytes=1 << 30)
+    key_a = (("m", ""), (1, 2, 3))
+    key_b = (("m", "k"), (4, 5))
+    disk.write(key_a, kv(3))
+    disk.write(key_b, kv(2, seed=1))
+    loaded = dict(DiskCache(tmp_path, max_bytes=1 << 30).load("m"))
+    assert set(loaded) == {key_a, key_b}
+    assert sorted(stored_lengths(tmp_path)) == [2, 3]
+    for a, b in zip(loaded[key_a], kv(3), strict=True):
+        assert mx.array_equal(a.keys[..., : a.offset, :], b.keys[..., : b.offset, :])
+    assert DiskCache(tmp_path, 1 << 30).load("other-model") == []
+    size = next(tmp_path.rglob(f"*{SUFFIX}")).stat().st_size
+    disk.max_bytes = size + 1  # room for one: the newest stays
+    disk.prune(keep=lambda key: True)
+    assert list(disk.files) == [key_b]
+
+
+def test_a_file_of_another_model_is_not_trusted(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    disk = DiskCache(tmp_path, max_bytes=1 << 30)
+    disk.write((("m", ""), (1, 2, 3)), kv(3))
+    (path,) = tmp_path.rglob(f"*{SUFFIX}")
+    (tmp_path / "n").mkdir()
+    moved = tmp_path / "n" / path.name
+    path.rename(moved)
+    with caplog.at_level(logging.WARNING, logger="lmspd.engine.cache"):
+        assert DiskCache(tmp_path, 1 << 30).load("n") == []
+    assert "not written by lmspd for this model" in caplog.text
+    assert not moved.exists()
+
+
+def test_the_memory_bound_holds_and_the_newest_entry_stays() -> None:
+    one = sum(c.nbytes for c in kv(300))
+    cache = PromptCache(max_bytes=2 * one + one // 2)
+    for i in range(5):
+        cache.store(("m", ""), list(range(i * 1000, i * 1000 + 300)), kv(300, seed=i))
+        assert cache.nbytes <= 2 * one + one // 2
+    assert cache.fetch(("m", ""), [*range(4000, 4300), 7]).cached == 300
+    assert cache.fetch(("m", ""), [*range(0, 300), 7]).cached == 0
+
+
+def test_a_disabled_cache_keeps_nothing() -> None:
+    cache = PromptCache(max_bytes=0)
+    cache.store(("m", ""), [1, 2, 3], kv(3))
+    assert cache.nbytes == 0
+    assert cache.fetch(("m", ""), [1, 2, 3, 4]).cache is None

@@ -1,0 +1,72 @@
+"""Validate objects against the Open Responses OpenAPI schema (a copy in tests/support/data, so
+tests need nothing outside the project)."""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from typing import Any
+
+import jsonschema
+
+from support import DATA
+
+SCHEMA = DATA / "openresponses-openapi.json"
+EVENT_SCHEMAS = {
+    "response.created": "ResponseCreatedStreamingEvent",
+    "response.queued": "ResponseQueuedStreamingEvent",
+    "response.in_progress": "ResponseInProgressStreamingEvent",
+    "response.completed": "ResponseCompletedStreamingEvent",
+    "response.failed": "ResponseFailedStreamingEvent",
+    "response.incomplete": "ResponseIncompleteStreamingEvent",
+    "response.output_item.added": "ResponseOutputItemAddedStreamingEvent",
+    "response.output_item.done": "ResponseOutputItemDoneStreamingEvent",
+    "response.content_part.added": "ResponseContentPartAddedStreamingEvent",
+    "response.content_part.done": "ResponseContentPartDoneStreamingEvent",
+    "response.output_text.delta": "ResponseOutputTextDeltaStreamingEvent",
+    "response.output_text.done": "ResponseOutputTextDoneStreamingEvent",
+    "response.function_call_arguments.delta": "ResponseFunctionCallArgumentsDeltaStreamingEvent",
+    "response.function_call_arguments.done": "ResponseFunctionCallArgumentsDoneStreamingEvent",
+}
+# docs/responses.md ("Streaming") names reasoning events as OpenAI does (``response.reasoning_text.*``); Open Responses
+# calls the same shape ``response.reasoning.*``.
+RENAMED_EVENTS = {
+    "response.reasoning_text.delta": ("response.reasoning.delta", "ResponseReasoningDeltaStreamingEvent"),
+    "response.reasoning_text.done": ("response.reasoning.done", "ResponseReasoningDoneStreamingEvent"),
+}
+
+# Vendor events (seed "압축"), not in the Open Responses schema: their integer fields.
+VENDOR_EVENTS = {
+    "mlx.compaction.started": ("input_tokens",),
+    "mlx.compaction.completed": ("input_tokens_before", "input_tokens_after"),
+}
+
+
+@cache
+def _validator(name: str) -> jsonschema.Draft202012Validator:
+    doc = json.loads(SCHEMA.read_text())
+    return jsonschema.Draft202012Validator({**doc, "$ref": f"#/components/schemas/{name}"})
+
+
+def validate(name: str, obj: Any) -> None:
+    _validator(name).validate(obj)
+
+
+def validate_event(event: dict[str, Any]) -> None:
+    """Open Responses events by their schema; LMSP's own events by their documented shape."""
+    etype = event["type"]
+    if etype in EVENT_SCHEMAS:
+        validate(EVENT_SCHEMAS[etype], event)
+    elif etype in RENAMED_EVENTS:
+        their_name, schema = RENAMED_EVENTS[etype]
+        validate(schema, {**event, "type": their_name})
+    elif etype == "response.cancelled":  # docs/lmsp.md §6.3: {type, sequence_number, response}
+        assert set(event) == {"type", "sequence_number", "response"}
+        validate("ResponseResource", event["response"])
+    elif etype == "lmsp.attempt.restarted":
+        assert set(event) == {"type", "sequence_number", "attempt", "reason"}
+    elif etype in VENDOR_EVENTS:  # the seed's compaction events: not in Open Responses
+        assert set(event) == {"type", "sequence_number", "response_id", *VENDOR_EVENTS[etype]}
+        assert all(isinstance(event[k], int) and event[k] >= 0 for k in VENDOR_EVENTS[etype])
+    else:
+        raise AssertionError(f"unexpected event type {etype}")

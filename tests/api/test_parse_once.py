@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_host import Host, Hosts, tiny_config
 from starlette.testclient import TestClient
+from support.engine_host import Host, tiny_config
 
 from lmspd.config import Config, EngineConfig
 from lmspd.models.registry import ResolvedModel
@@ -19,11 +19,6 @@ from lmspd.responses import tools
 
 ENGINE = EngineConfig(weight_dtype="quantized")
 TOOL = {"type": "function", "name": "lookup", "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}
-
-
-@pytest.fixture(scope="module")
-def host(engine_hosts: Hosts) -> Host:
-    return engine_hosts.get(ENGINE)
 
 
 @pytest.fixture(scope="module")

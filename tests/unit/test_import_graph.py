@@ -10,7 +10,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-SOURCE = Path(__file__).resolve().parent.parent / "service"
+SOURCE = Path(__file__).resolve().parents[2] / "service"
 ORDER = ("ground", "store", "models", "engine", "responses", "chat", "prompting", "core", "api", "cli")
 GROUND = {"errors", "config", "logs", "metrics", "client", "migrations"}
 

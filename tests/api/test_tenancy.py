@@ -15,6 +15,7 @@ PUBLIC. Alice owns a task, a background response and a conversation; then:
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -190,8 +191,9 @@ def _no_leak(r: Any, alice: Alice, call: Call) -> None:
     """Nothing of Alice's in the answer but what the request itself said (an id echoed back)."""
     sent = json.dumps([call.url, call.body, call.headers])
     for mark in alice.marks():
-        if mark not in sent:
-            assert mark not in r.text, f"{call.method} {call.url} {call.body} showed {mark!r}: {r.text[:300]}"
+        # A mark standing alone: "7741" inside a number (a metric's 0.77415 or 7741.0) is not the code.
+        if mark not in sent and re.search(rf"(?<![\w.]){re.escape(mark)}(?!\.?\d)", r.text):
+            raise AssertionError(f"{call.method} {call.url} {call.body} showed {mark!r}: {r.text[:300]}")
 
 
 def _normalized(r: Any, ids: list[str]) -> Any:

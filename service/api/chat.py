@@ -10,7 +10,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from lmspd.api.events import event_stream, openai_stream, while_connected
+from lmspd.api.events import Cut, event_stream, openai_stream, while_connected
 from lmspd.api.problems import openai_response
 from lmspd.api.routing import AUTH, EVENTS_OPENAI, GENERATE, INTAKE, Op, Operation
 from lmspd.api.state import state_of
@@ -35,9 +35,13 @@ async def create_chat_completion(request: Request) -> Response:
         chunks = ChunkStream(
             completion_id, req.model or app.config.default_model, task.created_at, include_usage=chat.include_usage
         )
-        stream = openai_stream(app.core, task, -1, chunks.frames, own=True)
+
+        def end(cut: Cut) -> bytes:
+            return chunks.cut(cut.code, cut.message)
+
+        stream = openai_stream(app.core, task, -1, chunks.frames, end, own=True)
         return event_stream(request, stream)
-    final = await while_connected(request, app.core.wait(task.id), task=task)
+    final = await while_connected(request, app.core.outcome(task), task=task)
     response = msgspec.json.decode(await app.core.snapshot(final), type=s.Response)
     await app.core.release(final)
     if response.status == "failed":

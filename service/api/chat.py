@@ -15,6 +15,7 @@ from lmspd.api.problems import openai_response
 from lmspd.api.routing import AUTH, EVENTS_OPENAI, GENERATE, INTAKE, Op, Operation
 from lmspd.api.state import state_of
 from lmspd.api.wire import decode, read_body
+from lmspd.chat.params import name_chat_fields
 from lmspd.chat.schema import ChatCompletionRequest
 from lmspd.chat.view import ChatCompletion, ChatCompletionChunk, ChatError, ChunkStream, completion
 from lmspd.errors import LmspdError, error_for
@@ -25,11 +26,15 @@ async def create_chat_completion(request: Request) -> Response:
     app = state_of(request)
     owner = app.auth.owner(request)
     chat = decode(await read_body(request, app.config.server.max_body_bytes), ChatCompletionRequest)
-    req, extras = chat.to_response_request()
-    if extras.logprobs is not None:
-        req = s.replace(req, include=[s.LOGPROBS], top_logprobs=extras.logprobs)
-    task_request = s.TaskRequest.of(req, stop=extras.stop or None, seed=extras.seed)
-    task, _ = await app.core.submit(owner, task_request, kind="response")
+    try:
+        req, extras = chat.to_response_request()
+        if extras.logprobs is not None:
+            req = s.replace(req, include=[s.LOGPROBS], top_logprobs=extras.logprobs)
+        task_request = s.TaskRequest.of(req, stop=extras.stop or None, seed=extras.seed)
+        task, _ = await app.core.submit(owner, task_request, kind="response")
+    except LmspdError as exc:  # checked as the Responses request it runs as: named as Chat's fields
+        name_chat_fields(exc, chat)
+        raise
     completion_id = f"chatcmpl-{task.response_id.removeprefix('resp_')}"
     if chat.stream:
         chunks = ChunkStream(

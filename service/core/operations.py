@@ -206,6 +206,9 @@ class Core:
             check_request(model, prompt_for(model, request, turns), sampling, check_length=check)
 
     async def input_tokens(self, owner: str, request: s.ResponseRequest) -> int:
+        """The prompt's length in tokens, for a request create would accept: refused as
+        create refuses it (its sampling parameters too), never counted regardless."""
+        request.sampling().validate()
         turns = await history(self.store, owner, request.previous_response_id, request.conversation_id)
         turns, request, _ = await self.echo.restore(owner, turns, request)
 

@@ -4,7 +4,8 @@ that used to answer 500 or name the wrong field (issue 21, items 6 and 7).
 A directory that looks like a model (it has a config.json) but holds none is the client's
 404 naming ``model`` on every route, found before any task is made (it was a 500
 ``model_load_failed``); the built-in model's own directory named by path is the built-in
-(it loaded as a second model)."""
+(it loaded as a second model); Chat Completions errors name Chat's fields; and
+``/v1/responses/input_tokens`` refuses the sampling values create refuses."""
 
 from __future__ import annotations
 
@@ -96,3 +97,20 @@ def test_the_built_in_models_own_directory_is_that_model(server: Server, model_c
         assert r.json()["model"] == model  # echoed as the client named it
     loads = [line for line in server.log.read_text().splitlines() if "engine loading model" in line]
     assert [line.rsplit(" ", 1)[1] for line in loads if not line.endswith(" tiny")] == [SMOL.name]
+
+
+def test_chat_completions_errors_name_chats_fields(server: Server) -> None:
+    long = {"messages": [{"role": "user", "content": "word " * 30_000}]}
+    assert error_of(post(server, "/v1/chat/completions", long)) == (400, "context_length_exceeded", "messages")
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}
+    bad_tool = {"messages": [{"role": "user", "content": "Hi"}], "tools": [tool]}
+    r = post(server, "/v1/chat/completions", bad_tool)
+    assert error_of(r)[0::2] == (400, "tools[0].function.parameters"), r.text
+
+
+@pytest.mark.parametrize("field", [{"temperature": -1}, {"temperature": 2.5}, {"top_p": 0}, {"top_p": 1.5}])
+def test_input_tokens_refuses_the_sampling_values_create_refuses(server: Server, field: dict[str, Any]) -> None:
+    (name,) = field
+    for route in ("/v1/responses", "/v1/responses/input_tokens"):
+        r = post(server, route, {"input": "Hi", **field})
+        assert error_of(r)[0::2] == (400, name), (route, r.text)

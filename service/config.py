@@ -37,9 +37,12 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     prompt_cache_max_bytes: int = 2 * 1024**3
     # The hottest of them kept in the data directory across restarts (0: none).
     prompt_cache_disk_max_bytes: int = 2 * 1024**3
+    # ...never using the last this many bytes of the disk they share with the database: a
+    # cache file is not written where it would leave less free (the tier waits for room).
+    prompt_cache_disk_min_free_bytes: int = 512 * 1024**2
 
     def __post_init__(self) -> None:
-        for key in ("prompt_cache_max_bytes", "prompt_cache_disk_max_bytes"):
+        for key in ("prompt_cache_max_bytes", "prompt_cache_disk_max_bytes", "prompt_cache_disk_min_free_bytes"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"engine.{key} must be >= 0", param=f"engine.{key}")
         _positive("engine.max_concurrency", self.max_concurrency)
@@ -179,6 +182,7 @@ ENV_VARS = {
     "LMSPD_PREFILL_INTERLEAVE_MS": "engine.prefill_interleave_ms",
     "LMSPD_PROMPT_CACHE_MAX_BYTES": "engine.prompt_cache_max_bytes",
     "LMSPD_PROMPT_CACHE_DISK_MAX_BYTES": "engine.prompt_cache_disk_max_bytes",
+    "LMSPD_PROMPT_CACHE_DISK_MIN_FREE_BYTES": "engine.prompt_cache_disk_min_free_bytes",
     "LMSPD_HOST": "server.host",
     "LMSPD_PORT": "server.port",
     "LMSPD_DATA_DIR": "server.data_dir",

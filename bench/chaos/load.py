@@ -244,7 +244,14 @@ class Load:
         return True
 
     def _record(self, got: Received, conn: Connection, kind: str, data: bytes) -> bool:
-        """Keep what was received; True at the final event."""
+        """Keep what was received; True at the final event. An ``error`` event is no event of
+        the log: the server ends a /v1 stream early with one (its sequence_number repeats
+        the last event's), and only a shutdown may."""
+        if kind == "error":
+            code = msgspec.json.decode(data).get("code")
+            if not (self.stopping and code == "server_shutting_down"):
+                self.ledger.errors.append(f"{conn.response_id}: a stream ended with an error event: {data[:200]!r}")
+            return False
         seq = int(msgspec.json.decode(data)["sequence_number"])
         conn.seqs.append(seq)
         got.events.setdefault(seq, (kind, data))

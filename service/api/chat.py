@@ -10,11 +10,12 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from lmspd.api.events import event_stream, openai_stream, while_connected
+from lmspd.api.events import Cut, event_stream, openai_stream, while_connected
 from lmspd.api.problems import openai_response
 from lmspd.api.routing import AUTH, EVENTS_OPENAI, GENERATE, INTAKE, Op, Operation
 from lmspd.api.state import state_of
 from lmspd.api.wire import decode, read_body
+from lmspd.chat.params import name_chat_fields
 from lmspd.chat.schema import ChatCompletionRequest
 from lmspd.chat.view import ChatCompletion, ChatCompletionChunk, ChatError, ChunkStream, completion
 from lmspd.errors import LmspdError, error_for
@@ -25,19 +26,27 @@ async def create_chat_completion(request: Request) -> Response:
     app = state_of(request)
     owner = app.auth.owner(request)
     chat = decode(await read_body(request, app.config.server.max_body_bytes), ChatCompletionRequest)
-    req, extras = chat.to_response_request()
-    if extras.logprobs is not None:
-        req = s.replace(req, include=[s.LOGPROBS], top_logprobs=extras.logprobs)
-    task_request = s.TaskRequest.of(req, stop=extras.stop or None, seed=extras.seed)
-    task, _ = await app.core.submit(owner, task_request, kind="response")
+    try:
+        req, extras = chat.to_response_request()
+        if extras.logprobs is not None:
+            req = s.replace(req, include=[s.LOGPROBS], top_logprobs=extras.logprobs)
+        task_request = s.TaskRequest.of(req, stop=extras.stop or None, seed=extras.seed)
+        task, _ = await app.core.submit(owner, task_request, kind="response")
+    except LmspdError as exc:  # checked as the Responses request it runs as: named as Chat's fields
+        name_chat_fields(exc, chat)
+        raise
     completion_id = f"chatcmpl-{task.response_id.removeprefix('resp_')}"
     if chat.stream:
         chunks = ChunkStream(
             completion_id, req.model or app.config.default_model, task.created_at, include_usage=chat.include_usage
         )
-        stream = openai_stream(app.core, task, -1, chunks.frames, own=True)
+
+        def end(cut: Cut) -> bytes:
+            return chunks.cut(cut.code, cut.message)
+
+        stream = openai_stream(app.core, task, -1, chunks.frames, end, own=True)
         return event_stream(request, stream)
-    final = await while_connected(request, app.core.wait(task.id), task=task)
+    final = await while_connected(request, app.core.outcome(task), task=task)
     response = msgspec.json.decode(await app.core.snapshot(final), type=s.Response)
     await app.core.release(final)
     if response.status == "failed":

@@ -12,9 +12,10 @@ without its terminating chunk); it resumes with ``Last-Event-ID`` (``starting_af
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -24,6 +25,7 @@ from lmspd.api.state import state_of
 from lmspd.api.wire import ascii_int
 from lmspd.core import Core
 from lmspd.errors import EventHistoryExpiredError
+from lmspd.responses.schema import FINAL_EVENTS
 from lmspd.store.status import TERMINAL
 from lmspd.store.task_store import Event, TaskRecord
 
@@ -145,26 +147,80 @@ async def client_gone(request: Request, exc: Exception) -> Response:
 Render = Callable[[list[Event]], bytes]
 
 
+class Cut(NamedTuple):
+    """Why the server ends a /v1 stream before its response has ended: said to the client as
+    the stream's last event (an ``error`` event, or Chat's error frame), then ``[DONE]``."""
+
+    code: str  # server_shutting_down | storage_full
+    message: str  # what happens to the response, and how to get it
+    sequence_number: int  # of the last event the client got: a resume starts after it
+
+
+def _cut(core: Core, task: TaskRecord, last: int) -> Cut:
+    """The shutdown's or the full storage's end of a stream at event ``last``."""
+    rid = task.response_id
+    if core.stalled(task.id):
+        return Cut(
+            "storage_full",
+            f"the server's storage is full: response {rid} cannot go on now; it ends by its policy once "
+            "there is room (retry later)",
+            last,
+        )
+    if task.stored or task.background:
+        resume = f"GET /v1/responses/{rid} (with ?stream=true&starting_after={last} to follow it from here)"
+        then = f"The response {rid} is kept: once the server is back, {resume}."
+    else:
+        then = "The response was not stored (store: false): send the request again once the server is back."
+    return Cut(
+        "server_shutting_down", f"the server is shutting down: this stream ends before its response. {then}", last
+    )
+
+
 async def openai_stream(
-    core: Core, task: TaskRecord, after: int, render: Render, *, own: bool
+    core: Core, task: TaskRecord, after: int, render: Render, end: Callable[[Cut], bytes], *, own: bool
 ) -> AsyncGenerator[bytes, None]:
     """A /v1 stream (Responses or Chat Completions): the rendered events, then ``data: [DONE]``.
-    A stream that owns its foreground task abandons it when the client goes away (the
-    server cancels this generator's scope: the abandoning runs detached); a replay of a
-    background response never cancels it."""
-    finished = False
+
+    A stream the server ends before its response (a shutdown, or a storage too full to go
+    on) says why as its last event (``end``), then ``[DONE]``, so a client never reads a
+    silent cut; the task stays as it is (settled by its policy). A stream that owns its
+    foreground task abandons it when the client goes away (the server cancels this
+    generator's scope: the abandoning runs detached); a replay of a background response
+    never cancels it."""
+    finished = cut = False
+    last = after
     core.metrics.sse_streams.labels("openai").inc()
     try:
-        async for batch in core.follow(task.id, after, SSE_BATCH):
-            yield render(batch) if batch else b": keep-alive\n\n"
-            if own:
-                delivered(core, task.id, batch)
-        final = await core.task(task.id, None)
-        if finished := final.status in TERMINAL:
-            yield b"data: [DONE]\n\n"
-            if own:
-                await core.release(final)
+        async with contextlib.aclosing(core.follow(task.id, after, SSE_BATCH)) as batches:
+            async for batch in batches:
+                if batch:
+                    last = batch[-1].seq
+                    finished = batch[-1].type in FINAL_EVENTS
+                    yield render(batch)
+                    if own:
+                        delivered(core, task.id, batch)
+                elif core.stalled(task.id):
+                    break  # nothing comes until there is room
+                else:
+                    yield b": keep-alive\n\n"
+        if not finished and (await core.task(task.id, None)).status in TERMINAL:
+            # It ended as the stream did (or before the point it resumed from): whatever
+            # is left of its log is there to send, up to its final event.
+            async for batch in core.follow(task.id, last, SSE_BATCH):
+                if batch:
+                    last = batch[-1].seq
+                    yield render(batch)
+            finished = True
+        if not finished:
+            cut = True
+            yield end(_cut(core, task, last))
+        yield b"data: [DONE]\n\n"
+        if own and finished:
+            await core.release(await core.task(task.id, None))
     finally:
         core.metrics.sse_streams.labels("openai").dec()
         if own and not finished:
-            core.abandon(task)
+            if cut and core.stalled(task.id):
+                core.settle_later(task)  # it fails by its policy once there is room; then released
+            else:
+                core.abandon(task)  # (not while shutting down: then the task is left to its policy)

@@ -15,7 +15,7 @@ from starlette.responses import Response
 
 from lmspd import errors as e
 from lmspd.api import wire
-from lmspd.api.events import event_stream, openai_stream, resume_point, while_connected
+from lmspd.api.events import Cut, event_stream, openai_stream, resume_point, while_connected
 from lmspd.api.routing import AUTH, EVENTS_OPENAI, GENERATE, INTAKE, LIMIT, Op, Operation, header, query
 from lmspd.api.state import state_of
 from lmspd.api.wire import (
@@ -63,9 +63,9 @@ async def create_response(request: Request) -> Response:
         # Compaction ends before the stream opens or the answer is awaited: a refusal is a 400.
         await while_connected(request, app.core.past_compaction(task), task=task)
     if req.stream:
-        stream = openai_stream(app.core, task, -1, render, own=True)
+        stream = openai_stream(app.core, task, -1, render, stream_error, own=True)
         return event_stream(request, stream)
-    final = await while_connected(request, app.core.wait(task.id), task=task)
+    final = await while_connected(request, app.core.outcome(task), task=task)
     data = await app.core.snapshot(final)
     await app.core.release(final)
     return _raw_json(data)
@@ -95,12 +95,18 @@ def render(batch: list[Event]) -> bytes:
     return b"".join(openai_frame(ev) for ev in batch)
 
 
+def stream_error(cut: Cut) -> bytes:
+    """The ``error`` event a stream the server ends early sends last (before ``[DONE]``)."""
+    event = s.StreamError(sequence_number=cut.sequence_number, code=cut.code, message=cut.message)
+    return b"event: error\ndata: %s\n\n" % s.encoder.encode(event)
+
+
 async def get_response(request: Request) -> Response:
     app = state_of(request)
     task = await app.core.response_task(request.path_params["response_id"], app.auth.owner(request))
     if request.query_params.get("stream") in ("true", "1"):
         after = resume_point(request.query_params.get("starting_after"), "starting_after", task.next_seq)
-        stream = openai_stream(app.core, task, after, render, own=False)
+        stream = openai_stream(app.core, task, after, render, stream_error, own=False)
         return event_stream(request, stream)
     return _raw_json(await app.core.snapshot(task))
 
@@ -154,7 +160,7 @@ _CREATE = Op(
     "responses",
     s.Response,
     request=s.ResponseRequest,
-    events=(s.ResponseEvent,),
+    events=(s.ResponseEvent, s.StreamError),
     errors=(*AUTH, *GENERATE, e.IdempotencyKeyReusedError, e.TooManyBackgroundJobsError, *INTAKE),
     params=(header("Idempotency-Key", "background requests only: a retry with it replays the response"),),
     description=EVENTS_OPENAI,
@@ -192,7 +198,7 @@ def routes(prefix: str) -> list[Operation]:
                 "A stored response; `?stream=true` replays and follows its events",
                 "responses",
                 s.Response,
-                events=(s.ResponseEvent,),
+                events=(s.ResponseEvent, s.StreamError),
                 errors=(*AUTH, e.InvalidRequestError, e.NotFoundError),
                 params=(
                     query("stream", {"type": "boolean"}, "stream the response's events"),

@@ -268,6 +268,14 @@ class ChunkStream:
     def done(self) -> bytes:
         return done()
 
+    def cut(self, code: str, message: str) -> bytes:
+        """The error frame a stream the server ends before its completion sends last
+        (a shutdown, a full storage): a completion is never stored, so its client sends
+        the request again."""
+        self.finished = True
+        kind = "overloaded" if code == "storage_full" else "server_error"
+        return _frame(ChatError(ErrorBody(message=message, type=kind, code=code)))
+
     def _translate(self, event: s.ResponseEvent) -> list[bytes]:
         if isinstance(event, s.OutputTextDelta):
             self.sent_text = self.sent_text or bool(event.delta)

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, Coroutine
 from typing import Any, Literal
 
 import msgspec
@@ -29,6 +29,7 @@ from lmspd.errors import (
     LmspdError,
     NotFoundError,
     ServerOverloadedError,
+    StorageFullError,
     TaskNotCancelableError,
 )
 from lmspd.metrics import Metrics
@@ -54,6 +55,8 @@ from lmspd.store.task_store import Event, NewEvent, ResponseFields, TaskRecord, 
 log = logging.getLogger("lmspd.core")
 Kind = Literal["task", "response"]
 _INLINE_CHECK_BYTES = 16 * 1024
+# A cancel the full storage refused is tried again after this, doubling up to the last.
+FIRST_RETRY_SECS, LAST_RETRY_SECS = 0.5, 8.0
 
 
 class Core:
@@ -203,6 +206,9 @@ class Core:
             check_request(model, prompt_for(model, request, turns), sampling, check_length=check)
 
     async def input_tokens(self, owner: str, request: s.ResponseRequest) -> int:
+        """The prompt's length in tokens, for a request create would accept: refused as
+        create refuses it (its sampling parameters too), never counted regardless."""
+        request.sampling().validate()
         turns = await history(self.store, owner, request.previous_response_id, request.conversation_id)
         turns, request, _ = await self.echo.restore(owner, turns, request)
 
@@ -335,7 +341,7 @@ class Core:
             after = batch[-1].seq
         return events
 
-    async def follow(self, task_id: str, after: int, batch_size: int = 1000) -> AsyncIterator[list[Event]]:
+    async def follow(self, task_id: str, after: int, batch_size: int = 1000) -> AsyncGenerator[list[Event], None]:
         """A task's events after ``after`` in batches of at most ``batch_size``, replayed then
         live, up to and including its final event. An empty batch means nothing happened for
         ``keepalive_secs``. Ends early when the server shuts down."""
@@ -372,6 +378,44 @@ class Core:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(signal.wait(), 5.0)
 
+    def stalled(self, task_id: str) -> bool:
+        """A write of the task's failed for want of room: nothing more of it (not even its
+        end) is written until there is room again."""
+        return task_id in self.supervisor.storage.stalled
+
+    async def outcome(self, task: TaskRecord) -> TaskRecord:
+        """A synchronous request's wait: until its task is finished. With the storage full
+        the task cannot go on, nor its end be written: StorageFullError (503) then, at once,
+        rather than a wait for room that may never come; the task ends by its policy once
+        there is room (``fail``: ``storage_full``), and is released then."""
+        while True:
+            signal = self.hub.signal(task.id)
+            current = await self.store.get(task.id)
+            if current.status in TERMINAL:
+                return current
+            if self.stalled(task.id):
+                self.settle_later(current)
+                raise StorageFullError(
+                    f"the server's storage is full: response {task.response_id} cannot be completed now; "
+                    "it ends by its policy once there is room (retry later)"
+                )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(signal.wait(), 5.0)
+
+    def settle_later(self, task: TaskRecord) -> None:
+        """A foreground request answered before its task could end (the storage is full):
+        once it has ended, release it. One that never started is cancelled (its client was
+        told to retry, so it must not run); a started one ends by its policy."""
+        self._chore(self._settle_later(task), f"settle {task.id}")
+
+    async def _settle_later(self, task: TaskRecord) -> None:
+        try:
+            if task.status == "queued":
+                await self._cancel_when_there_is_room(task.id)
+            await self.release(await self.wait(task.id))
+        except LmspdError as exc:  # gone already (deleted, purged): nothing left to settle
+            log.info("task %s: %s", task.id, exc.message)
+
     # --- cancel ---------------------------------------------------------------------------------
 
     async def cancel(self, task_id: str, owner: str | None) -> TaskRecord:
@@ -407,17 +451,32 @@ class Core:
         client: the task stays as it is, for its on_restart policy after the restart."""
         if self.hub.closing.is_set():
             return
-        chore = asyncio.create_task(self._abandon(task), name=f"abandon {task.id}")
+        self._chore(self._abandon(task), f"abandon {task.id}")
+
+    def _chore(self, work: Coroutine[Any, Any, None], name: str) -> None:
+        chore = asyncio.create_task(work, name=name)
         self._chores.add(chore)
         chore.add_done_callback(self._chores.discard)
 
     async def _abandon(self, task: TaskRecord) -> None:
         try:
-            with contextlib.suppress(TaskNotCancelableError):
-                await self.cancel(task.id, None)
+            await self._cancel_when_there_is_room(task.id)
             await self.release(await self.wait(task.id))
         except LmspdError as exc:  # gone already (deleted, purged): nothing left to settle
             log.info("abandoned task %s: %s", task.id, exc.message)
+
+    async def _cancel_when_there_is_room(self, task_id: str) -> None:
+        """Cancel; with the storage full, again after a while, until it is written."""
+        wait = FIRST_RETRY_SECS
+        while True:
+            try:
+                await self.cancel(task_id, None)
+                return
+            except TaskNotCancelableError:
+                return
+            except StorageFullError:
+                await asyncio.sleep(wait)
+                wait = min(2 * wait, LAST_RETRY_SECS)
 
     async def release(self, task: TaskRecord) -> None:
         """A foreground request has read its finished response: drop it if not stored, and

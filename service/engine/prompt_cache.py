@@ -9,12 +9,19 @@ token always left to prefill (the model must produce the next logits), and a dis
 hottest entries that survives restarts and engine crashes. Disk files are written atomically
 and named by their SHA-256, so a torn, corrupt or foreign file is detected and ignored.
 
+The disk copy shares its disk with the database, so it gives way: a file is written only where
+it leaves ``min_free_bytes`` free. A disk without that room, or a write that fails (a full
+disk, a read-only one), turns the disk tier off, said once in the log; its temporary file is
+removed, the engine goes on from memory, and the tier writes again once there is room. A
+temporary file a killed process left behind is removed when the next engine starts.
+
 Only the engine process imports this module (it imports MLX).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -44,6 +51,14 @@ SUFFIX = ".safetensors"
 MAX_ENTRIES = 1024
 # Written while the engine is busy only when this long has passed since the last write.
 BUSY_FLUSH_SECS = 10.0
+# After a write failed, the disk tier tries again no sooner than this (a read-only disk
+# must not cost a failed write per request); an entry too big for the room left waits only
+# for the room.
+RETRY_SECS = 30.0
+# A disk tier that turns off again this soon after it last said so is not said again.
+SAY_AGAIN_SECS = 300.0
+DEFAULT_MIN_FREE_BYTES = 512 * 1024**2
+TMP_PREFIX = ".tmp-"
 
 Namespace = tuple[str, str]  # (model fingerprint, client cache key)
 Key = tuple[Namespace, tuple[int, ...]]
@@ -67,10 +82,20 @@ def model_fingerprint(model_dir: Path) -> str:
 
 
 class PromptCache:
-    def __init__(self, max_bytes: int, directory: Path | None = None, disk_max_bytes: int = 0) -> None:
+    def __init__(
+        self,
+        max_bytes: int,
+        directory: Path | None = None,
+        disk_max_bytes: int = 0,
+        disk_min_free_bytes: int = DEFAULT_MIN_FREE_BYTES,
+    ) -> None:
         self.enabled = max_bytes > 0
         self.lru = LRUPromptCache(max_size=MAX_ENTRIES, max_bytes=max_bytes)
-        self.disk = DiskCache(directory, disk_max_bytes) if directory is not None and disk_max_bytes > 0 else None
+        self.disk = (
+            DiskCache(directory, disk_max_bytes, disk_min_free_bytes)
+            if directory is not None and disk_max_bytes > 0
+            else None
+        )
         self.dirty: OrderedDict[Key, None] = OrderedDict()
         self.flushed_at = time.monotonic()
         # Files are written on a thread of their own: hashing and fsyncing a large cache takes
@@ -133,15 +158,14 @@ class PromptCache:
             return
         self.flushed_at = time.monotonic()
         dirty, self.dirty = self.dirty, OrderedDict()
-        # Evicted or superseded by a longer entry since: skipped. Serialized here, on the
-        # engine's thread (MLX may evaluate the cache's state to save it); the writer thread
-        # then hashes, fsyncs and renames, the slow part. With no write running, ``disk``'s
-        # bookkeeping is this thread's to touch.
-        staged = [
-            (key, tmp)
-            for n, key in enumerate(dirty)
-            if (entry := self._entry(key)) is not None and (tmp := self.disk.stage(key, entry.prompt_cache, n))
-        ]
+        # Evicted or superseded by a longer entry since: skipped; and only what the disk has
+        # room for (with the tier off, none: those entries stay in memory only). Serialized
+        # here, on the engine's thread (MLX may evaluate the cache's state to save it); the
+        # writer thread then hashes, fsyncs and renames, the slow part. With no write
+        # running, ``disk``'s bookkeeping is this thread's to touch.
+        entries = [(key, entry.prompt_cache) for key in dirty if (entry := self._entry(key)) is not None]
+        admitted = self.disk.admit(entries)
+        staged = [(key, tmp) for n, (key, cache) in enumerate(admitted) if (tmp := self.disk.stage(key, cache, n))]
         keep = {key for key, _ in staged} | {key for key in self.disk.files if self._entry(key) is not None}
         self._writing = self._writer.submit(self._write, self.disk, staged, keep)
 
@@ -162,6 +186,9 @@ class PromptCache:
             disk.prune(keep=keep.__contains__)
         except Exception:  # a cache that is not written is only slower later
             log.exception("prompt cache not written")
+        finally:
+            for _, tmp in staged:  # committed ones were renamed: only a failed one is left
+                tmp.unlink(missing_ok=True)
 
     def wait(self) -> None:
         """Until the write in progress (if any) is on disk."""
@@ -174,25 +201,96 @@ class PromptCache:
 
 
 class DiskCache:
-    """``<dir>/<model fingerprint>/<sha256 of the file>.safetensors``, newest kept within bytes."""
+    """``<dir>/<model fingerprint>/<sha256 of the file>.safetensors``, newest kept within bytes,
+    never leaving less than ``min_free`` bytes free on the disk."""
 
-    def __init__(self, directory: Path, max_bytes: int) -> None:
+    def __init__(self, directory: Path, max_bytes: int, min_free: int = DEFAULT_MIN_FREE_BYTES) -> None:
         self.directory = directory
         self.max_bytes = max_bytes
+        self.min_free = min_free
         self.files: dict[Key, Path] = {}
+        self.off: str | None = None  # why the tier writes nothing now; None: it writes
+        self._retry_at = 0.0  # after a failed write: not before this (monotonic)
+        self._said_at: float | None = None
+        self.sweep()
+
+    def sweep(self) -> None:
+        """Remove what writes that never finished left behind (a process killed mid-write):
+        temporary files of processes that are gone, or of an earlier process with our pid."""
+        with contextlib.suppress(OSError):
+            for tmp in self.directory.glob(f"*/{TMP_PREFIX}*"):
+                pid = _writer_pid(tmp.name)
+                if pid is None or pid == os.getpid() or not _running(pid):
+                    tmp.unlink(missing_ok=True)
+
+    def room(self) -> int:
+        """Bytes a new file may take: the disk's free space but ``min_free``."""
+        try:
+            return free_bytes(self.directory) - self.min_free
+        except OSError:
+            return 0
+
+    def admit(self, entries: list[tuple[Key, list[Any]]]) -> list[tuple[Key, list[Any]]]:
+        """Of ``entries`` (oldest first), those the disk has room for, newest first in line;
+        none while the tier is off after a failed write. Not even one fitting turns the
+        tier off; one fitting again turns it back on."""
+        if not entries or (self.off is not None and time.monotonic() < self._retry_at):
+            return []
+        room = self.room()
+        fits: list[tuple[Key, list[Any]]] = []
+        for key, cache in reversed(entries):
+            if (size := file_bytes(key, cache)) <= room:
+                fits.append((key, cache))
+                room -= size
+        if not fits:
+            self.turn_off(
+                f"disk full: {_mb(max(0, self.room() + self.min_free))} free, and it keeps "
+                f"{_mb(self.min_free)} free for the database ([engine] prompt_cache_disk_min_free_bytes)"
+            )
+        elif self.off is not None:
+            self.off = None
+            log.warning("prompt cache: the disk has room again: writing to %s again", self.directory)
+        return fits[::-1]
+
+    def turn_off(self, why: str, retry_in: float = 0.0) -> None:
+        """Write nothing until there is room (and ``retry_in`` seconds have passed); said once."""
+        self._retry_at = time.monotonic() + retry_in
+        if self.off is not None:
+            return
+        self.off = why
+        now = time.monotonic()
+        if self._said_at is None or now - self._said_at > SAY_AGAIN_SECS:
+            self._said_at = now
+            log.warning(
+                "prompt cache: %s; not writing to %s until there is room (the cache stays in memory)",
+                why,
+                self.directory,
+            )
+
+    def failed(self, tmp: Path, exc: BaseException) -> None:
+        """A write failed: its temporary file is removed and the tier turned off."""
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        full = (
+            (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT))
+            or "Unable to write" in str(exc)  # MLX's words for a short write
+            or self.room() <= 0
+        )
+        why = f"disk full: a write failed ({exc})" if full else f"a write failed ({exc})"
+        self.turn_off(why, retry_in=RETRY_SECS)
 
     def stage(self, key: Key, cache: list[Any], n: int) -> Path | None:
         """Serialize an entry to a temporary file (not yet durable, not yet found by a load)."""
         namespace, tokens = key
         folder = self.directory / namespace[0]
+        tmp = folder / f"{TMP_PREFIX}{os.getpid()}-{n}{SUFFIX}"
         try:
             folder.mkdir(parents=True, exist_ok=True)
-            tmp = folder / f".tmp-{os.getpid()}-{n}{SUFFIX}"
             metadata = {"format": FORMAT, "model": namespace[0], "namespace": namespace[1]}
             metadata["tokens"] = json.dumps(tokens)
             save_prompt_cache(str(tmp), cache, metadata)
-        except OSError as exc:
-            log.warning("prompt cache not written to %s: %s", folder, exc)
+        except Exception as exc:  # MLX reports a full disk as a RuntimeError ("[write] Unable to write")
+            self.failed(tmp, exc)
             return None
         return tmp
 
@@ -209,8 +307,7 @@ class DiskCache:
                 old.unlink(missing_ok=True)
             self.files[key] = final
         except OSError as exc:
-            log.warning("prompt cache not written to %s: %s", tmp.parent, exc)
-            tmp.unlink(missing_ok=True)
+            self.failed(tmp, exc)
 
     def write(self, key: Key, cache: list[Any]) -> None:
         if (tmp := self.stage(key, cache, 0)) is not None:
@@ -241,7 +338,7 @@ class DiskCache:
         found = []
         paths = sorted(folder.glob(f"*{SUFFIX}"), key=lambda f: f.stat().st_mtime_ns)
         for path in paths:
-            if path.name.startswith(".tmp-"):  # a write that never finished
+            if path.name.startswith(TMP_PREFIX):  # a write that never finished
                 path.unlink(missing_ok=True)
                 continue
             key = self._read(path, fingerprint)
@@ -276,7 +373,7 @@ def stored_lengths(directory: Path, skip: frozenset[Path] = frozenset()) -> list
     killing a server."""
     lengths = []
     for path in directory.rglob(f"*{SUFFIX}"):
-        if path.name.startswith(".tmp-") or path in skip:  # still being written, or known
+        if path.name.startswith(TMP_PREFIX) or path in skip:  # still being written, or known
             continue
         with contextlib.suppress(OSError, ValueError, KeyError, StopIteration), path.open("rb") as f:
             header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
@@ -292,3 +389,39 @@ def _sha256(path: Path) -> str:
         while chunk := f.read(1 << 20):
             h.update(chunk)
     return h.hexdigest()
+
+
+def free_bytes(directory: Path) -> int:
+    """The bytes a writer may still use on the file system of ``directory`` (or of its
+    nearest existing parent, before it is made)."""
+    path = directory
+    while not path.exists() and path.parent != path:
+        path = path.parent
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def file_bytes(key: Key, cache: list[Any]) -> int:
+    """An upper bound on the size of an entry's file: its arrays (as allocated, at least as
+    long as what is saved), its token list and the headers."""
+    return sum(int(c.nbytes) for c in cache) + 12 * len(key[1]) + 1024 * len(cache) + 4096
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1024**2:.1f} MB"
+
+
+def _writer_pid(name: str) -> int | None:
+    """The pid in a temporary file's name (``.tmp-<pid>-<n>.safetensors``)."""
+    head = name.removeprefix(TMP_PREFIX).removesuffix(SUFFIX).split("-")[0]
+    return int(head) if head.isdigit() else None
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True

@@ -112,7 +112,12 @@ class Engine:
         self.buffer_cache = BUFFER_CACHE_BYTES
         self.prefill_step_size = config.prefill_step_size
         self.prefill_interleave_s = config.prefill_interleave_ms / 1000
-        self.prompt_cache = PromptCache(config.prompt_cache_max_bytes, cache_dir, config.prompt_cache_disk_max_bytes)
+        self.prompt_cache = PromptCache(
+            config.prompt_cache_max_bytes,
+            cache_dir,
+            config.prompt_cache_disk_max_bytes,
+            config.prompt_cache_disk_min_free_bytes,
+        )
         self.models: OrderedDict[str, LoadedModel] = OrderedDict()  # least recently used first
         self.waiting: deque[p.Generate] = deque()  # requests for a model that cannot load yet
         self.by_id: dict[str, tuple[LoadedModel, Request]] = {}
@@ -158,7 +163,10 @@ class Engine:
             for reply in self.finished:
                 self.send(reply)
             self.finished.clear()
-            self.prompt_cache.flush(idle=not self.by_id and not self.waiting)
+            try:
+                self.prompt_cache.flush(idle=not self.by_id and not self.waiting)
+            except Exception:  # the disk copy only saves time later: never the engine's end
+                log.exception("prompt cache: entries not written to disk")
         self.prompt_cache.close()  # the write in progress completes: its files are whole
 
     def _handle_safely(self, data: bytes) -> None:

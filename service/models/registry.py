@@ -11,7 +11,7 @@ from typing import Any
 import msgspec
 
 from lmspd.config import Config
-from lmspd.errors import ModelNotFoundError
+from lmspd.errors import ModelError, ModelNotFoundError
 from lmspd.models.catalog import BUILTIN_MODELS
 from lmspd.models.pull import Progress, is_pulled, pull_builtin
 
@@ -75,9 +75,9 @@ class ModelRegistry:
             return ResolvedModel(name=target, path=path)
         local = Path(target).expanduser()
         if _is_model_dir(local):
-            return self._canonical(local.resolve())
+            return self._model_at(name, local)
         if _HF_REPO.match(target) and not _exists(local):
-            return self._canonical(_hf_snapshot(target, download=download or self._configured(name)))
+            return self._model_at(name, _hf_snapshot(target, download=download or self._configured(name)))
         raise ModelNotFoundError(
             f"model '{_shown(name)}' not found; known models: {', '.join(self.known_names())} "
             "(or a local mlx-lm directory, or a Hugging Face repo id)",
@@ -87,7 +87,29 @@ class ModelRegistry:
     def _configured(self, name: str) -> bool:
         return name in self.config.models or name == self.config.default_model
 
+    def _model_at(self, name: str, path: Path) -> ResolvedModel:
+        """The model in directory ``path``, checked to have what loading it needs: a directory
+        that looks like a model but cannot be loaded is the client's error when the client
+        named it (found at intake, before any task is made), the configuration's when an
+        alias or the default model points there."""
+        if (missing := _unusable(path)) is None:
+            return self._canonical(path.resolve())
+        what = f"directory {_shown(str(path))} is not a usable mlx-lm model: {missing}"
+        if self._configured(name):
+            raise ModelError(f"model '{name}': {what} (fix its path in the configuration)", param="model")
+        raise ModelNotFoundError(
+            f"model '{_shown(name)}' not found: {what} (a model directory holds config.json, "
+            "tokenizer.json and *.safetensors weights)",
+            param="model",
+        )
+
     def _canonical(self, path: Path) -> ResolvedModel:
+        # A built-in model's own directory is that built-in, however it is named: one
+        # directory, one model (and one copy of its weights in the engine).
+        for builtin in BUILTIN_MODELS:
+            own = self.cache_dir / builtin
+            if _resolved(own) == path and is_pulled(own):
+                return ResolvedModel(name=builtin, path=own)
         for alias in sorted(self.config.models):
             alias_path = Path(self.config.models[alias].path).expanduser()
             if _is_model_dir(alias_path) and alias_path.resolve() == path:
@@ -123,7 +145,7 @@ class ModelRegistry:
             return self.resolve(name)
         if _HF_REPO.match(target) and not _exists(Path(target).expanduser()):
             try:
-                return self._canonical(_hf_snapshot(target, download=False))
+                return self._model_at(name, _hf_snapshot(target, download=False))
             except ModelNotFoundError:
                 if self._configured(name):
                     return None
@@ -163,6 +185,29 @@ def _is_model_dir(path: Path) -> bool:
         return (path / "config.json").is_file()
     except (OSError, ValueError):  # a name too long for the file system, a NUL byte
         return False
+
+
+def _unusable(path: Path) -> str | None:
+    """What keeps a directory with a config.json from loading as a model (None: nothing
+    found): the files the engine and the tokenizer need, and a config that is an object."""
+    try:
+        config = json.loads((path / "config.json").read_bytes())
+        if not (path / "tokenizer.json").is_file():
+            return "it has no tokenizer.json"
+        if next(path.glob("*.safetensors"), None) is None:
+            return "it has no weights (*.safetensors)"
+    except ValueError:
+        return "its config.json is not valid JSON"
+    except OSError as exc:
+        return f"its files cannot be read ({exc.strerror or exc})"
+    return None if isinstance(config, dict) else "its config.json is not a JSON object"
+
+
+def _resolved(path: Path) -> Path | None:
+    try:
+        return path.resolve()
+    except (OSError, RuntimeError):
+        return None
 
 
 def _exists(path: Path) -> bool:

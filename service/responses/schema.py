@@ -576,6 +576,19 @@ ResponseEvent = (
     | CompactionStarted
     | CompactionCompleted
 )
+
+
+class StreamError(msgspec.Struct, tag="error", tag_field="type", kw_only=True):
+    """OpenAI's ``error`` stream event: never stored, it is what a /v1 stream the server ends
+    before its response (a shutdown, a full storage) says last, before ``[DONE]``. Its
+    ``sequence_number`` is that of the last event sent: a resume starts after it."""
+
+    sequence_number: int
+    code: str
+    message: str
+    param: str | None = None
+
+
 FINAL_EVENTS = frozenset({"response.completed", "response.incomplete", "response.failed", "response.cancelled"})
 event_decoder = msgspec.json.Decoder(ResponseEvent)
 encoder = msgspec.json.Encoder()

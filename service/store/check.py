@@ -9,6 +9,7 @@ made up to that version is there.
 
 from __future__ import annotations
 
+import os
 import sqlite3
 from importlib.resources.abc import Traversable
 from pathlib import Path
@@ -81,7 +82,9 @@ def problem(path: Path, directory: Traversable | None = None) -> str | None:
         finally:
             conn.close()
     except sqlite3.Error as exc:
-        return f"it is damaged: {exc}"
+        # Reading a WAL database needs its -shm and -wal files: on a full or read-only disk
+        # SQLite says "disk I/O error" or "unable to open", which is no damage of the file.
+        return disk_problem(path) or f"it is damaged: {exc}"
     missing: list[str] = []
     for (kind, name), columns in expected_schema(version, directory).items():
         if (kind, name) not in found:
@@ -94,6 +97,29 @@ def problem(path: Path, directory: Traversable | None = None) -> str | None:
     pending = set(expected_schema(latest, directory)) - set(expected_schema(version, directory))
     if clash := sorted(f"{kind} {name}" for kind, name in pending & set(found)):
         return f"at schema version {version} it already has {', '.join(clash)}: it is not an lmspd database"
+    return None
+
+
+# Less free than this on the database's disk, and a failure to open it is the disk's.
+FULL_BELOW_BYTES = 1024**2
+
+
+def disk_problem(path: Path) -> str | None:
+    """A full or read-only disk (or directory) where the database lives, said as such:
+    what a failure to open or write it then means (None: the disk looks fine)."""
+    folder = path.parent
+    while not folder.exists() and folder.parent != folder:
+        folder = folder.parent
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return None
+    if st.f_flag & os.ST_RDONLY:
+        return f"the disk holding it ({folder}) is read-only: lmspd writes its database there"
+    if (free := st.f_bavail * st.f_frsize) < FULL_BELOW_BYTES:
+        return f"the disk holding it ({folder}) is full ({free} bytes free): free some space"
+    if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        return f"it is read-only to this user ({path}): lmspd writes its database and the files beside it"
     return None
 
 

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import aiosqlite
 
 from lmspd.errors import LmspdError, StorageFullError
-from lmspd.store.check import DatabaseUnusableError, check, refusal
+from lmspd.store.check import DatabaseUnusableError, check, disk_problem, refusal
 from lmspd.store.migrate import migrate
 
 T = TypeVar("T")
@@ -173,7 +173,7 @@ class Database:
                     await conn.close()
             if isinstance(exc, DatabaseUnusableError) or not isinstance(exc, sqlite3.Error | OSError | LmspdError):
                 raise
-            cause = exc.message if isinstance(exc, LmspdError) else str(exc)
+            cause = disk_problem(path) or (exc.message if isinstance(exc, LmspdError) else str(exc))
             raise DatabaseUnusableError(refusal(path, cause)) from exc
         return cls(writer, reader, on_commit)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sqlite3
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -201,3 +202,46 @@ async def test_restart_with_the_disk_still_full_waits_and_then_follows_each_poli
     assert len([m for m in said if " is full: " in m]) == 1 and any("has room again" in m for m in said)
     assert not [r for r in caplog.records if r.exc_info]
     await db.close()
+
+
+def test_with_the_storage_full_a_sync_request_and_a_stream_end_as_their_tasks_will(
+    host: Host, client: TestClient, config: Config, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Both used to wait for room that may never come (a sync request: minutes, as long as
+    anyone watched). Now the sync request answers 503 naming its response, the stream ends
+    with an ``error`` event and ``[DONE]``, and once there is room each task fails by its
+    policy (``storage_full``): the stored one stays readable, the other is forgotten."""
+    caplog.set_level(logging.INFO, logger="lmspd")
+    long = {"input": "Tell me a story.", "temperature": 0, "max_output_tokens": 300}
+    answers: dict[str, Any] = {}
+
+    def post(name: str, body: dict[str, Any]) -> None:
+        answers[name] = client.post("/v1/responses", json=body)
+
+    requests = {"sync": long, "stream": {**long, "stream": True, "store": False}}
+    threads = [threading.Thread(target=post, args=item, daemon=True) for item in requests.items()]
+    for thread in threads:
+        thread.start()
+    running = "SELECT response_id, stored FROM tasks WHERE status = 'running'"
+    started = wait_until(lambda: rows(config, running) if len(rows(config, running)) == 2 else None, "both to run")
+    set_room(host, client, 1)
+    for thread in threads:
+        thread.join(60)
+    assert not [t for t in threads if t.is_alive()], f"still waiting for room: {answers}"
+    sync, stream = answers["sync"], answers["stream"]
+    assert sync.status_code == 503, sync.text
+    error = sync.json()["error"]
+    (stored_id,) = [rid for rid, stored in started if stored]
+    assert error["type"] == "overloaded" and "storage is full" in error["message"] and stored_id in error["message"]
+    frames = [f for f in stream.text.split("\n\n") if f.strip()]
+    assert frames[-1] == "data: [DONE]" and frames[-2].startswith("event: error\ndata: "), frames[-3:]
+    ended = msgspec.json.decode(frames[-2].split("data: ", 1)[1])
+    assert ended["code"] == "storage_full" and not [f for f in frames[:-2] if '"response.failed"' in f]
+    set_room(host, client, None)
+    response = wait_until(
+        lambda: (r := client.get(f"/v1/responses/{stored_id}").json())["status"] == "failed" and r,
+        "the stored response to fail by its policy",
+    )
+    assert response["error"]["code"] == "storage_full"
+    (forgotten,) = [rid for rid, stored in started if not stored]
+    wait_until(lambda: not rows(config, f"SELECT id FROM tasks WHERE response_id = '{forgotten}'"), "it to be released")

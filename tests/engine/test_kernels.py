@@ -111,3 +111,17 @@ def test_a_failed_compile_says_what_the_compiler_said(monkeypatch: pytest.Monkey
         kernels.build(tmp_path / "cache")
     assert not list((tmp_path / "cache").glob("*/*.so"))
     assert shutil.which("c++") is not None
+
+
+def test_a_build_leaves_no_temporary_directory_neither_its_own_nor_a_killed_ones(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    broken = tmp_path / "quantized.cpp"
+    broken.write_text("this is not C++\n")
+    monkeypatch.setattr(kernels, "SOURCE", broken)
+    stale = tmp_path / "cache" / kernels.build_key() / f"{kernels.BUILD_PREFIX}killed"
+    stale.mkdir(parents=True)
+    (stale / "half.o").write_bytes(b"half")
+    with pytest.raises(kernels.KernelUnavailable, match="did not compile"):
+        kernels.build(tmp_path / "cache")
+    assert not list((tmp_path / "cache").glob(f"*/{kernels.BUILD_PREFIX}*"))  # at start and on error

@@ -8,6 +8,8 @@ import hashlib
 import logging
 import os
 import signal
+import subprocess
+import sys
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -16,9 +18,11 @@ from typing import Any, cast
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache
+from support.disk import fill, free, small_disk
 from support.wait import wait_until_async
 
 from lmspd.config import EngineConfig
+from lmspd.engine import prompt_cache
 from lmspd.engine import protocol as p
 from lmspd.engine.process import EngineClient
 from lmspd.engine.prompt_cache import SUFFIX, DiskCache, PromptCache, stored_lengths
@@ -285,3 +289,96 @@ def test_a_disabled_cache_keeps_nothing() -> None:
     cache.store(("m", ""), [1, 2, 3], kv(3))
     assert cache.nbytes == 0
     assert cache.fetch(("m", ""), [1, 2, 3, 4]).cache is None
+
+
+# --- the disk it shares with the database ----------------------------------------------------
+
+
+def said(caplog: pytest.LogCaptureFixture, words: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "lmspd.engine.cache" and words in r.getMessage()]
+
+
+def leftovers(folder: Path) -> list[Path]:
+    return [f for f in folder.rglob("*") if f.name.startswith(".tmp-")]
+
+
+def test_a_write_the_disk_cannot_take_is_removed_said_once_and_never_raises(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real ENOSPC mid-write (the room check fooled, as a disk filled by another writer
+    meanwhile would fool it): MLX raises a RuntimeError, which used to end the engine and
+    leave the half-written file filling the disk."""
+    with small_disk(tmp_path / "disk", 1 << 20) as disk:
+        folder = disk / "prompt-cache"
+        cache = PromptCache(1 << 30, folder, 1 << 30)
+        assert cache.disk is not None
+        cache.disk.min_free = 0
+        monkeypatch.setattr(prompt_cache, "free_bytes", lambda directory: 1 << 40, raising=False)
+        caplog.set_level(logging.WARNING, logger="lmspd.engine.cache")
+        big = list(range(12_000))  # ~1.5 MB of KV: more than the disk holds
+        cache.store(("m", ""), big, kv(len(big)))
+        cache.flush(idle=True)
+        cache.wait()
+        assert not leftovers(folder) and not list(folder.rglob(f"*{SUFFIX}"))
+        assert cache.disk.off is not None and free(disk) > (1 << 20) - (64 << 10)
+        cache.store(("m", ""), [*big, 1], kv(len(big) + 1, seed=1))
+        cache.flush(idle=True)  # off after a failed write: not tried again at once
+        cache.wait()
+        [line] = said(caplog, "disk full")
+        assert "not writing to" in line and "until there is room" in line
+        assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
+        # Room again (and the retry time past): the next entry that fits is written.
+        monkeypatch.undo()
+        monkeypatch.setattr(prompt_cache, "RETRY_SECS", 0.0)
+        cache.disk.turn_off("a test", retry_in=0.0)  # already off: only the retry time changes
+        cache.store(("m", ""), [7, 8, 9], kv(3))
+        cache.flush(idle=True)
+        cache.wait()
+        assert [len(t) for t in [k[1] for k in cache.disk.files]] == [3]
+        assert cache.disk.off is None and said(caplog, "has room again")
+        cache.close()
+
+
+def test_the_disk_copy_leaves_min_free_bytes_and_waits_for_room(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="lmspd.engine.cache")
+    with small_disk(tmp_path / "disk", 6 << 20) as disk:
+        filler = fill(disk, leave=3 << 20)
+        min_free = 1 << 20
+        cache = PromptCache(1 << 30, disk / "prompt-cache", 1 << 30, disk_min_free_bytes=min_free)
+        assert cache.disk is not None
+        tokens = list(range(20_000))  # ~2.5 MB: it would fit the disk, but not above min_free
+        cache.store(("m", ""), tokens, kv(len(tokens)))
+        cache.flush(idle=True)
+        cache.wait()
+        assert not cache.disk.files and cache.disk.off is not None
+        [line] = said(caplog, "disk full")
+        assert "prompt_cache_disk_min_free_bytes" in line
+        small = list(range(3000))  # ~400 KB: room for it above min_free
+        cache.store(("m", "k"), small, kv(len(small), seed=2))
+        cache.flush(idle=True)
+        cache.wait()
+        assert [k[1] for k in cache.disk.files] == [tuple(small)] and free(disk) >= min_free
+        assert said(caplog, "has room again")
+        filler.unlink()  # room for the big one now
+        cache.store(("m", ""), [*tokens, 5], kv(len(tokens) + 1, seed=3))
+        cache.flush(idle=True)
+        cache.wait()
+        assert len(cache.disk.files) == 2 and free(disk) >= min_free
+        assert len(said(caplog, "disk full")) == 1 and not leftovers(disk)
+        cache.close()
+
+
+def test_temporary_files_of_writers_that_are_gone_are_removed_at_start(tmp_path: Path) -> None:
+    folder = tmp_path / "prompt-cache" / "model"
+    folder.mkdir(parents=True)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    dead = folder / f".tmp-{gone.pid}-0{SUFFIX}"
+    mine = folder / f".tmp-{os.getpid()}-3{SUFFIX}"  # an earlier process with this pid
+    alive = folder / f".tmp-{os.getppid()}-0{SUFFIX}"  # a live process may be writing it
+    for path in (dead, mine, alive):
+        path.write_bytes(b"half")
+    PromptCache(1 << 20, tmp_path / "prompt-cache", 1 << 20)
+    assert [p.name for p in folder.iterdir()] == [alive.name]

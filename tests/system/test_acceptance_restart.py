@@ -17,6 +17,7 @@ from typing import IO, Any
 
 import httpx
 import msgspec
+import openai
 import pytest
 from support.server import Server, read_sse, task, tiny_server, wait_final
 from support.server import submit as submit_task
@@ -172,42 +173,122 @@ def test_kill_9_mid_generation_then_restart(server: Server, procs: list[subproce
     assert server.stop() == 0  # SIGTERM: a clean exit
 
 
-def test_a_sigterm_shutdown_leaves_foreground_streams_to_their_policy(
+def frames(text_lines: list[str]) -> list[tuple[str | None, str]]:
+    """SSE lines as (event, data) frames."""
+    out, event = [], None
+    for line in text_lines:
+        if line.startswith("event: "):
+            event = line[7:]
+        elif line.startswith("data: "):
+            out.append((event, line[6:]))
+            event = None
+    return out
+
+
+def test_a_sigterm_shutdown_ends_every_v1_stream_with_why_and_leaves_its_task_to_its_policy(
     tmp_path: Path, model_cache: Path, tiny_long: ResolvedModel
 ) -> None:
     """The shutdown ends every stream, which is not the client going away: the responses it
-    closes, generating or waiting for a slot, are not cancelled but left for their policy."""
+    closes, generating or waiting for a slot, are not cancelled but left for their policy.
+    Each /v1 stream says so (an ``error`` event, Chat's error frame), then ``[DONE]``: before,
+    half of them ended right after a delta, which an SDK reads as a silent cut. A stored
+    response is then read, and its stream resumed, after the restart; an LMSP stream ends as
+    it always did (its client resumes with Last-Event-ID)."""
     with tiny_server(tmp_path, model_cache, tiny_long, engine="max_concurrency = 1\n") as server:
         server.start()
-        ids: list[str] = []
+        long = {"input": PROMPT, "temperature": 0, "max_output_tokens": MAX_TOKENS, "stream": True}
+        bodies = {
+            "stored": ("/v1/responses", long),
+            "stored2": ("/v1/responses", long),
+            "unstored": ("/v1/responses", {**long, "store": False}),
+            "chat": (
+                "/v1/chat/completions",
+                {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": MAX_TOKENS, "stream": True},
+            ),
+        }
+        got: dict[str, list[str]] = {name: [] for name in [*bodies, "sdk", "lmsp"]}
         deltas = threading.Semaphore(0)
 
-        def stream() -> None:
-            body = {"input": PROMPT, "temperature": 0, "max_output_tokens": MAX_TOKENS, "stream": True}
+        def stream(name: str) -> None:
+            route, body = bodies[name]
             with (
                 contextlib.suppress(httpx.HTTPError),
-                httpx.stream("POST", f"{server.url}/v1/responses", json=body, timeout=60) as r,
+                httpx.stream("POST", f"{server.url}{route}", json=body, timeout=60) as r,
             ):
                 for line in r.iter_lines():
-                    if line.startswith("data: ") and '"response.created"' in line:
-                        ids.append(msgspec.json.decode(line[6:])["response"]["id"])
-                    elif '"response.output_text.delta"' in line:
+                    got[name].append(line)
+                    if '"response.output_text.delta"' in line or '"chat.completion.chunk"' in line:
                         deltas.release()
 
-        readers = [threading.Thread(target=stream, daemon=True) for _ in range(4)]
+        sdk_events: list[Any] = []
+
+        def sdk_stream() -> None:
+            client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="sk-no-auth", max_retries=0)
+            for event in client.responses.create(**{**long, "stream": True}):  # type: ignore[call-overload]
+                sdk_events.append(event)  # ends at [DONE], raising nothing
+
+        readers = [threading.Thread(target=stream, args=(name,), daemon=True) for name in bodies]
+        readers.append(threading.Thread(target=sdk_stream, daemon=True))
         for reader in readers:
             reader.start()
         assert deltas.acquire(timeout=60)  # one generates, the others wait for the slot
-        wait_until(lambda: len(ids) == 4, lambda: f"all four streams created: {ids}", timeout=30, interval=0.01)
+        lmsp = submit(server.url, "resume")  # queued after them
+        lmsp_events: list[dict[str, Any]] = []
+        readers.append(threading.Thread(target=read_sse, args=(server.url, lmsp["id"], lmsp_events), daemon=True))
+        readers[-1].start()
+
+        def created() -> bool:
+            ids = [line for name in bodies if name != "chat" for line in got[name] if '"response.created"' in line]
+            chat = any('"chat.completion.chunk"' in line for line in got["chat"])
+            return len(ids) == 3 and chat and len(sdk_events) > 0
+
+        def started() -> dict[str, int]:
+            return {name: len(lines) for name, lines in got.items()} | {"sdk": len(sdk_events)}
+
+        wait_until(created, lambda: f"every stream started: {started()}", timeout=30, interval=0.01)
+        wait_until(lambda: lmsp_events, "the task's stream to start", timeout=30, interval=0.01)
         assert server.stop() == 0
         for reader in readers:
             reader.join(10)
-        assert len(ids) == 4
-        # As the shutdown left them: one started, the others waiting; none cancelled (a restart
-        # then fails the started one by its policy, as test_kill_9... shows, and runs the rest).
+        assert not [r for r in readers if r.is_alive()]
+        ends: dict[str, dict[str, Any]] = {}
+        for name in bodies:
+            seen = frames(got[name])
+            assert seen[-1] == (None, "[DONE]"), (name, seen[-3:])
+            if name == "chat":
+                ends[name] = msgspec.json.decode(seen[-2][1])["error"]
+            else:
+                assert seen[-2][0] == "error", (name, seen[-3:])
+                ends[name] = msgspec.json.decode(seen[-2][1])
+                assert ends[name]["sequence_number"] == msgspec.json.decode(seen[-3][1])["sequence_number"]
+            assert ends[name]["code"] == "server_shutting_down" and "shutting down" in ends[name]["message"]
+        assert sdk_events[-1].type == "error" and sdk_events[-1].code == "server_shutting_down"
+        assert "not stored" in ends["unstored"]["message"] and "GET /v1/responses/" in ends["stored"]["message"]
+        assert lmsp_events and lmsp_events[-1]["type"] not in FINALS  # cut, as LMSP streams are: resumed by id
+        # As the shutdown left them: one started, the others waiting; none cancelled.
         with contextlib.closing(sqlite3.connect(tmp_path / "data" / "lmspd.db")) as db:
-            statuses = sorted(
-                db.execute(f"SELECT status FROM tasks WHERE response_id IN ({','.join('?' * len(ids))})", ids)
-            )
-        assert len(statuses) == 4 and all(s in ("queued", "loading", "running") for (s,) in statuses), statuses
+            statuses = sorted(db.execute("SELECT status FROM tasks"))
+        assert len(statuses) == 6 and all(s in ("queued", "loading", "running") for (s,) in statuses), statuses
         assert any(s in ("loading", "running") for (s,) in statuses), statuses
+
+        server.start()  # the started one fails (server_restarted, its policy), the others run
+        for name in ("stored", "stored2"):
+            seen = frames(got[name])
+            first = msgspec.json.decode(seen[0][1])
+            rid, cursor = first["response"]["id"], ends[name]["sequence_number"]
+            assert rid in ends[name]["message"] and f"starting_after={cursor}" in ends[name]["message"]
+            tail: list[str] = []
+            with httpx.stream(
+                "GET", f"{server.url}/v1/responses/{rid}", params={"stream": "true", "starting_after": cursor}
+            ) as r:
+                assert r.status_code == 200
+                tail = list(r.iter_lines())
+            resumed = frames(tail)
+            assert resumed[-1] == (None, "[DONE]") and resumed[-2][0] in FINALS, resumed[-3:]
+            numbers = [msgspec.json.decode(d)["sequence_number"] for _, d in [*seen[:-2], *resumed[:-1]]]
+            assert numbers == list(range(len(numbers)))  # no gap, no duplicate across the restart
+            final = httpx.get(f"{server.url}/v1/responses/{rid}", timeout=10).json()
+            assert final["status"] in ("failed", "completed", "incomplete")
+            if final["status"] == "failed":
+                assert final["error"]["code"] == "server_restarted"
+        assert wait_final(server.url, lmsp["id"])["status"] == "succeeded"

@@ -8,6 +8,7 @@ seconds importing), so the module costs about one start, not one per variant."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import socket
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from support.disk import fill, read_only, small_disk
 from support.engine_host import tiny_config
 from support.server import free_port
 from support.wait import wait_until_async
@@ -196,6 +198,51 @@ async def test_a_failed_start_stops_what_it_started(tmp_path: Path, monkeypatch:
     assert message == (
         f"the engine process exited (code 1) (database {config.server.database_path}); run `lmspd doctor` for details"
     )
+
+
+def test_serve_says_a_full_or_read_only_disk_is_one_not_a_damaged_database(tmp_path: Path) -> None:
+    """A sound database on a full disk, and one on a read-only disk (each a tmpfs of its
+    own): ``lmspd serve`` refused both in one line, but said "it is damaged" (SQLite's
+    "disk I/O error" and "unable to open database file" when it cannot make the -shm and
+    -wal files). Now it says what is wrong, and so does ``lmspd doctor``."""
+    expected = {"full": "is full (", "read_only": "is read-only"}
+    with contextlib.ExitStack() as stack:
+        procs: dict[str, tuple[subprocess.Popen[bytes], Path, Path]] = {}
+        for name in expected:
+            data = stack.enter_context(small_disk(tmp_path / name / "data", 4 << 20))
+            asyncio.run(_make_base(data / "lmspd.db"))
+            for leftover in data.glob("lmspd.db-*"):
+                leftover.unlink()
+            if name == "full":
+                fill(data)
+            else:
+                read_only(data)
+                stack.callback(read_only, data, False)
+            config = tmp_path / name / "lmspd.toml"
+            config.write_text(
+                f'default_model = "tiny"\ncache_dir = "{tmp_path / "models"}"\n[server]\ndata_dir = "{data}"\n'
+                f'[models.tiny]\npath = "{tmp_path / "no-model"}"\n'
+            )
+            log = tmp_path / name / "server.log"
+            cmd = [sys.executable, "-m", "lmspd.cli", "serve", "--config", str(config), "--port", str(free_port())]
+            env = {k: v for k, v in os.environ.items() if not k.startswith(("LMSPD_", "LMSP_"))}
+            proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
+            procs[name] = (proc, data, log)
+        for name, (proc, data, log) in procs.items():
+            try:
+                code = proc.wait(EXIT_BOUND_SECS)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+                raise AssertionError(f"{name}: still running after {EXIT_BOUND_SECS}s:\n{log.read_text()}") from None
+            output = log.read_text()
+            assert code == 1 and "Traceback" not in output, output
+            [line] = [line for line in output.splitlines() if "ERROR" in line]
+            assert f"cannot start: the database {data / 'lmspd.db'} cannot be used: the disk holding it" in line
+            assert expected[name] in line and "damaged" not in line, line
+            findings = doctor._database(Config(server=ServerConfig(data_dir=str(data))))
+            failed = [f.detail for f in findings if f.level == "FAIL"]
+            assert failed and expected[name] in failed[0] and "damaged" not in failed[0], findings
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

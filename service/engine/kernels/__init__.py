@@ -36,6 +36,7 @@ log = logging.getLogger("lmspd.engine.kernels")
 
 SOURCE = Path(__file__).with_name("quantized.cpp")
 MODULE = "quantized_ext"  # the NB_MODULE name in quantized.cpp
+BUILD_PREFIX = ".build-"  # a build in progress (or one a killed process left behind)
 
 
 class KernelUnavailable(Exception):
@@ -174,9 +175,12 @@ def build(root: Path | None = None) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another engine building the same key: wait for it
         if target.exists():
             return target
+        # Holding the lock, any build directory here is one a killed build left behind.
+        for stale in target.parent.glob(f"{BUILD_PREFIX}*"):
+            shutil.rmtree(stale, ignore_errors=True)
         log.info("building lmspd's quantized CPU kernels into %s (once per MLX version)", target.parent)
         start = time.perf_counter()
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        with tempfile.TemporaryDirectory(prefix=BUILD_PREFIX, dir=target.parent) as tmp:  # removed on error too
             work = Path(tmp)
             compiles, link = _commands(cxx, paths, work / target.name, work)
             _run_all(compiles)

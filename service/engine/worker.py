@@ -64,6 +64,7 @@ class Request:
     cached_tokens: int = 0  # leading prompt tokens whose KV came from the prompt cache
     decoding: bool = False  # prefill done: it now waits on every prefill step
     held: str = ""  # text withheld because it may be the start of a stop string
+    mask: GrammarMask | None = None  # its grammar, when constrained
 
 
 def keeps_early(req: Request) -> bool:
@@ -348,6 +349,7 @@ class Engine:
             stop_sequences=[stops],
         )
         req = Request(cmd, uid, IncrementalDetokenizer(lm.tokenizer, cmd.generated), len(cmd.generated))
+        req.mask = processors[0] if processors else None
         # A resumed request's cached tokens are counted against its prompt only.
         req.cached_tokens = min(hit.cached, len(cmd.prompt))
         lm.requests[uid] = req
@@ -412,6 +414,15 @@ class Engine:
             live = [(r, req) for r, req in live if req.cmd.logprobs is None]
             scored = {}
         for r, req in live:
+            if req.mask is not None and req.mask.failure is not None:
+                self._drop(
+                    lm,
+                    req,
+                    f"the output grammar cannot go on: {req.mask.failure}",
+                    code="invalid_request",
+                    in_batch=r.finish_reason is None,
+                )
+                continue
             if r.finish_reason is not None and r.prompt_cache is not None:
                 self.prompt_cache.store((lm.fingerprint, req.cmd.cache_key), r.all_tokens, r.prompt_cache)
             self._on_token(lm, req, r.token, r.finish_reason, deltas, scored.get(r.uid))
@@ -500,11 +511,14 @@ class Engine:
             if tokens and len(tokens) > req.cached_tokens:  # only a cache that learnt something
                 self.prompt_cache.store((lm.fingerprint, req.cmd.cache_key), tokens, cache)
 
-    def _drop(self, lm: LoadedModel, req: Request, message: str) -> None:
-        lm.batch.remove([req.uid])
+    def _drop(
+        self, lm: LoadedModel, req: Request, message: str, code: str = "server_error", in_batch: bool = True
+    ) -> None:
+        if in_batch:
+            lm.batch.remove([req.uid])
         del lm.requests[req.uid]
         del self.by_id[req.cmd.request_id]
-        self._fail(req.cmd, "server_error", message)
+        self._fail(req.cmd, code, message)
 
     def _fail_all(self, lm: LoadedModel, message: str) -> None:
         for req in list(lm.requests.values()):

@@ -10,10 +10,12 @@ import msgspec
 import pytest
 from support.generation import PROMPTS, collect, request
 
+from lmspd.engine import protocol as p
 from lmspd.engine.process import EngineClient
 from lmspd.errors import InvalidRequestError
 from lmspd.models.registry import ResolvedModel
 from lmspd.prompting import grammar
+from lmspd.responses.enforce import MAX_OPTIONAL_PROPERTIES
 from lmspd.responses.tools import JsonSchemaFormat, tool_options
 
 # Intake refuses these (no finite instance); sent to the engine directly, the first needs
@@ -40,3 +42,22 @@ async def test_a_grammar_that_cannot_go_on_fails_its_request_only(
     assert not isinstance(done, BaseException) and done[2].completion_tokens == 12
     assert isinstance(failed, InvalidRequestError), failed
     assert "grammar cannot go on" in failed.message
+
+
+async def test_the_optional_property_limit_is_llguidances(engine: EngineClient, tiny: ResolvedModel) -> None:
+    """Intake refuses an object with more optional properties than MAX_OPTIONAL_PROPERTIES
+    (tests/unit/test_schema_budget.py) because past it llguidance's parser fails at the
+    object's first key: here, an output resumed after its opening ``{"``."""
+    from tokenizers import Tokenizer
+
+    opening = Tokenizer.from_file(str(tiny.path / "tokenizer.json")).encode('{"', add_special_tokens=False).ids
+
+    def resumed(optional: int) -> p.Generate:
+        properties = {f"p{i}": {"type": "string"} for i in range(optional)}
+        lark = schema_grammar({"type": "object", "properties": properties})
+        return msgspec.structs.replace(request(tiny, PROMPTS[2], max_tokens=12), grammar=lark, generated=opening)
+
+    _, _, fin = await collect(engine, resumed(MAX_OPTIONAL_PROPERTIES))  # a key (any: no additionalProperties)
+    assert fin.completion_tokens > len(opening)
+    with pytest.raises(InvalidRequestError, match="grammar"):
+        await collect(engine, resumed(MAX_OPTIONAL_PROPERTIES + 1))

@@ -77,13 +77,15 @@ def test_a_thousand_fold_all_of_tool_does_not_slow_other_requests(server: Server
     tool = {"type": "function", "name": "fill", "parameters": ALL_OF}
     body = {"model": "tiny", "input": "Fill it in.", "tools": [tool], "max_output_tokens": 64, "stream": True}
     with httpx.stream("POST", f"{server.url}/v1/responses", json=body, timeout=300) as attack:
-        if attack.status_code == 200:
-            next(attack.iter_lines())  # accepted: it runs while the victim does
+        accepted = attack.status_code == 200
+        if accepted:
+            next(attack.iter_lines())  # it runs while the victim does (leaving cancels it)
         beside = victim_seconds(server.url)
-        attack.read()
+        if not accepted:
+            attack.read()
     print(f"victim alone {alone:.3f} s, beside the attack {beside:.3f} s")
     assert beside < 5 * alone, f"the victim took {beside:.2f} s beside the attack, {alone:.2f} s alone"
-    assert attack.status_code == 400, attack.text
+    assert not accepted and attack.status_code == 400, attack.status_code
     error = attack.json()["error"]
     assert error["param"] == "tools[0].parameters" and "responses.max_schema_nodes" in error["message"], error
 
@@ -168,3 +170,20 @@ def test_a_huge_tool_list_or_schema_leaves_the_server_answering(server: Server, 
     assert busy < 25 * idle, f"/healthz waited {busy * 1000:.0f} ms during the request, {idle * 1000:.0f} ms idle"
     assert answers[0].status_code == 400, answers[0].text
     assert answers[0].json()["error"]["param"] == ("tools" if what == "10k-tools" else "text.format.schema")
+
+
+def test_a_json_schema_format_without_a_name_is_a_400(server: Server) -> None:
+    """OpenAI requires the name (text.format.name; Chat's response_format.json_schema.name)."""
+    for surface, param in (
+        ("responses", "text.format.name"),
+        ("chat", "response_format"),
+        ("tasks", "input.text.format.name"),
+    ):
+        path, body = _requests(surface, {"type": "object"})
+        request = body["input"] if surface == "tasks" else body
+        fmt = body["response_format"]["json_schema"] if surface == "chat" else request["text"]["format"]
+        del fmt["name"]
+        r = httpx.post(f"{server.url}{path}", json=body, timeout=60)
+        assert r.status_code == 400, (surface, r.text)
+        error = r.json().get("error", r.json())
+        assert error["param"] == param and "name" in error.get("message", error.get("detail")), (surface, error)

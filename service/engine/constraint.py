@@ -1,7 +1,8 @@
 """Constrained decoding in the engine: a llguidance matcher per request, as a logits mask.
 
-A grammar is compiled once per (model, grammar) and kept in a bounded LRU; each
-request decodes with a copy of the compiled matcher. The mask is a logits processor
+A grammar is compiled once per (model, grammar), in a thread of its own while the batch
+decodes (the worker), and kept in a bounded LRU; each request decodes with a copy of the
+compiled matcher, within a per-step budget (:data:`STEP_MAX_ITEMS`). The mask is a logits processor
 of mlx-lm's BatchGenerator, so constrained and free requests share one batch.
 """
 
@@ -42,18 +43,30 @@ class Grammars:
         self.stop_ids = eos_token_ids
         self._compiled: OrderedDict[str, Any] = OrderedDict()
 
-    def matcher(self, lark: str) -> Any:
-        """A fresh matcher for this grammar (compiled on first use, copied after)."""
+    def compiled(self, lark: str) -> bool:
+        return lark in self._compiled
+
+    def compile(self, lark: str) -> Any:
+        """The grammar compiled, not kept (:meth:`keep`): safe in another thread, and llguidance
+        drops the GIL while it compiles, so the engine's loop goes on meanwhile."""
         from llguidance import LLMatcher
 
+        template = LLMatcher(self.tokenizer, LLMatcher.grammar_from_lark(lark), log_level=0, limits=parser_limits())
+        if template.is_error():
+            raise GrammarError(template.get_error())
+        return template
+
+    def keep(self, lark: str, template: Any) -> None:
+        self._compiled[lark] = template
+        while len(self._compiled) > GRAMMAR_CACHE_SIZE:
+            self._compiled.popitem(last=False)
+
+    def matcher(self, lark: str) -> Any:
+        """A fresh matcher for this grammar (compiled on first use, copied after)."""
         template = self._compiled.get(lark)
         if template is None:
-            template = LLMatcher(self.tokenizer, LLMatcher.grammar_from_lark(lark), log_level=0, limits=parser_limits())
-            if template.is_error():
-                raise GrammarError(template.get_error())
-            self._compiled[lark] = template
-            while len(self._compiled) > GRAMMAR_CACHE_SIZE:
-                self._compiled.popitem(last=False)
+            template = self.compile(lark)
+            self.keep(lark, template)
         else:
             self._compiled.move_to_end(lark)
         return template.deep_copy()

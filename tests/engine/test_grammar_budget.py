@@ -5,6 +5,7 @@ requests of the batch carry on."""
 from __future__ import annotations
 
 import asyncio
+import uuid
 
 import msgspec
 import pytest
@@ -61,3 +62,53 @@ async def test_the_optional_property_limit_is_llguidances(engine: EngineClient, 
     assert fin.completion_tokens > len(opening)
     with pytest.raises(InvalidRequestError, match="grammar"):
         await collect(engine, resumed(MAX_OPTIONAL_PROPERTIES + 1))
+
+
+def constrained(cmd: p.Generate, lark: str) -> p.Generate:
+    return msgspec.structs.replace(cmd, grammar=lark)
+
+
+def slow_grammar() -> str:
+    """A grammar this engine has not compiled yet whose compile takes many decode steps of the
+    tiny model (a thousand regexes to intersect; intake would refuse it, as too large)."""
+    name = f"a{uuid.uuid4().hex[:8]}"
+    entry = {"properties": {name: {"type": "string", "pattern": "^[a-z]+$"}}}
+    return schema_grammar({"type": "object", "allOf": [entry] * 1000})
+
+
+async def test_a_grammar_compiles_while_the_batch_decodes(engine: EngineClient, tiny_long: ResolvedModel) -> None:
+    """The compile used to run in the engine's loop: every running request waited for it."""
+    running = request(tiny_long, PROMPTS[0], max_tokens=3000)
+    joined: asyncio.Task[tuple[list[int], str, p.Finished]] | None = None
+    meanwhile = 0
+    async for ev in engine.generate(running):
+        if not isinstance(ev, p.Delta):
+            assert ev.reason == "cancelled" and joined is not None and joined.done(), ev
+            break
+        if joined is None:
+            joined = asyncio.create_task(
+                collect(engine, constrained(request(tiny_long, PROMPTS[1], max_tokens=2), slow_grammar()))
+            )
+        elif not joined.done():
+            meanwhile += len(ev.token_ids)
+        else:
+            await engine.cancel(running.request_id)
+    assert joined is not None
+    ids, _, fin = await joined
+    assert fin.reason in ("length", "stop") and ids
+    assert meanwhile >= 5, f"the running request got {meanwhile} tokens while the grammar compiled"
+
+
+async def test_a_request_cancelled_while_its_grammar_compiles_ends_cancelled(
+    engine: EngineClient, tiny: ResolvedModel
+) -> None:
+    cmd = constrained(request(tiny, PROMPTS[2], max_tokens=8), slow_grammar())
+    stream = engine.generate(cmd)
+    first = asyncio.create_task(anext(stream))
+    await asyncio.sleep(0)  # the Generate goes first (were the cancel first, it would still apply)
+    await engine.cancel(cmd.request_id)
+    ev = await first
+    while isinstance(ev, p.Delta):
+        ev = await anext(stream)
+    assert ev.reason == "cancelled"
+    assert (await collect(engine, request(tiny, PROMPTS[0], max_tokens=4)))[2].completion_tokens == 4

@@ -6,7 +6,7 @@ Intake runs :func:`check_directives` in a worker thread, before any task exists
 (:meth:`lmspd.core.operations.Core.submit`); :mod:`lmspd.prompting.grammar` builds whole
 grammars on the same layout. In order, each bounded by the one before:
 
-1. the budget (:class:`SchemaBudget`): tools per request, objects and arrays over all the
+1. the budget (:class:`SchemaBudget`): tools per request, nodes and characters over all the
    request's schemas, and nesting depth; a walk that stops as soon as one is exceeded;
 2. what llguidance's parser cannot do per decode step (an object with more optional
    properties than its parser's row holds) and schemas with no finite instance
@@ -58,12 +58,13 @@ class SchemaBudget:
     """What one request's tools and schemas may hold (``[responses]`` in the config)."""
 
     max_tools: int = 128
-    max_nodes: int = 2000  # JSON objects and arrays, over all the request's schemas
+    max_nodes: int = 2000  # JSON objects, arrays and array entries, over all the request's schemas
+    max_chars: int = 100_000  # characters of their keys and strings
     max_depth: int = 64  # JSON nesting of one schema
 
     @classmethod
     def of(cls, config: ResponsesConfig) -> SchemaBudget:
-        return cls(config.max_tools, config.max_schema_nodes, config.max_schema_depth)
+        return cls(config.max_tools, config.max_schema_nodes, config.max_schema_chars, config.max_schema_depth)
 
 
 def with_layout(schema: Mapping[str, Any]) -> dict[str, Any]:
@@ -106,7 +107,7 @@ def check_directives(parsed: Directives, budget: SchemaBudget) -> None:
     schemas = [(f"tools[{i}].parameters", t.parameters) for i, t in enumerate(options.tools) if t.parameters]
     if isinstance(fmt, JsonSchemaFormat):
         schemas.insert(0, ("text.format.schema", fmt.schema))
-    left = budget.max_nodes
+    left = (budget.max_nodes, budget.max_chars)
     for param, schema in schemas:
         left = _measure(schema, param, left, budget)
     if isinstance(fmt, JsonSchemaFormat):
@@ -126,29 +127,40 @@ def check_schema(schema: Mapping[str, Any], param: str) -> None:
     check(json_schema_grammar(schema), param)
 
 
-def _measure(schema: Any, param: str, left: int, budget: SchemaBudget) -> int:
-    """What is left of the node budget after ``schema``; 400 as soon as it is spent or the
-    schema nests deeper than allowed. Iterative, and it stops early: its work is bounded by
-    the budget, not by what the client sent."""
+def _measure(schema: Any, param: str, left: tuple[int, int], budget: SchemaBudget) -> tuple[int, int]:
+    """What is left of the budget (nodes, characters) after ``schema``; 400 as soon as it is
+    spent or the schema nests deeper than allowed. Nodes are objects, arrays and the entries
+    of arrays (an enum's values); characters, those of every key and string (patterns, enum
+    values, names, descriptions). Iterative, and it stops as soon as a limit is passed."""
+    nodes, chars = left
     stack: list[tuple[Any, int]] = [(schema, 1)]
     while stack:
         node, depth = stack.pop()
-        if not isinstance(node, dict | list):
-            continue
-        left -= 1
-        if left < 0:
+        if isinstance(node, str):
+            chars -= len(node)
+        elif isinstance(node, dict | list):
+            nodes -= 1 if isinstance(node, dict) else 1 + len(node)
+            if depth > budget.max_depth:
+                raise SchemaError(
+                    f"{param}: the schema nests deeper than {budget.max_depth} levels (responses.max_schema_depth)",
+                    param=param,
+                )
+            if isinstance(node, dict):
+                chars -= sum(len(k) for k in node)
+            stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
+        if nodes < 0:
             raise SchemaError(
-                f"{param}: the request's schemas hold more than {budget.max_nodes} objects and arrays "
-                "(responses.max_schema_nodes)",
+                f"{param}: the request's schemas hold more than {budget.max_nodes} objects, arrays and "
+                "array entries (responses.max_schema_nodes)",
                 param=param,
             )
-        if depth > budget.max_depth:
+        if chars < 0:
             raise SchemaError(
-                f"{param}: the schema nests deeper than {budget.max_depth} levels (responses.max_schema_depth)",
+                f"{param}: the request's schemas hold more than {budget.max_chars} characters of names and "
+                "strings (responses.max_schema_chars)",
                 param=param,
             )
-        stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
-    return left
+    return nodes, chars
 
 
 # --- finite instances -------------------------------------------------------------------------

@@ -172,8 +172,8 @@ def tool_options(
 
 
 def text_param(raw: dict[str, Any] | None) -> TextParam:
-    fmt = (raw or {}).get("format")
-    if isinstance(fmt, dict) and fmt.get("type") == "json_schema" and "name" not in fmt:
+    sent = (raw or {}).get("format")
+    if isinstance(sent, dict) and sent.get("type") == "json_schema" and "name" not in sent:
         raise InvalidRequestError("Missing required parameter: 'text.format.name'", param="text.format.name")
     param: TextParam = _convert(raw or {}, TextParam, "text")
     fmt = param.format

@@ -139,6 +139,13 @@ def test_the_budget_names_the_field_and_the_limit() -> None:
     with pytest.raises(SchemaError, match=r"responses\.max_schema_depth") as info:
         check(text=fmt(deep))
     assert info.value.param == "text.format.schema"
+    values = {"enum": [f"v{i}" for i in range(BUDGET.max_nodes)]}  # an enum's values count
+    with pytest.raises(SchemaError, match=r"responses\.max_schema_nodes"):
+        check(text=fmt(values))
+    pattern = {"type": "string", "pattern": "^(" + "|".join(f"w{i}" for i in range(BUDGET.max_chars // 4)) + ")$"}
+    with pytest.raises(SchemaError, match=r"responses\.max_schema_chars") as info:
+        check(text=fmt(pattern))
+    assert info.value.param == "text.format.schema"
     many = [{"type": "function", "name": f"f{i}"} for i in range(BUDGET.max_tools + 1)]
     with pytest.raises(SchemaError, match=r"responses\.max_tools") as info:
         check(tools=many)

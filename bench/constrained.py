@@ -21,7 +21,8 @@ once the victim streams. Sent to the engine directly, short prompts on both: the
 cost alone (intake refuses that schema, and would refuse its 14k-token prompt's effect with
 it: docs/reliability.md#grammar-and-schema-attacks). Best of ``--rounds``, as ratios.
 
-``--only compile|decode|noisy`` runs one of them.
+``--only compile|decode|noisy`` runs one of them; ``--tiny`` runs them on the tests' tiny
+random-weight model (milliseconds a step, where a stall shows most).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import argparse
 import asyncio
 import os
 import statistics
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -266,18 +268,24 @@ async def main() -> None:
     parser.add_argument("--compiles", type=int, default=7)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4], choices=range(1, len(PROMPTS) + 1))
     parser.add_argument("--only", choices=["compile", "decode", "noisy"], default=None)
+    parser.add_argument("--tiny", action="store_true", help="the tests' tiny random-weight model")
     args = parser.parse_args()
 
-    path: Path = (args.model_dir or default_model_dir()).resolve()
-    if not (path / "config.json").is_file():
-        parser.error(f"no model at {path}: run the tests once to pull it, or pass --model-dir")
-    model = ResolvedModel(name=path.name, path=path)
-    if args.only in (None, "compile"):
-        bench_compile(model, args.compiles)
-    if args.only in (None, "decode"):
-        await bench_decode(model, args.tokens, args.rounds, args.batches)
-    if args.only in (None, "noisy"):
-        await bench_noisy(model, args.tokens, args.rounds)
+    with tempfile.TemporaryDirectory(prefix="lmspd-bench-") as scratch:
+        if args.tiny:
+            from bench.fuzz import tiny_model
+
+            args.model_dir = tiny_model(Path(scratch) / "tiny")
+        path: Path = (args.model_dir or default_model_dir()).resolve()
+        if not (path / "config.json").is_file():
+            parser.error(f"no model at {path}: run the tests once to pull it, or pass --model-dir")
+        model = ResolvedModel(name=path.name, path=path)
+        if args.only in (None, "compile"):
+            bench_compile(model, args.compiles)
+        if args.only in (None, "decode"):
+            await bench_decode(model, args.tokens, args.rounds, args.batches)
+        if args.only in (None, "noisy"):
+            await bench_noisy(model, args.tokens, args.rounds)
 
 
 if __name__ == "__main__":

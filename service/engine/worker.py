@@ -395,29 +395,24 @@ class Engine:
         self.by_id[cmd.request_id] = (lm, req)
 
     def _cancel(self, request_id: str) -> None:
-        if (compiling := self.compiling.pop(request_id, None)) is not None:
-            cmd = compiling[0]
+        # Not in the batch yet: waiting for its model, or for its grammar to compile.
+        compiling = self.compiling.pop(request_id, None)
+        pending = compiling[0] if compiling is not None else None
+        for i, cmd in enumerate(self.waiting):
+            if cmd.request_id == request_id:
+                del self.waiting[i]
+                pending = cmd
+                break
+        if pending is not None:
             self.send(
                 p.Finished(
                     request_id=request_id,
                     reason="cancelled",
-                    prompt_tokens=len(cmd.prompt),
-                    completion_tokens=len(cmd.generated),
+                    prompt_tokens=len(pending.prompt),
+                    completion_tokens=len(pending.generated),
                 )
             )
             return
-        for i, cmd in enumerate(self.waiting):
-            if cmd.request_id == request_id:
-                del self.waiting[i]
-                self.send(
-                    p.Finished(
-                        request_id=request_id,
-                        reason="cancelled",
-                        prompt_tokens=len(cmd.prompt),
-                        completion_tokens=len(cmd.generated),
-                    )
-                )
-                return
         found = self.by_id.get(request_id)
         if found is None:
             return  # already finished: its Finished reply is on its way

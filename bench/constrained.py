@@ -1,6 +1,6 @@
 """Constrained decoding benchmark: a JSON-schema grammar vs free text, and grammar compile time.
 
-    python -m bench.constrained [--model-dir DIR] [--tokens 128] [--rounds 3] [--batches 1 4]
+    python -m bench.constrained [--model-dir DIR] [--tokens 128] [--rounds 3] [--batches 1 4] [--only ...]
 
 (a) Decode tok/s of the bundled model (or ``--model-dir``) with a json_schema grammar
 vs unconstrained, same engine process, same prompts, alternating sides, for 1 and 4
@@ -13,6 +13,16 @@ to its last, so prefill is left out. Each figure is the best of ``--rounds``.
 first use (compile) vs later uses (a copy of the compiled grammar), and the first
 token mask after each, in ms, median of ``--compiles`` distinct schemas (so the
 cold numbers never hit the cache).
+
+(c) The noisy neighbour: one free "victim" stream's decode tok/s alone, beside a free
+request, and beside a request whose tool schema is a 1000-entry allOf (tool_choice
+required, the grammar compiled cold: each round's schema is new), the neighbour joining
+once the victim streams. Sent to the engine directly, short prompts on both: the grammar's
+cost alone (intake refuses that schema, and would refuse its 14k-token prompt's effect with
+it: docs/reliability.md#grammar-and-schema-attacks). Best of ``--rounds``, as ratios.
+
+``--only compile|decode|noisy`` runs one of them; ``--tiny`` runs them on the tests' tiny
+random-weight model (milliseconds a step, where a stall shows most).
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ import argparse
 import asyncio
 import os
 import statistics
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -138,6 +149,69 @@ async def bench_decode(model: ResolvedModel, tokens: int, rounds: int, batches: 
         await engine.close()
 
 
+def all_of_schema(variant: int, pattern: bool = False) -> dict[str, Any]:
+    """The thousand-fold allOf of tests/api/test_grammar_attacks.py (``variant`` names its
+    property, so each round compiles anew); ``pattern``: each entry a regex, costlier to merge."""
+    value: dict[str, Any] = {"type": "string", **({"pattern": "^[a-z]+$"} if pattern else {})}
+    return {"type": "object", "allOf": [{"properties": {f"a{variant}": value}} for _ in range(1000)]}
+
+
+def tool_grammar(schema: dict[str, Any]) -> str:
+    tools = tool_options([{"type": "function", "name": "fill", "parameters": schema}], "required", None, None)
+    lark = grammar.build(text_format=None, tools=tools, tool_format="json_tools", special={})
+    assert lark is not None
+    return lark
+
+
+async def victim_rate(
+    engine: EngineClient, model: ResolvedModel, victim: list[int], n: int, neighbour: p.Generate | None
+) -> float:
+    """The victim's decode tok/s; ``neighbour`` joins once the victim has its first tokens."""
+    first = last = 0.0
+    count = 0
+    joined: asyncio.Task[tuple[int, float, float]] | None = None
+    async for ev in engine.generate(command(model, victim, n, None)):
+        if isinstance(ev, p.Delta) and ev.token_ids:
+            last = time.perf_counter()
+            first = first or last
+            count += len(ev.token_ids)
+            if neighbour is not None and joined is None and count >= 4:
+                joined = asyncio.create_task(decode(engine, neighbour))
+    if joined is not None:
+        await joined
+    return (count - 1) / (last - first)
+
+
+async def bench_noisy(model: ResolvedModel, tokens: int, rounds: int) -> None:
+    tok = Tokenizer(model.path)
+    victim, other = (tok.encode_chat([{"role": "user", "content": t}]) for t in PROMPTS[:2])
+    engine = EngineClient(EngineConfig(weight_dtype="quantized", max_concurrency=8))
+    ready = await engine.start()
+    try:
+        await engine.load(model.name, str(model.path))
+        print(f"\nnoisy neighbour: victim decode tok/s, {tokens} tokens, best of {rounds} | backend {ready.backend}")
+        await victim_rate(engine, model, victim, 8, command(model, other, 8, tool_grammar(all_of_schema(-1))))
+        sides: dict[str, Any] = {
+            "alone": lambda _: None,
+            "beside a free request": lambda _: command(model, other, tokens, None),
+            "beside the 1000-allOf tool": lambda r: command(model, other, tokens, tool_grammar(all_of_schema(r))),
+            "  ...each entry a pattern": lambda r: command(
+                model, other, tokens, tool_grammar(all_of_schema(1000 + r, pattern=True))
+            ),
+        }
+        rates: dict[str, list[float]] = {label: [] for label in sides}
+        for r in range(rounds):
+            for label, neighbour in sides.items():
+                rates[label].append(await victim_rate(engine, model, victim, tokens, neighbour(r)))
+        alone, free = max(rates["alone"]), max(rates["beside a free request"])
+        print(f"  {'':<30}{'tok/s':>8}{'vs alone':>10}{'vs free':>9}")
+        for label, got in rates.items():
+            best = max(got)
+            print(f"  {label:<30}{best:>8.2f}{best / alone:>9.3f}x{best / free:>8.3f}x")
+    finally:
+        await engine.close()
+
+
 def wide_schema(variant: int, properties: int = 50) -> dict[str, Any]:
     """An object of ``properties`` mixed-type properties; ``variant`` makes each schema distinct."""
     kinds: list[dict[str, Any]] = [
@@ -193,14 +267,25 @@ async def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--compiles", type=int, default=7)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4], choices=range(1, len(PROMPTS) + 1))
+    parser.add_argument("--only", choices=["compile", "decode", "noisy"], default=None)
+    parser.add_argument("--tiny", action="store_true", help="the tests' tiny random-weight model")
     args = parser.parse_args()
 
-    path: Path = (args.model_dir or default_model_dir()).resolve()
-    if not (path / "config.json").is_file():
-        parser.error(f"no model at {path}: run the tests once to pull it, or pass --model-dir")
-    model = ResolvedModel(name=path.name, path=path)
-    bench_compile(model, args.compiles)
-    await bench_decode(model, args.tokens, args.rounds, args.batches)
+    with tempfile.TemporaryDirectory(prefix="lmspd-bench-") as scratch:
+        if args.tiny:
+            from bench.fuzz import tiny_model
+
+            args.model_dir = tiny_model(Path(scratch) / "tiny")
+        path: Path = (args.model_dir or default_model_dir()).resolve()
+        if not (path / "config.json").is_file():
+            parser.error(f"no model at {path}: run the tests once to pull it, or pass --model-dir")
+        model = ResolvedModel(name=path.name, path=path)
+        if args.only in (None, "compile"):
+            bench_compile(model, args.compiles)
+        if args.only in (None, "decode"):
+            await bench_decode(model, args.tokens, args.rounds, args.batches)
+        if args.only in (None, "noisy"):
+            await bench_noisy(model, args.tokens, args.rounds)
 
 
 if __name__ == "__main__":

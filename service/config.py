@@ -113,12 +113,25 @@ class ResponsesConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # Reasoning items remembered per assistant turn so a turn sent back without one renders
     # as generated (the seed's MLXCEL_REASONING_ECHO_MAX_BYTES; 0 disables; needs the prompt cache).
     reasoning_echo_max_bytes: int = 16 * 1024**2
+    # What one request's tools and JSON schemas may hold: its grammar is compiled, and every
+    # decode step masked, within a bound (docs/reliability.md#grammar-and-schema-attacks).
+    max_tools: int = 128  # tools per request (OpenAI's limit for Chat Completions functions)
+    max_schema_nodes: int = 2000  # JSON objects, arrays and array entries over all the request's schemas
+    max_schema_chars: int = 100_000  # characters of their keys and strings (patterns, enums, names...)
+    max_schema_depth: int = 64  # JSON nesting of one schema (llguidance reads up to 128)
 
     def __post_init__(self) -> None:
         for key in self.__struct_fields__:
             if getattr(self, key) < 0:
                 raise ConfigError(f"responses.{key} must be >= 0", param=f"responses.{key}")
-        _positive("responses.background_ephemeral_ttl_secs", self.background_ephemeral_ttl_secs)
+        for key in (
+            "background_ephemeral_ttl_secs",
+            "max_tools",
+            "max_schema_nodes",
+            "max_schema_chars",
+            "max_schema_depth",
+        ):
+            _positive(f"responses.{key}", getattr(self, key))
 
 
 # The seed's flags, their config keys and their environment variables.

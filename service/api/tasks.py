@@ -24,6 +24,7 @@ from lmspd.api.wire import (
 )
 from lmspd.errors import InvalidRequestError
 from lmspd.responses import schema as s
+from lmspd.responses.enforce import SchemaError
 from lmspd.responses.schema import TaskCreate
 from lmspd.store.status import STATUSES
 
@@ -40,19 +41,27 @@ async def create_task(request: Request) -> Response:
     envelope = decode(body, TaskCreate)
     try:
         envelope.input.validate()
-    except InvalidRequestError as exc:  # name the field as the envelope holds it
-        raise InvalidRequestError(exc.message, param=f"input.{exc.param}" if exc.param else "input") from exc
-    task, replayed = await app.core.submit(
-        owner,
-        envelope.input,
-        kind="task",
-        on_restart=envelope.on_restart,
-        idempotency=(key, fingerprint(body)) if key else None,
-    )
+    except InvalidRequestError as exc:
+        raise _within_input(exc) from exc
+    try:
+        task, replayed = await app.core.submit(
+            owner,
+            envelope.input,
+            kind="task",
+            on_restart=envelope.on_restart,
+            idempotency=(key, fingerprint(body)) if key else None,
+        )
+    except SchemaError as exc:  # checked in the core, off the event loop: a field of the request too
+        raise _within_input(exc) from exc
     headers = {"Location": f"/lmsp/v1/tasks/{task.id}"}
     if replayed:
         headers["Idempotent-Replayed"] = "true"
     return _json(task_object(task), 202, headers)
+
+
+def _within_input(exc: InvalidRequestError) -> InvalidRequestError:
+    """The error with its field named as the envelope holds it (``input.<field>``)."""
+    return InvalidRequestError(exc.message, param=f"input.{exc.param}" if exc.param else "input")
 
 
 async def get_task(request: Request) -> Response:

@@ -46,6 +46,7 @@ from lmspd.responses import items as listed
 from lmspd.responses import schema as s
 from lmspd.responses.builder import ResponseState, initial_response
 from lmspd.responses.compaction import default_keep_tokens
+from lmspd.responses.enforce import SchemaBudget, check_directives
 from lmspd.responses.history import history
 from lmspd.responses.inputs import Item, item_json
 from lmspd.responses.reasoning_echo import ReasoningEcho
@@ -76,6 +77,7 @@ class Core:
         self.registry = registry
         self.metrics = metrics or store.metrics
         self.echo = ReasoningEcho.of(config, store.db)
+        self.budget = SchemaBudget.of(config.responses)
         self.accepting = True
         self._limits_enforced_at = 0.0
         self._chores: set[asyncio.Task[None]] = set()  # abandoned requests still settling
@@ -124,8 +126,8 @@ class Core:
         encoded = msgspec.json.encode(request)
         # Checked as it will run: with the reasoning the echo puts back.
         turns, rendered, _ = await self.echo.restore(owner, turns, request)
-        if len(encoded) < _INLINE_CHECK_BYTES and not turns:
-            self._check(rendered, turns)  # small: cheaper than a thread hop
+        if len(encoded) < _INLINE_CHECK_BYTES and not turns and not _has_schemas(request):
+            self._check(rendered, turns)  # small and no grammar to check: cheaper than a thread hop
         else:
             await asyncio.to_thread(self._check, rendered, turns)
         model = request.model or self.config.default_model
@@ -192,7 +194,9 @@ class Core:
             raise InvalidRequestError("background mode is disabled by the response store settings", param="background")
 
     def _check(self, request: s.ResponseRequest, turns: list[Item]) -> None:
-        """Runs in a worker thread: rendering a large prompt must not stall the event loop."""
+        """Runs in a worker thread: rendering a large prompt, taking schemas apart and compiling
+        grammars (seconds for a large one) must not stall the event loop."""
+        check_directives(request.directives, self.budget)
         self.registry.check_requested(request.model)
         model = self.registry.resolve_local(request.model or self.config.default_model)
         sampling = request.sampling()
@@ -213,6 +217,7 @@ class Core:
         turns, request, _ = await self.echo.restore(owner, turns, request)
 
         def count() -> int:
+            check_directives(request.directives, self.budget)
             self.registry.check_requested(request.model)
             model = self.registry.resolve(request.model or self.config.default_model)
             refuse_by_size(model, user_text_bytes(request))
@@ -499,3 +504,8 @@ class Core:
         """The request's own input items, in order (not the history it continued)."""
         request = msgspec.json.decode(task.request, type=s.TaskRequest)
         return request.items()
+
+
+def _has_schemas(request: s.ResponseRequest) -> bool:
+    """Whether the request brings tools or a text format: schemas to check, a grammar to compile."""
+    return bool(request.tools) or request.text is not None

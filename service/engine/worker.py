@@ -12,6 +12,7 @@ import logging
 import os
 import time
 from collections import OrderedDict, deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -41,6 +42,8 @@ KEEP_PREFILL_TOKENS = 256
 KEEP_SOON_TOKENS = 16
 # MLX's buffer cache on the CPU backend, at most (more where a packed model's layers need it).
 BUFFER_CACHE_BYTES = 16 << 20
+# How often an otherwise idle loop looks for a grammar that has compiled.
+COMPILE_POLL_SECS = 0.005
 
 
 def bound_buffer_cache(nbytes: int = BUFFER_CACHE_BYTES) -> None:
@@ -64,6 +67,7 @@ class Request:
     cached_tokens: int = 0  # leading prompt tokens whose KV came from the prompt cache
     decoding: bool = False  # prefill done: it now waits on every prefill step
     held: str = ""  # text withheld because it may be the start of a stop string
+    mask: GrammarMask | None = None  # its grammar, when constrained
 
 
 def keeps_early(req: Request) -> bool:
@@ -93,10 +97,13 @@ class LoadedModel:
             self.pieces = TokenPieces(Path(self.path))
         return self.pieces
 
-    def grammar_mask(self, grammar: str, generated: list[int]) -> GrammarMask:
+    def grammar_set(self) -> Grammars:
         if self.grammars is None:
             self.grammars = Grammars(Path(self.path), self.tokenizer.eos_token_ids, self.vocab_size)
-        return self.grammars.mask(grammar, generated)
+        return self.grammars
+
+    def grammar_mask(self, grammar: str, generated: list[int]) -> GrammarMask:
+        return self.grammar_set().mask(grammar, generated)
 
 
 class Engine:
@@ -120,6 +127,10 @@ class Engine:
         )
         self.models: OrderedDict[str, LoadedModel] = OrderedDict()  # least recently used first
         self.waiting: deque[p.Generate] = deque()  # requests for a model that cannot load yet
+        # Requests whose grammar compiles in the grammar thread (a large one takes a while:
+        # the batch decodes on meanwhile), by request id.
+        self.compiling: dict[str, tuple[p.Generate, Future[Any]]] = {}
+        self._compiler: ThreadPoolExecutor | None = None
         self.by_id: dict[str, tuple[LoadedModel, Request]] = {}
         self.running = True
         self.finished: list[p.Finished] = []
@@ -145,6 +156,8 @@ class Engine:
             busy = bool(self.by_id) or bool(self.waiting)
             # Idle with entries the disk writer has yet to take: come back for them soon.
             timeout: float | None = 0 if busy else (0.1 if self.prompt_cache.unflushed else None)
+            if self.compiling and not busy:
+                timeout = COMPILE_POLL_SECS
             try:
                 while self.running and self.conn.poll(timeout):
                     self._handle_safely(self.conn.recv_bytes())
@@ -152,6 +165,7 @@ class Engine:
             except EOFError:
                 log.warning("the server went away; engine exiting")
                 break
+            self._admit_compiled()
             self._admit_waiting()
             deltas: list[p.Delta] = []
             for lm in list(self.models.values()):
@@ -168,6 +182,8 @@ class Engine:
             except Exception:  # the disk copy only saves time later: never the engine's end
                 log.exception("prompt cache: entries not written to disk")
         self.prompt_cache.close()  # the write in progress completes: its files are whole
+        if self._compiler is not None:
+            self._compiler.shutdown(wait=False, cancel_futures=True)
 
     def _handle_safely(self, data: bytes) -> None:
         """One bad command fails alone; it never takes the engine down."""
@@ -279,8 +295,27 @@ class Engine:
     def _fail(self, cmd: p.Generate, code: str, message: str, param: str | None = None) -> None:
         self.send(p.Failed(request_id=cmd.request_id, code=code, message=message, param=param, model=cmd.model))
 
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar has compiled join the batch (or fail, if it did not compile)."""
+        for request_id, (cmd, future) in list(self.compiling.items()):
+            if not future.done():
+                continue
+            del self.compiling[request_id]
+            try:
+                template = future.result()
+            except GrammarError as exc:
+                self._fail(cmd, "invalid_request", f"the output grammar cannot be used: {exc}", "text.format")
+                continue
+            except Exception as exc:
+                log.exception("compiling a grammar failed")
+                self._fail(cmd, "server_error", f"the output grammar could not be compiled: {exc}")
+                continue
+            if (lm := self.models.get(cmd.model)) is not None and cmd.grammar is not None:
+                lm.grammar_set().keep(cmd.grammar, template)
+            self._submit(cmd)
+
     def _submit(self, cmd: p.Generate) -> None:
-        if cmd.request_id in self.by_id:
+        if cmd.request_id in self.by_id or cmd.request_id in self.compiling:
             return self._fail(cmd, "invalid_request", f"request id {cmd.request_id} is already running")
         if not self._can_load(cmd.model):
             self.waiting.append(cmd)
@@ -322,6 +357,11 @@ class Engine:
                 )
             )
             return None
+        if cmd.grammar and not lm.grammar_set().compiled(cmd.grammar):
+            if self._compiler is None:
+                self._compiler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+            self.compiling[cmd.request_id] = (cmd, self._compiler.submit(lm.grammar_set().compile, cmd.grammar))
+            return None
         try:
             processors = [lm.grammar_mask(cmd.grammar, cmd.generated)] if cmd.grammar else []
         except GrammarError as exc:
@@ -356,24 +396,31 @@ class Engine:
             stop_sequences=[stops],
         )
         req = Request(cmd, uid, IncrementalDetokenizer(lm.tokenizer, cmd.generated), len(cmd.generated))
+        req.mask = processors[0] if processors else None
         # A resumed request's cached tokens are counted against its prompt only.
         req.cached_tokens = min(hit.cached, len(cmd.prompt))
         lm.requests[uid] = req
         self.by_id[cmd.request_id] = (lm, req)
 
     def _cancel(self, request_id: str) -> None:
+        # Not in the batch yet: waiting for its model, or for its grammar to compile.
+        compiling = self.compiling.pop(request_id, None)
+        pending = compiling[0] if compiling is not None else None
         for i, cmd in enumerate(self.waiting):
             if cmd.request_id == request_id:
                 del self.waiting[i]
-                self.send(
-                    p.Finished(
-                        request_id=request_id,
-                        reason="cancelled",
-                        prompt_tokens=len(cmd.prompt),
-                        completion_tokens=len(cmd.generated),
-                    )
+                pending = cmd
+                break
+        if pending is not None:
+            self.send(
+                p.Finished(
+                    request_id=request_id,
+                    reason="cancelled",
+                    prompt_tokens=len(pending.prompt),
+                    completion_tokens=len(pending.generated),
                 )
-                return
+            )
+            return
         found = self.by_id.get(request_id)
         if found is None:
             return  # already finished: its Finished reply is on its way
@@ -420,6 +467,15 @@ class Engine:
             live = [(r, req) for r, req in live if req.cmd.logprobs is None]
             scored = {}
         for r, req in live:
+            if req.mask is not None and req.mask.failure is not None:
+                self._drop(
+                    lm,
+                    req,
+                    f"the output grammar cannot go on: {req.mask.failure}",
+                    code="invalid_request",
+                    in_batch=r.finish_reason is None,
+                )
+                continue
             if r.finish_reason is not None and r.prompt_cache is not None:
                 self.prompt_cache.store((lm.fingerprint, req.cmd.cache_key), r.all_tokens, r.prompt_cache)
             self._on_token(lm, req, r.token, r.finish_reason, deltas, scored.get(r.uid))
@@ -508,11 +564,14 @@ class Engine:
             if tokens and len(tokens) > req.cached_tokens:  # only a cache that learnt something
                 self.prompt_cache.store((lm.fingerprint, req.cmd.cache_key), tokens, cache)
 
-    def _drop(self, lm: LoadedModel, req: Request, message: str) -> None:
-        lm.batch.remove([req.uid])
+    def _drop(
+        self, lm: LoadedModel, req: Request, message: str, code: str = "server_error", in_batch: bool = True
+    ) -> None:
+        if in_batch:
+            lm.batch.remove([req.uid])
         del lm.requests[req.uid]
         del self.by_id[req.cmd.request_id]
-        self._fail(req.cmd, "server_error", message)
+        self._fail(req.cmd, code, message)
 
     def _fail_all(self, lm: LoadedModel, message: str) -> None:
         for req in list(lm.requests.values()):

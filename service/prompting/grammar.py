@@ -88,11 +88,13 @@ def _calls(
     """Rules ``calls`` (one or more calls, at most ``limit``) and ``call``.
 
     ``lazy``: free text comes first, and the first call's marker ends it (a lazy
-    lexeme), so only what follows the marker is constrained."""
+    lexeme), so only what follows the marker is constrained. Every tool's body is written
+    once, in rule ``body``, however many rules use it: a grammar is compiled (and its
+    JSON schemas with it) once per occurrence, so a copy would double the work."""
     bodies = " | ".join(f"({syntax.body(t, special)})" for t in tools)
-    rest = f"({bodies}) {_marker(syntax.end, special)}"
+    rest = f"body {_marker(syntax.end, special)}"
     opener = _marker(syntax.start, special)
-    rules = f"call: {opener} {rest}\n"
+    rules = f"body: {bodies}\ncall: {opener} {rest}\n"
     first = "call"
     if lazy:
         rules += "TEXT: /(.|\\n)*/\n"

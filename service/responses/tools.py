@@ -2,7 +2,9 @@
 
 Decoding validates the shapes; :func:`directives` checks how they fit together and returns
 them in their typed form (:class:`Directives`), each wrong value a 400 naming its field. A
-request is parsed into its directives once, at intake; every later stage reads them.
+request is parsed into its directives once, at intake; every later stage reads them. Parsing
+is cheap and takes no schema apart: whether decoding can enforce the schemas, and within what
+budget, is :func:`lmspd.responses.enforce.check_directives`, run in a worker thread.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ from typing import Any, Literal
 import msgspec
 
 from lmspd.errors import InvalidRequestError
-from lmspd.responses.enforce import check, json_schema_grammar
 
 BUILTIN_TOOLS = frozenset(
     {
@@ -51,7 +52,7 @@ class NamedFunction(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class JsonSchemaFormat(msgspec.Struct, tag="json_schema", tag_field="type", kw_only=True, forbid_unknown_fields=True):
-    name: str = "response"
+    name: str  # required, as OpenAI requires it (text.format.name; Chat: response_format.json_schema.name)
     schema: dict[str, Any]
     description: str | None = None
     strict: bool | None = None
@@ -128,6 +129,7 @@ def _convert(obj: Any, kind: Any, param: str) -> Any:
 
 def parse_tools(raw: list[dict[str, Any]] | None) -> list[FunctionTool]:
     tools: list[FunctionTool] = []
+    names: set[str] = set()
     for i, obj in enumerate(raw or []):
         kind = obj.get("type")
         if kind in BUILTIN_TOOLS:
@@ -141,8 +143,9 @@ def parse_tools(raw: list[dict[str, Any]] | None) -> list[FunctionTool]:
             raise InvalidRequestError(
                 "a function name is 1-64 characters of a-z, A-Z, 0-9, '_' and '-'", param=f"tools[{i}].name"
             )
-        if any(t.name == tool.name for t in tools):
+        if tool.name in names:
             raise InvalidRequestError(f"two tools are named {tool.name!r}", param=f"tools[{i}].name")
+        names.add(tool.name)
         if tool.parameters is not None and tool.parameters.get("type", "object") != "object":
             raise InvalidRequestError("function parameters must be an object schema", param=f"tools[{i}].parameters")
         tools.append(tool)
@@ -169,6 +172,9 @@ def tool_options(
 
 
 def text_param(raw: dict[str, Any] | None) -> TextParam:
+    sent = (raw or {}).get("format")
+    if isinstance(sent, dict) and sent.get("type") == "json_schema" and "name" not in sent:
+        raise InvalidRequestError("Missing required parameter: 'text.format.name'", param="text.format.name")
     param: TextParam = _convert(raw or {}, TextParam, "text")
     fmt = param.format
     if isinstance(fmt, JsonSchemaFormat) and not _NAME.match(fmt.name):
@@ -204,17 +210,9 @@ def directives(
     text: dict[str, Any] | None,
     reasoning: dict[str, Any] | None,
 ) -> Directives:
-    """The raw fields parsed, and every schema checked to be one constrained decoding enforces."""
-    parsed = Directives(
+    """The raw fields parsed (their schemas are checked by ``enforce.check_directives``)."""
+    return Directives(
         tools=tool_options(tools, tool_choice, parallel_tool_calls, max_tool_calls),
         text=text_param(text),
         reasoning=reasoning_param(reasoning),
     )
-    fmt, options = parsed.text_format, parsed.tools
-    if isinstance(fmt, JsonSchemaFormat):
-        check(json_schema_grammar(fmt.schema), "text.format.schema")
-    if options.constrained:
-        for tool in options.callable:
-            if tool.parameters is not None:
-                check(json_schema_grammar(tool.parameters), f"tools[{options.tools.index(tool)}].parameters")
-    return parsed

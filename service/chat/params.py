@@ -76,6 +76,9 @@ def name_chat_fields(exc: LmspdError, chat: ChatCompletionRequest) -> None:
     # Only a path is repeated in the message as a field: "input" is also a word.
     if any(c in exc.param for c in ".[_"):
         message = exc.message.replace(exc.param, renamed)
+        head, colon, rest = message.partition(": ")  # "text.format.schema: ..." names a field too
+        if colon and exc.param.startswith(head) and any(c in head for c in ".[_"):
+            message = f"{chat_param(head, chat)}: {rest}"
         if (item := _ITEM.fullmatch(exc.param)) is not None:  # "input[3]: ..." names the item
             message = message.replace(f"input[{item[1]}]", chat_param(f"input[{item[1]}]", chat))
         exc.message = message

@@ -361,6 +361,9 @@ class ChatCompletionRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=
         try:
             text_param(text)
         except InvalidRequestError as exc:
+            if exc.param == "text.format.name":  # a field of the json_schema object Chat nests
+                where = "response_format.json_schema.name"
+                raise InvalidRequestError(exc.message.replace(exc.param, where), param=where) from exc
             raise InvalidRequestError(
                 exc.message.replace("text.format", "response_format"), param="response_format"
             ) from exc

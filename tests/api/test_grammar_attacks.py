@@ -107,7 +107,7 @@ def test_a_schema_with_no_finite_instance_is_a_400_naming_the_keyword(
 ) -> None:
     for surface, param in (
         ("responses", f"text.format.schema.{keyword}"),
-        ("chat", f"text.format.schema.{keyword}"),
+        ("chat", f"response_format.json_schema.schema.{keyword}"),  # named as Chat's field
         ("tasks", f"input.text.format.schema.{keyword}"),
     ):
         path, body = _requests(surface, schema)
@@ -176,7 +176,7 @@ def test_a_json_schema_format_without_a_name_is_a_400(server: Server) -> None:
     """OpenAI requires the name (text.format.name; Chat's response_format.json_schema.name)."""
     for surface, param in (
         ("responses", "text.format.name"),
-        ("chat", "response_format"),
+        ("chat", "response_format.json_schema.name"),
         ("tasks", "input.text.format.name"),
     ):
         path, body = _requests(surface, {"type": "object"})

@@ -101,3 +101,9 @@ def test_an_error_names_the_chat_field_in_its_param_and_its_message() -> None:
     exc = InvalidRequestError("the input is too long", param="input")
     name_chat_fields(exc, CHAT)
     assert (exc.param, exc.message) == ("messages", "the input is too long")
+    exc = InvalidRequestError("text.format.schema: schema has no finite instance", param="text.format.schema.$ref")
+    name_chat_fields(exc, CHAT)
+    assert (exc.param, exc.message) == (
+        "response_format.json_schema.schema.$ref",
+        "response_format.json_schema.schema: schema has no finite instance",
+    )

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.serving import free_port, kill, spawn
+from bench.serving import kill, serve
 
 ROOT = Path(__file__).resolve().parent.parent
 TEST_CACHE = Path(os.environ.get("LMSPD_TEST_CACHE", ROOT / ".test-cache"))
@@ -70,15 +70,11 @@ def bundled_model() -> Path:
 
 def one_run(work: Path, model: Path) -> tuple[float, float]:
     """(the prompt's prefill, seconds from the kill until the engine was gone)."""
-    config = work / "lmspd.toml"
-    config.write_text(
+    server, url = serve(
+        work,
         f'default_model = "smol"\n[engine]\nweight_dtype = "quantized"\nprompt_cache_max_bytes = 0\n'
-        f'[server]\ndata_dir = "{work / "data"}"\n[models.smol]\npath = "{model}"\n'
+        f'[server]\ndata_dir = "{work / "data"}"\n[models.smol]\npath = "{model}"\n',
     )
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "lmspd.cli", "serve", "--config", str(config), "--port", str(port)]
-    server = spawn(cmd, f"{url}/readyz", work / "server.log", timeout=120)
     engine = engine_of(server.pid)
     try:
         with httpx.Client(base_url=url, timeout=300) as http:

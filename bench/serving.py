@@ -6,6 +6,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -34,6 +35,17 @@ def spawn(cmd: list[str], ready_url: str, log: Path, timeout: float = 300) -> su
         time.sleep(0.2)
     kill(proc, signal.SIGKILL)
     raise RuntimeError(f"{cmd[0]} did not become ready at {ready_url}")
+
+
+def serve(work: Path, config: str, timeout: float = 120) -> tuple[subprocess.Popen[bytes], str]:
+    """``lmspd serve`` on ``config`` (TOML text, written to ``work``), ready on a free port:
+    the process and its base URL. Its log is ``work/server.log``."""
+    path = work / "lmspd.toml"
+    path.write_text(config)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "lmspd.cli", "serve", "--config", str(path), "--port", str(port)]
+    return spawn(cmd, f"{url}/readyz", work / "server.log", timeout=timeout), url
 
 
 def kill(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: float = 30) -> None:

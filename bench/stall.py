@@ -33,7 +33,7 @@ from typing import Any
 import httpx
 import msgspec
 
-from bench.serving import free_port, kill, spawn
+from bench.serving import kill, serve
 
 ROOT = Path(__file__).resolve().parent.parent
 HUGE = "The quick brown fox jumps over the lazy dog. " * 160_000  # 7.2 MB: refused by its size
@@ -96,15 +96,11 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="lmspd-stall-") as tmp:
         work = Path(tmp)
         model = tiny_model(work / "tiny")
-        config = work / "lmspd.toml"
-        config.write_text(
+        proc, url = serve(
+            work,
             f'default_model = "tiny"\n[engine]\nweight_dtype = "quantized"\nmax_concurrency = 1\n'
-            f'[server]\ndata_dir = "{work / "data"}"\nkeepalive_secs = 0.5\n[models.tiny]\npath = "{model}"\n'
+            f'[server]\ndata_dir = "{work / "data"}"\nkeepalive_secs = 0.5\n[models.tiny]\npath = "{model}"\n',
         )
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        cmd = [sys.executable, "-m", "lmspd.cli", "serve", "--config", str(config), "--port", str(port)]
-        proc = spawn(cmd, f"{url}/readyz", work / "server.log", timeout=120)
         try:
             until = time.perf_counter() + 1.0
             idle = statistics.median(probe_while(url, lambda: time.perf_counter() < until))

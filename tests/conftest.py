@@ -102,6 +102,14 @@ def tiny_long(tmp_path_factory: pytest.TempPathFactory, smol_dir: Path) -> Resol
     return ResolvedModel(name="tiny_long", path=path)
 
 
+@pytest.fixture(scope="session")
+def tiny_8k(tmp_path_factory: pytest.TempPathFactory, smol_dir: Path) -> ResolvedModel:
+    """The tiny model with an 8192-token context, the bundled model's: a Codex CLI request
+    (~6,500 prompt tokens with its tools) fits, and prefills in a fraction of a second."""
+    path = make_tiny_model(tmp_path_factory.mktemp("tiny_8k") / "tiny_8k", smol_dir, seed=0, context=8192)
+    return ResolvedModel(name="tiny_8k", path=path)
+
+
 SHARED_ENGINE = EngineConfig(weight_dtype="quantized", max_concurrency=4)
 
 

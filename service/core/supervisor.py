@@ -366,7 +366,7 @@ class Supervisor:
                 max_tokens = min(max_tokens, model.context_length - input_tokens)
             prompt = await asyncio.to_thread(prompt_for, model, request, history, after)
             # A resumed task: the parser catches up with the text already generated.
-            state.outputs.attach(prompt.parser(), tokenizer_for(model).decode(state.tokens))
+            state.outputs.attach(prompt.parser(), tokenizer_for(model).decode(state.tokens), prompt.tools.namespaces)
             cmd = await asyncio.to_thread(  # tokenizing a long prompt takes a while
                 build_generate,
                 model,

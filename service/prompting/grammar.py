@@ -13,7 +13,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from lmspd.responses.enforce import with_layout
-from lmspd.responses.tools import FunctionTool, JsonObjectFormat, JsonSchemaFormat, TextFormatParam, ToolOptions
+from lmspd.responses.tools import (
+    FunctionTool,
+    JsonObjectFormat,
+    JsonSchemaFormat,
+    TextFormatParam,
+    ToolOptions,
+    functions,
+)
 
 
 @dataclass(frozen=True)
@@ -131,7 +138,7 @@ def build(
         free_text = tools.choice == "auto" and answer is None
         if free_text and not syntax.start:
             return None  # a bare-JSON call has no marker to wait for: it stays free text
-        rules = _calls(syntax, tools.callable, special, tools.call_limit, lazy=free_text)
+        rules = _calls(syntax, functions(tools.callable), special, tools.call_limit, lazy=free_text)
         if tools.choice != "auto":
             top = "calls"
         elif answer is not None:

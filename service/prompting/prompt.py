@@ -20,7 +20,7 @@ from lmspd.responses.compaction import expand, fold_summary
 from lmspd.responses.inputs import Item, to_messages
 from lmspd.responses.parsing.output_parser import OutputParser, infer_tool_format, think_markers
 from lmspd.responses.schema import ResponseRequest
-from lmspd.responses.tools import FunctionTool, ToolOptions
+from lmspd.responses.tools import FunctionTool, ToolOptions, functions
 
 HERMES_FORMAT = "json_tools"
 
@@ -58,7 +58,7 @@ class Prompt:
     def parser(self) -> OutputParser:
         return OutputParser(
             tool_format=self.tool_format,
-            tools=[_chat_tool(t) for t in self.tools.tools],
+            tools=[_chat_tool(t) for t in functions(self.tools.tools)],
             reasoning=self.reasoning_open,
             think=self.think,
             max_calls=self.tools.call_limit,
@@ -98,9 +98,10 @@ def build_prompt(
     system = fold_summary(request.instructions, expanded.summary)
     if options.active:
         if native:
-            kwargs["tools"] = [_chat_tool(t) for t in options.tools]
+            kwargs["tools"] = [_chat_tool(t) for t in functions(options.tools)]
         else:
-            system = f"{system}\n\n{_hermes_block(options.tools)}" if system else _hermes_block(options.tools)
+            block = _hermes_block(functions(options.tools))
+            system = f"{system}\n\n{block}" if system else block
     if system:
         messages = [{"role": "system", "content": system}, *messages]
     try:

@@ -14,7 +14,15 @@ import msgspec
 
 from lmspd.responses import schema as s
 from lmspd.responses.outputs import EventFactory, OutputItems, Status
-from lmspd.responses.tools import JsonObjectFormat, JsonSchemaFormat, NamedFunction, ReasoningParam, TextParam
+from lmspd.responses.tools import (
+    CustomTool,
+    JsonObjectFormat,
+    JsonSchemaFormat,
+    NamedCustom,
+    NamedFunction,
+    ReasoningParam,
+    TextParam,
+)
 from lmspd.store.task_store import Event, EventBuilder, NewEvent, TaskRecord
 
 
@@ -45,15 +53,17 @@ def initial_response(
 ) -> s.Response:
     parsed = request.directives
     options = parsed.tools
-    choice: str | NamedFunction = options.choice
-    if choice not in ("none", "auto", "required"):
-        choice = NamedFunction(type="function", name=options.choice)
+    choice: str | NamedFunction | NamedCustom = options.choice
+    if options.choice not in ("none", "auto", "required"):
+        (named,) = options.callable
+        name, _ = options.origin(named.name)
+        choice = NamedCustom(name=name) if isinstance(named, CustomTool) else NamedFunction(name=name)
     return s.Response(
         background=background,
         store=request.store,
         previous_response_id=request.previous_response_id,
         parallel_tool_calls=options.parallel,
-        tools=options.tools,
+        tools=options.declared,
         tool_choice=choice,
         text=_echoed_text(parsed.text),
         reasoning=_echoed_reasoning(parsed.reasoning),

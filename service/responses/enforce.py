@@ -28,7 +28,7 @@ from urllib.parse import unquote
 
 from lmspd.engine.constraint import parser_limits
 from lmspd.errors import InvalidRequestError
-from lmspd.responses.tools import Directives, JsonSchemaFormat
+from lmspd.responses.tools import Directives, FunctionTool, JsonSchemaFormat
 
 if TYPE_CHECKING:
     from lmspd.config import ResponsesConfig
@@ -104,7 +104,11 @@ def check_directives(parsed: Directives, budget: SchemaBudget) -> None:
             f"tools has {len(options.tools)} entries, more than {budget.max_tools} (responses.max_tools)",
             param="tools",
         )
-    schemas = [(f"tools[{i}].parameters", t.parameters) for i, t in enumerate(options.tools) if t.parameters]
+    schemas = [
+        (f"{options.param(t)}.parameters", t.parameters)
+        for t in options.tools
+        if isinstance(t, FunctionTool) and t.parameters
+    ]
     if isinstance(fmt, JsonSchemaFormat):
         schemas.insert(0, ("text.format.schema", fmt.schema))
     left = (budget.max_nodes, budget.max_chars)
@@ -114,8 +118,8 @@ def check_directives(parsed: Directives, budget: SchemaBudget) -> None:
         check_schema(fmt.schema, "text.format.schema")
     if options.constrained:
         for tool in options.callable:
-            if tool.parameters is not None:
-                check_schema(tool.parameters, f"tools[{options.tools.index(tool)}].parameters")
+            if isinstance(tool, FunctionTool) and tool.parameters is not None:
+                check_schema(tool.parameters, f"{options.param(tool)}.parameters")
 
 
 def check_schema(schema: Mapping[str, Any], param: str) -> None:

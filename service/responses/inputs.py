@@ -15,6 +15,7 @@ from typing import Any, Literal
 import msgspec
 
 from lmspd.errors import InvalidRequestError
+from lmspd.responses.tools import NAMESPACE_SEPARATOR
 
 
 class TextPart(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -45,6 +46,12 @@ class FunctionCallItem(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     arguments: str
     id: str | None = None
     status: str | None = None
+    namespace: str | None = None
+
+    @property
+    def offered_name(self) -> str:
+        """The name the model called it by (a namespaced function's is qualified)."""
+        return f"{self.namespace}{NAMESPACE_SEPARATOR}{self.name}" if self.namespace else self.name
 
 
 class FunctionCallOutputItem(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -226,10 +233,12 @@ def to_messages(
                 out.append({"role": "system" if item.role == "developer" else item.role, "content": message_text(item)})
         elif isinstance(item, FunctionCallItem):
             message = assistant(joins=True)  # a call joins the turn's text and earlier calls
-            call = {"name": item.name, "arguments": item.arguments}
+            call = {"name": item.offered_name, "arguments": item.arguments}
             message.setdefault("tool_calls", []).append({"id": item.call_id, "type": "function", "function": call})
             if not native_tools:
-                message["content"] += ("\n" if message["content"] else "") + hermes_call(item.name, item.arguments)
+                message["content"] += ("\n" if message["content"] else "") + hermes_call(
+                    item.offered_name, item.arguments
+                )
         elif isinstance(item, CompactionItem):
             raise ValueError("compaction items are expanded before rendering (compaction.expand)")
         elif native_tools:

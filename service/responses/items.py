@@ -64,7 +64,7 @@ def resource(response_id: str, index: int, item: Item) -> dict[str, Any]:
             "status": item.status or "completed",
         }
     if isinstance(item, FunctionCallItem):
-        return {
+        call: dict[str, Any] = {
             "id": item.id or f"fc_{suffix}",
             "type": "function_call",
             "call_id": item.call_id,
@@ -72,6 +72,7 @@ def resource(response_id: str, index: int, item: Item) -> dict[str, Any]:
             "arguments": item.arguments,
             "status": item.status or "completed",
         }
+        return call | ({"namespace": item.namespace} if item.namespace else {})
     if isinstance(item, ReasoningItem):
         listed: dict[str, Any] = {"id": item.id or f"rs_{suffix}", "type": "reasoning", "summary": item.summary}
         if item.content is not None:

@@ -9,7 +9,7 @@ event log with :meth:`OutputItems.replay`, so a resumed task carries on the same
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -25,6 +25,7 @@ from lmspd.responses.parsing.output_parser import (
     ReasoningDelta,
     TextDelta,
 )
+from lmspd.responses.tools import NAMESPACE_SEPARATOR
 
 EventFactory = Callable[[int], s._Event]
 Kind = Literal["message", "function_call", "reasoning", "compaction"]
@@ -41,6 +42,7 @@ class Item:
     name: str = ""
     status: Status = "in_progress"
     calls: int = -1  # a call's ordinal from the parser
+    namespace: str | None = None  # a call's namespace tool
 
     def wire(self) -> s.OutputItem:
         if self.kind == "message":
@@ -51,7 +53,12 @@ class Item:
         if self.kind == "function_call":
             arguments = "" if self.status == "in_progress" else self.text
             return s.FunctionCall(
-                id=self.id, call_id=self.call_id, name=self.name, arguments=arguments, status=self.status
+                id=self.id,
+                call_id=self.call_id,
+                name=self.name,
+                arguments=arguments,
+                status=self.status,
+                namespace=self.namespace,
             )
         reasoning = [] if self.status == "in_progress" else [s.ReasoningText(self.text)]
         return s.Reasoning(id=self.id, content=reasoning)
@@ -62,21 +69,33 @@ class OutputItems:
         self.items: list[Item] = []
         self.parser: OutputParser | None = None
         self._pending_logprobs: list[s.LogProb] = []
+        self._namespaces: Mapping[str, str] = {}
 
     # --- rebuilding -------------------------------------------------------------------------
 
-    def attach(self, parser: OutputParser, generated_text: str) -> None:
+    def attach(self, parser: OutputParser, generated_text: str, namespaces: Mapping[str, str] | None = None) -> None:
         """Read the output from here on with ``parser``, which first catches up with the
-        text generated so far (its pieces are already in the log)."""
+        text generated so far (its pieces are already in the log). ``namespaces``: the
+        namespace of each tool the model knows by a qualified name (``ToolOptions.namespaces``)."""
         parser.feed(generated_text)
         self.parser = parser
+        self._namespaces = namespaces or {}
 
     def replay(self, event: s._Event) -> None:
         if isinstance(event, s.OutputItemAdded):
             item = event.item
             if isinstance(item, s.FunctionCall):
                 calls = sum(1 for i in self.items if i.kind == "function_call")
-                self.items.append(Item("function_call", item.id, call_id=item.call_id, name=item.name, calls=calls))
+                self.items.append(
+                    Item(
+                        "function_call",
+                        item.id,
+                        call_id=item.call_id,
+                        name=item.name,
+                        calls=calls,
+                        namespace=item.namespace,
+                    )
+                )
             elif isinstance(item, s.Compaction):
                 self.items.append(Item("compaction", item.id, text=item.encrypted_content, status="completed"))
             else:
@@ -127,6 +146,8 @@ class OutputItems:
         item = Item(kind, f"{prefix}_{ulid.new()}", name=name, calls=calls)
         if kind == "function_call":
             item.call_id = f"call_{ulid.new()}"
+            if namespace := self._namespaces.get(name):  # the client knows it by its own name
+                item.name, item.namespace = name[len(namespace) + len(NAMESPACE_SEPARATOR) :], namespace
         self.items.append(item)
         index, added = len(self.items) - 1, item.wire()
         out.append(lambda seq: s.OutputItemAdded(sequence_number=seq, output_index=index, item=added))

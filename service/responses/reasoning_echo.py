@@ -85,7 +85,7 @@ def turn_key(items: Sequence[Item]) -> str:
         if isinstance(item, MessageItem):
             canonical.append(["message", _message_text(item)])
         elif isinstance(item, FunctionCallItem):
-            canonical.append(["function_call", item.name, item.arguments, item.call_id])
+            canonical.append(["function_call", item.offered_name, item.arguments, item.call_id])
     return hashlib.sha256(msgspec.json.encode(canonical)).hexdigest()
 
 

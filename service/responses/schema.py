@@ -17,10 +17,11 @@ from lmspd.errors import InvalidRequestError
 from lmspd.models.tokenizer import TEMPLATE_ARGUMENTS
 from lmspd.responses.tools import (
     Directives,
-    FunctionTool,
     JsonObjectFormat,
+    NamedCustom,
     NamedFunction,
     TextFormatPlain,
+    Tool,
     directives,
 )
 
@@ -319,12 +320,13 @@ class OutputMessage(msgspec.Struct, tag="message", tag_field="type", kw_only=Tru
     content: list[OutputText] = []
 
 
-class FunctionCall(msgspec.Struct, tag="function_call", tag_field="type", kw_only=True):
+class FunctionCall(msgspec.Struct, tag="function_call", tag_field="type", kw_only=True, omit_defaults=True):
     id: str
     call_id: str
     name: str
     arguments: str
     status: Literal["in_progress", "completed", "incomplete"]
+    namespace: str | None = None  # the function's namespace tool (OpenAI's field; absent at top level)
 
 
 class ReasoningText(msgspec.Struct, tag="reasoning_text", tag_field="type"):
@@ -415,8 +417,8 @@ class Response(msgspec.Struct, kw_only=True, omit_defaults=False):
     instructions: str | None = None
     output: list[OutputItem] = []
     error: ResponseError | None = None
-    tools: list[FunctionTool] = []
-    tool_choice: str | NamedFunction = "auto"
+    tools: list[Tool] = []
+    tool_choice: str | NamedFunction | NamedCustom = "auto"
     truncation: str = "disabled"
     parallel_tool_calls: bool = True
     text: TextField = msgspec.field(default_factory=TextField)

@@ -16,7 +16,10 @@ import msgspec
 
 from lmspd.errors import InvalidRequestError
 
-BUILTIN_TOOLS = frozenset(
+# OpenAI's hosted tools: they run on OpenAI's servers, and nothing here runs them (docs/responses.md
+# "Coding agents"). Refused by default, as the seed says; ``[responses] hosted_tools = "omit"``
+# leaves them out instead (:func:`omit_hosted`).
+HOSTED_TOOLS = frozenset(
     {
         "web_search",
         "web_search_preview",
@@ -26,19 +29,25 @@ BUILTIN_TOOLS = frozenset(
         "code_interpreter",
         "image_generation",
         "mcp",
-        "custom",
         "apply_patch",
         "function_shell",
+        "shell",
         "local_shell",
+        "tool_search",
     }
 )
+# How to turn a hosted tool off on the client, where a known client sends it by default.
+_TURN_OFF = {"web_search": 'Codex: web_search = "disabled" in config.toml'}
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+# A namespaced function is offered to the model as "<namespace>.<name>" (docs/responses.md).
+NAMESPACE_SEPARATOR = "."
 
 
-class FunctionTool(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=False):
+class FunctionTool(
+    msgspec.Struct, tag="function", tag_field="type", kw_only=True, forbid_unknown_fields=True, omit_defaults=False
+):
     """Open Responses ``FunctionTool``; echoed on the response with every field present."""
 
-    type: Literal["function"] = "function"
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
@@ -46,8 +55,47 @@ class FunctionTool(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omi
     strict: bool | None = True
 
 
-class NamedFunction(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    type: Literal["function"]
+class CustomText(msgspec.Struct, tag="text", tag_field="type", forbid_unknown_fields=True):
+    """A custom tool's input is free text."""
+
+
+class CustomGrammar(msgspec.Struct, tag="grammar", tag_field="type", kw_only=True, forbid_unknown_fields=True):
+    """A custom tool's input matches a grammar: Lark or a regular expression (llguidance reads both)."""
+
+    syntax: Literal["lark", "regex"]
+    definition: str
+
+
+class CustomTool(
+    msgspec.Struct, tag="custom", tag_field="type", kw_only=True, forbid_unknown_fields=True, omit_defaults=False
+):
+    """OpenAI's ``custom`` (freeform) tool: called with raw text, not JSON (``custom_tool_call``)."""
+
+    name: str
+    description: str | None = None
+    format: CustomText | CustomGrammar = msgspec.field(default_factory=CustomText)
+
+
+class NamespaceTool(
+    msgspec.Struct, tag="namespace", tag_field="type", kw_only=True, forbid_unknown_fields=True, omit_defaults=False
+):
+    """OpenAI's ``namespace``: a group of function and custom tools (Codex sends its sub-agent
+    tools as one). Its tools are offered to the model under qualified names."""
+
+    name: str
+    description: str = ""
+    tools: list[FunctionTool | CustomTool]
+
+
+Tool = FunctionTool | CustomTool | NamespaceTool
+OfferedTool = FunctionTool | CustomTool
+
+
+class NamedFunction(msgspec.Struct, tag="function", tag_field="type", kw_only=True, forbid_unknown_fields=True):
+    name: str
+
+
+class NamedCustom(msgspec.Struct, tag="custom", tag_field="type", kw_only=True, forbid_unknown_fields=True):
     name: str
 
 
@@ -82,24 +130,36 @@ class ReasoningParam(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     generate_summary: Literal["auto", "concise", "detailed"] | None = None
 
 
-Choice = Literal["none", "auto", "required"] | NamedFunction
+Choice = Literal["none", "auto", "required"] | NamedFunction | NamedCustom
+
+
+def is_strict(tool: OfferedTool) -> bool:
+    """A call of it must come out valid: a strict function, or a custom tool with a grammar."""
+    return bool(tool.strict) if isinstance(tool, FunctionTool) else isinstance(tool.format, CustomGrammar)
 
 
 class ToolOptions(msgspec.Struct, frozen=True, kw_only=True):
     """What generation needs to know about tools: those rendered into the prompt, the
-    calls it may make, and whether decoding is constrained to a valid call."""
+    calls it may make, and whether decoding is constrained to a valid call.
 
-    tools: list[FunctionTool]
-    choice: Literal["none", "auto", "required"] | str  # str: the one function it must call
+    ``tools`` are the tools offered to the model, namespaces flattened (a namespaced tool
+    under its qualified name, ``namespaces`` maps it back); ``params`` the request field of
+    each; ``declared`` the tools as sent, echoed on the response."""
+
+    tools: list[OfferedTool]
+    choice: Literal["none", "auto", "required"] | str  # str: the one tool it must call (qualified)
     parallel: bool
     max_calls: int | None
+    declared: list[Tool] = []
+    params: list[str] = []
+    namespaces: dict[str, str] = {}
 
     @property
     def active(self) -> bool:
         return bool(self.tools) and self.choice != "none"
 
     @property
-    def callable(self) -> list[FunctionTool]:
+    def callable(self) -> list[OfferedTool]:
         if self.choice in ("none", "auto", "required"):
             return self.tools
         return [t for t in self.tools if t.name == self.choice]
@@ -109,7 +169,7 @@ class ToolOptions(msgspec.Struct, frozen=True, kw_only=True):
         """A call must come out valid: it is required, named, or a strict tool may be called."""
         if not self.active:
             return False
-        return self.choice != "auto" or any(t.strict for t in self.tools)
+        return self.choice != "auto" or any(is_strict(t) for t in self.tools)
 
     @property
     def call_limit(self) -> int | None:
@@ -119,6 +179,25 @@ class ToolOptions(msgspec.Struct, frozen=True, kw_only=True):
         limits = [n for n in (self.max_calls, 1 if once else None) if n is not None]
         return min(limits) if limits else None
 
+    def param(self, tool: OfferedTool) -> str:
+        """The request field that declared ``tool`` (``tools[3]``, ``tools[4].tools[0]``)."""
+        return self.params[self.tools.index(tool)] if self.params else f"tools[{self.tools.index(tool)}]"
+
+    def origin(self, offered: str) -> tuple[str, str | None]:
+        """A called tool's name as the client declared it, and its namespace (None: top level)."""
+        namespace = self.namespaces.get(offered)
+        return (offered[len(namespace) + len(NAMESPACE_SEPARATOR) :], namespace) if namespace else (offered, None)
+
+    def offered_name(self, name: str, namespace: str | None) -> str:
+        """The inverse of :meth:`origin`: how the model knows a (namespaced) tool."""
+        return f"{namespace}{NAMESPACE_SEPARATOR}{name}" if namespace else name
+
+
+def functions(tools: list[OfferedTool]) -> list[FunctionTool]:
+    """``tools``, all function tools (custom tools are refused at intake until they render)."""
+    assert all(isinstance(t, FunctionTool) for t in tools), "custom tools are refused at intake"
+    return [t for t in tools if isinstance(t, FunctionTool)]
+
 
 def _convert(obj: Any, kind: Any, param: str) -> Any:
     try:
@@ -127,29 +206,86 @@ def _convert(obj: Any, kind: Any, param: str) -> Any:
         raise InvalidRequestError(f"{param}: {exc}", param=param) from exc
 
 
-def parse_tools(raw: list[dict[str, Any]] | None) -> list[FunctionTool]:
-    tools: list[FunctionTool] = []
-    names: set[str] = set()
-    for i, obj in enumerate(raw or []):
-        kind = obj.get("type")
-        if kind in BUILTIN_TOOLS:
-            raise InvalidRequestError(
-                f"built-in tool type '{kind}' is not supported: lmspd runs no hosted tools", param=f"tools[{i}].type"
-            )
-        if kind != "function":
-            raise InvalidRequestError(f"unknown tool type {kind!r}; only 'function' tools", param=f"tools[{i}].type")
-        tool: FunctionTool = _convert(obj, FunctionTool, f"tools[{i}]")
-        if not _NAME.match(tool.name):
-            raise InvalidRequestError(
-                "a function name is 1-64 characters of a-z, A-Z, 0-9, '_' and '-'", param=f"tools[{i}].name"
-            )
-        if tool.name in names:
-            raise InvalidRequestError(f"two tools are named {tool.name!r}", param=f"tools[{i}].name")
-        names.add(tool.name)
+def hosted_refusal(kind: str, param: str) -> InvalidRequestError:
+    how = _TURN_OFF.get(kind, "leave it out of tools")
+    return InvalidRequestError(
+        f"hosted tool type '{kind}' is not supported: lmspd runs no hosted tools. Turn it off on the client "
+        f'({how}), or start lmspd with [responses] hosted_tools = "omit" to leave such tools out',
+        param=f"{param}.type",
+    )
+
+
+def omit_hosted(raw: list[dict[str, Any]] | None) -> tuple[list[dict[str, Any]] | None, list[str]]:
+    """``raw`` tools without the hosted ones, and the types left out (``hosted_tools = "omit"``)."""
+    if not raw:
+        return raw, []
+    kept = [t for t in raw if not (isinstance(t, dict) and t.get("type") in HOSTED_TOOLS)]
+    omitted = [str(t["type"]) for t in raw if isinstance(t, dict) and t.get("type") in HOSTED_TOOLS]
+    return kept, omitted
+
+
+def _check_name(name: str, param: str) -> None:
+    if not _NAME.match(name):
+        raise InvalidRequestError("a tool name is 1-64 characters of a-z, A-Z, 0-9, '_' and '-'", param=f"{param}.name")
+
+
+def _offered(tool: OfferedTool, param: str) -> None:
+    _check_name(tool.name, param)
+    if isinstance(tool, FunctionTool):
         if tool.parameters is not None and tool.parameters.get("type", "object") != "object":
-            raise InvalidRequestError("function parameters must be an object schema", param=f"tools[{i}].parameters")
-        tools.append(tool)
-    return tools
+            raise InvalidRequestError("function parameters must be an object schema", param=f"{param}.parameters")
+    elif isinstance(tool.format, CustomGrammar) and not tool.format.definition.strip():
+        raise InvalidRequestError("a grammar's definition must not be empty", param=f"{param}.format.definition")
+
+
+class ParsedTools(msgspec.Struct, frozen=True, kw_only=True):
+    declared: list[Tool]
+    offered: list[OfferedTool]
+    params: list[str]
+    namespaces: dict[str, str]
+
+
+def parse_tools(raw: list[dict[str, Any]] | None) -> ParsedTools:
+    declared: list[Tool] = []
+    offered: list[OfferedTool] = []
+    params: list[str] = []
+    namespaces: dict[str, str] = {}
+    for i, obj in enumerate(raw or []):
+        where = f"tools[{i}]"
+        kind = obj.get("type") if isinstance(obj, dict) else None
+        if kind in HOSTED_TOOLS:
+            raise hosted_refusal(str(kind), where)
+        if kind not in ("function", "custom", "namespace"):
+            raise InvalidRequestError(
+                f"unknown tool type {kind!r}; tools here are 'function', 'custom' and 'namespace'",
+                param=f"{where}.type",
+            )
+        tool: Tool = _convert(obj, Tool, where)
+        if isinstance(tool, CustomTool) or (
+            isinstance(tool, NamespaceTool) and any(isinstance(x, CustomTool) for x in tool.tools)
+        ):
+            raise InvalidRequestError("custom tools are not supported yet", param=f"{where}.type")
+        declared.append(tool)
+        if isinstance(tool, NamespaceTool):
+            _check_name(tool.name, where)
+            if not tool.tools:
+                raise InvalidRequestError("a namespace needs at least one tool", param=f"{where}.tools")
+            for j, inner in enumerate(tool.tools):
+                _offered(inner, f"{where}.tools[{j}]")
+                qualified = f"{tool.name}{NAMESPACE_SEPARATOR}{inner.name}"
+                offered.append(msgspec.structs.replace(inner, name=qualified))
+                params.append(f"{where}.tools[{j}]")
+                namespaces[qualified] = tool.name
+        else:
+            _offered(tool, where)
+            offered.append(tool)
+            params.append(where)
+    seen: set[str] = set()
+    for tool, param in zip(offered, params, strict=True):
+        if tool.name in seen:
+            raise InvalidRequestError(f"two tools are named {tool.name!r}", param=f"{param}.name")
+        seen.add(tool.name)
+    return ParsedTools(declared=declared, offered=offered, params=params, namespaces=namespaces)
 
 
 def tool_options(
@@ -158,17 +294,35 @@ def tool_options(
     parallel: bool | None,
     max_calls: int | None,
 ) -> ToolOptions:
-    tools = parse_tools(raw_tools)
+    parsed = parse_tools(raw_tools)
+    tools = parsed.offered
     choice: Choice = _convert("auto" if raw_choice is None else raw_choice, Choice, "tool_choice")
-    if isinstance(choice, NamedFunction):
-        if not any(t.name == choice.name for t in tools):
-            raise InvalidRequestError(f"tool_choice names {choice.name!r}, which is not in tools", param="tool_choice")
-        name: str = choice.name
+    if isinstance(choice, NamedFunction | NamedCustom):
+        kind = FunctionTool if isinstance(choice, NamedFunction) else CustomTool
+        # A namespaced tool may be named by its qualified name or, when that is unambiguous, its own.
+        matches = [t for t in tools if isinstance(t, kind) and choice.name in (t.name, parsed_name(t.name, parsed))]
+        if len(matches) != 1:
+            what = "is not in tools" if not matches else "names more than one tool: use '<namespace>.<name>'"
+            raise InvalidRequestError(f"tool_choice names {choice.name!r}, which {what}", param="tool_choice")
+        name: str = matches[0].name
     else:
         name = choice
         if choice == "required" and not tools:
             raise InvalidRequestError("tool_choice 'required' needs at least one tool", param="tool_choice")
-    return ToolOptions(tools=tools, choice=name, parallel=parallel is not False, max_calls=max_calls)
+    return ToolOptions(
+        tools=tools,
+        choice=name,
+        parallel=parallel is not False,
+        max_calls=max_calls,
+        declared=parsed.declared,
+        params=parsed.params,
+        namespaces=parsed.namespaces,
+    )
+
+
+def parsed_name(offered: str, parsed: ParsedTools) -> str:
+    namespace = parsed.namespaces.get(offered)
+    return offered[len(namespace) + len(NAMESPACE_SEPARATOR) :] if namespace else offered
 
 
 def text_param(raw: dict[str, Any] | None) -> TextParam:

@@ -105,9 +105,18 @@ def tiny_long(tmp_path_factory: pytest.TempPathFactory, smol_dir: Path) -> Resol
 @pytest.fixture(scope="session")
 def tiny_8k(tmp_path_factory: pytest.TempPathFactory, smol_dir: Path) -> ResolvedModel:
     """The tiny model with an 8192-token context, the bundled model's: a Codex CLI request
-    (~6,500 prompt tokens with its tools) fits, and prefills in a fraction of a second."""
+    without its multi-agent namespace (~6,500 prompt tokens with its tools) fits, and
+    prefills in a fraction of a second."""
     path = make_tiny_model(tmp_path_factory.mktemp("tiny_8k") / "tiny_8k", smol_dir, seed=0, context=8192)
     return ResolvedModel(name="tiny_8k", path=path)
+
+
+@pytest.fixture(scope="session")
+def tiny_16k(tmp_path_factory: pytest.TempPathFactory, smol_dir: Path) -> ResolvedModel:
+    """The tiny model with a 16384-token context: room for Codex CLI's default request
+    (~9,200 prompt tokens once its multi-agent namespace's functions are offered)."""
+    path = make_tiny_model(tmp_path_factory.mktemp("tiny_16k") / "tiny_16k", smol_dir, seed=0, context=16384)
+    return ResolvedModel(name="tiny_16k", path=path)
 
 
 SHARED_ENGINE = EngineConfig(weight_dtype="quantized", max_concurrency=4)

@@ -1,12 +1,14 @@
 """The real Codex CLI (``codex exec``) against a real ``lmspd serve``, configured as the
 README's "Coding agents" section says: a provider block with ``wire_api = "responses"`` and
-``web_search = "disabled"``, or the provider block alone with the server's
+``web_search = "disabled"`` (and, for the bundled model's 8k context, ``[features]
+multi_agent = false``), or the provider block alone with the server's
 ``hosted_tools = "omit"``.
 
-The tiny random model with the bundled model's 8k context answers (Codex's first request is
-~6,500 tokens with its tools), with a small ``default_max_output_tokens``: Codex sends no
-output budget, so each of its requests costs a second, not minutes. Whatever the model says,
-Codex must run its turn to the end: exit 0 and an agent message.
+A tiny random model answers, with the bundled model's 8k context (Codex's request without
+its multi-agent namespace is ~6,500 tokens with its tools) or a 16k one (~9,200 with it), and
+a small ``default_max_output_tokens``: Codex sends no output budget, so each of its requests
+costs a second, not minutes. Whatever the model says, Codex must run its turn to the end:
+exit 0 and an agent message.
 """
 
 from __future__ import annotations
@@ -36,18 +38,25 @@ def codex() -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, tiny_8k: ResolvedModel) -> Iterator[Server]:
-    with tiny_server(tmp_path_factory.mktemp("codex"), model_cache, tiny_8k, server=SERVER) as srv:
+def server_8k(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, tiny_8k: ResolvedModel) -> Iterator[Server]:
+    with tiny_server(tmp_path_factory.mktemp("codex-8k"), model_cache, tiny_8k, server=SERVER) as srv:
+        srv.start()
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, tiny_16k: ResolvedModel) -> Iterator[Server]:
+    with tiny_server(tmp_path_factory.mktemp("codex"), model_cache, tiny_16k, server=SERVER) as srv:
         srv.start()
         yield srv
 
 
 @pytest.fixture(scope="module")
 def omit_server(
-    tmp_path_factory: pytest.TempPathFactory, model_cache: Path, tiny_8k: ResolvedModel
+    tmp_path_factory: pytest.TempPathFactory, model_cache: Path, tiny_16k: ResolvedModel
 ) -> Iterator[Server]:
     tmp = tmp_path_factory.mktemp("codex-omit")
-    with tiny_server(tmp, model_cache, tiny_8k, server=SERVER, responses='hosted_tools = "omit"\n') as srv:
+    with tiny_server(tmp, model_cache, tiny_16k, server=SERVER, responses='hosted_tools = "omit"\n') as srv:
         srv.start()
         yield srv
 
@@ -91,7 +100,15 @@ def check_turn(server: Server, proc: subprocess.CompletedProcess[str], events: l
     assert "POST /v1/responses 200" in server.log.read_text()
 
 
-def test_codex_exec_completes_a_turn(server: Server, codex: Path, tmp_path: Path) -> None:
+def test_codex_exec_completes_a_turn_on_an_8k_model(server_8k: Server, codex: Path, tmp_path: Path) -> None:
+    """The README's config for the bundled model (8k context)."""
+    config = codex_config(server_8k.url, "tiny", multi_agent=False)
+    proc, events = codex_exec(codex, tmp_path, config, "List the files in this folder.")
+    check_turn(server_8k, proc, events)
+
+
+def test_codex_exec_completes_a_turn_with_its_namespace(server: Server, codex: Path, tmp_path: Path) -> None:
+    """Only a provider block and ``web_search = "disabled"``: the multi-agent namespace offered."""
     config = codex_config(server.url, "tiny")
     proc, events = codex_exec(codex, tmp_path, config, "List the files in this folder.")
     check_turn(server, proc, events)

@@ -100,14 +100,14 @@ def check_turn(server: Server, proc: subprocess.CompletedProcess[str], events: l
     assert "POST /v1/responses 200" in server.log.read_text()
 
 
-def test_codex_exec_completes_a_turn_on_an_8k_model(server_8k: Server, codex: Path, tmp_path: Path) -> None:
+def test_codex_exec_completes_a_turn_on_an_8k_model(codex: Path, server_8k: Server, tmp_path: Path) -> None:
     """The README's config for the bundled model (8k context)."""
     config = codex_config(server_8k.url, "tiny", multi_agent=False)
     proc, events = codex_exec(codex, tmp_path, config, "List the files in this folder.")
     check_turn(server_8k, proc, events)
 
 
-def test_codex_exec_completes_a_turn_with_its_namespace(server: Server, codex: Path, tmp_path: Path) -> None:
+def test_codex_exec_completes_a_turn_with_its_namespace(codex: Path, server: Server, tmp_path: Path) -> None:
     """Only a provider block and ``web_search = "disabled"``: the multi-agent namespace offered."""
     config = codex_config(server.url, "tiny")
     proc, events = codex_exec(codex, tmp_path, config, "List the files in this folder.")
@@ -115,7 +115,7 @@ def test_codex_exec_completes_a_turn_with_its_namespace(server: Server, codex: P
 
 
 def test_codex_exec_with_web_search_on_and_the_server_omitting_it(
-    omit_server: Server, codex: Path, tmp_path: Path
+    codex: Path, omit_server: Server, tmp_path: Path
 ) -> None:
     config = codex_config(omit_server.url, "tiny", web_search=True)
     proc, events = codex_exec(codex, tmp_path, config, "List the files in this folder.")

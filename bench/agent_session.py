@@ -1,7 +1,7 @@
 """A whole Codex-shaped agent session against a real ``lmspd serve``: does the prompt cache hold
 on every turn (issue 22)?
 
-    python -m bench.agent_session [--turns 5] [--restart-before 5] [--tokens 24] [--model M] [--strip]
+    python -m bench.agent_session [--turns 5] [--restart-before 5] [--tokens 24] [--model M | --thinker] [--strip]
 
 Codex CLI runs with ``store: false`` and resends its whole history on every request. Turn 1 is
 the request Codex 0.171.0 sent on its second round trip, configured as the README says for an
@@ -19,7 +19,12 @@ directory.
 Prints per turn: prompt tokens, cached tokens, time to first token (request sent → the
 first delta of any output item) and its ratio to turn 1's (goal ≤ 0.1 from turn 2 on,
 the turn after the restart included). Greedy; the server's ``default_max_output_tokens`` is
-``--tokens`` (Codex sends no output budget). Bundled model unless ``--model``.
+``--tokens`` (Codex sends no output budget). Bundled model unless ``--model``. The bundled
+model does not reason, so its answers carry no reasoning items: ``--thinker`` runs the session
+on the tests' tiny ``hermes_think`` model instead (random weights, a 16k context, a template
+that opens a reasoning block), whose every answer is a reasoning item with the
+``encrypted_content`` the server sealed, replayed on the next turn. Its prefill is too cheap for
+the ratio to mean much; its cached tokens say whether the replayed reasoning matched.
 
 ``--strip`` leaves out what a server without Codex's request surface refuses
 (``client_metadata``, ``include``, ``prompt_cache_key``, reasoning items'
@@ -131,16 +136,29 @@ def next_input(history: list[dict[str, Any]], answered: list[dict[str, Any]], n:
     return out
 
 
+def thinker_model(dest: Path) -> Path:
+    """The tests' tiny hermes_think model (tests/support/families.py) with a 16k context."""
+    from support.families import make_family_tokenizer
+    from support.models import CACHE, SMOL, make_tiny_model
+
+    from lmspd.models.pull import pull_builtin
+
+    smol = pull_builtin(SMOL, CACHE / "models")  # instant once the test suite has pulled it
+    tokenizer = make_family_tokenizer(dest.with_name(dest.name + "-tok"), smol, "hermes_think")
+    return make_tiny_model(dest, tokenizer, seed=0, context=16384)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default=None)
     parser.add_argument("--turns", type=int, default=5)
     parser.add_argument("--restart-before", type=int, default=5, help="kill -9 and restart before this turn (0: never)")
     parser.add_argument("--tokens", type=int, default=24, help="the server's default_max_output_tokens")
+    parser.add_argument("--thinker", action="store_true", help="the tests' tiny reasoning model")
     parser.add_argument("--strip", action="store_true", help="leave out the fields of Codex's request surface")
     args = parser.parse_args()
     base = load_config()
-    model = args.model or base.default_model
+    model = "thinker" if args.thinker else args.model or base.default_model
     payload = body("multi-agent-off-turn2")
     payload["input"] = without_reasoning_tokens(payload["input"])
     with tempfile.TemporaryDirectory(prefix="lmspd-bench-agent-") as tmp:
@@ -149,6 +167,9 @@ def main() -> None:
             f'cache_dir = "{base.model_cache_dir}"\n'
             f'[server]\ndata_dir = "{work}"\ndefault_max_output_tokens = {args.tokens}\n'
         )
+        if args.thinker:
+            config += f'[models.thinker]\npath = "{thinker_model(work / "thinker")}"\n'
+
         proc: subprocess.Popen[bytes]
         proc, url = serve(work, config)
         rows: list[Turn] = []

@@ -42,10 +42,50 @@ VENDOR_EVENTS = {
 }
 
 
+# OpenAI's shapes that Open Responses lacks, which agent clients send and lmspd echoes
+# (docs/responses.md, "Coding agents"): added to the document, each where OpenAI puts it.
+_TOOL_FIELDS = {"name": {"type": "string"}, "description": {"anyOf": [{"type": "string"}, {"type": "null"}]}}
+OPENAI_SCHEMAS: dict[str, Any] = {
+    "NamespaceTool": {
+        "type": "object",
+        "required": ["type", "name", "description", "tools"],
+        "properties": {
+            "type": {"enum": ["namespace"]},
+            "name": {"type": "string"},
+            "description": {"type": "string"},
+            "tools": {"type": "array", "items": {"$ref": "#/components/schemas/FunctionTool"}},
+        },
+    },
+    "CustomTool": {
+        "type": "object",
+        "required": ["type", "name", "format"],
+        "properties": {"type": {"enum": ["custom"]}, **_TOOL_FIELDS, "format": {"type": "object"}},
+    },
+}
+
+
+def document() -> dict[str, Any]:
+    """The Open Responses document with :data:`OPENAI_SCHEMAS` added: a tool is a function,
+    namespace or custom tool."""
+    doc: dict[str, Any] = json.loads(SCHEMA.read_text())
+    schemas = doc["components"]["schemas"]
+    schemas.update(OPENAI_SCHEMAS)
+    tool = schemas["Tool"]
+    schemas["Tool"] = {
+        "description": tool["description"],
+        "oneOf": [{"$ref": "#/components/schemas/FunctionTool"}]
+        + [{"$ref": f"#/components/schemas/{name}"} for name in ("NamespaceTool", "CustomTool")],
+    }
+    namespace_tools = schemas["NamespaceTool"]["properties"]["tools"]
+    namespace_tools["items"] = {
+        "oneOf": [{"$ref": "#/components/schemas/FunctionTool"}, {"$ref": "#/components/schemas/CustomTool"}]
+    }
+    return doc
+
+
 @cache
 def _validator(name: str) -> jsonschema.Draft202012Validator:
-    doc = json.loads(SCHEMA.read_text())
-    return jsonschema.Draft202012Validator({**doc, "$ref": f"#/components/schemas/{name}"})
+    return jsonschema.Draft202012Validator({**document(), "$ref": f"#/components/schemas/{name}"})
 
 
 def validate(name: str, obj: Any) -> None:

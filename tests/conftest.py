@@ -103,12 +103,19 @@ def tiny_long(tmp_path_factory: pytest.TempPathFactory, smol_dir: Path) -> Resol
 
 
 @pytest.fixture(scope="session")
-def tiny_8k(tmp_path_factory: pytest.TempPathFactory, smol_dir: Path) -> ResolvedModel:
-    """The tiny model with an 8192-token context, the bundled model's: a Codex CLI request
-    without its multi-agent namespace (~6,500 prompt tokens with its tools) fits, and
-    prefills in a fraction of a second."""
-    path = make_tiny_model(tmp_path_factory.mktemp("tiny_8k") / "tiny_8k", smol_dir, seed=0, context=8192)
-    return ResolvedModel(name="tiny_8k", path=path)
+def brief_8k(tmp_path_factory: pytest.TempPathFactory, smol_dir: Path) -> ResolvedModel:
+    """A tiny model that ends its answers by itself after a few tokens (``make_tiny_model``'s
+    ``brief``), with the bundled model's 8192-token context: a Codex CLI request without its
+    multi-agent namespace (~6,500 prompt tokens with its tools) fits, prefilled in a second."""
+    path = make_tiny_model(tmp_path_factory.mktemp("brief_8k") / "brief_8k", smol_dir, context=8192, brief=True)
+    return ResolvedModel(name="brief_8k", path=path)
+
+
+@pytest.fixture(scope="session")
+def brief_16k(tmp_path_factory: pytest.TempPathFactory, smol_dir: Path) -> ResolvedModel:
+    """``brief_8k`` with a 16384-token context: room for Codex CLI's default request."""
+    path = make_tiny_model(tmp_path_factory.mktemp("brief_16k") / "brief_16k", smol_dir, context=16384, brief=True)
+    return ResolvedModel(name="brief_16k", path=path)
 
 
 @pytest.fixture(scope="session")

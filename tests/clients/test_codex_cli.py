@@ -5,10 +5,11 @@ multi_agent = false``), or the provider block alone with the server's
 ``hosted_tools = "omit"``.
 
 A tiny random model answers, with the bundled model's 8k context (Codex's request without
-its multi-agent namespace is ~6,500 tokens with its tools) or a 16k one (~9,200 with it), and
-a small ``default_max_output_tokens``: Codex sends no output budget, so each of its requests
-costs a second, not minutes. Whatever the model says, Codex must run its turn to the end:
-exit 0 and an agent message.
+its multi-agent namespace is ~6,500 tokens with its tools) or a 16k one (~9,200 with it): a
+``brief`` one, which ends its answers by itself after a few tokens, since Codex fails a turn
+whose answer was cut by its budget ("Incomplete response returned"). Each of Codex's requests
+costs a second, not minutes (``default_max_output_tokens`` bounds a stray one). Whatever the
+model says, Codex must run its turn to the end: exit 0 and an agent message.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from support.server import Server, tiny_server
 
 from lmspd.models.registry import ResolvedModel
 
-SERVER = "default_max_output_tokens = 16\n"
+SERVER = "default_max_output_tokens = 64\n"
 
 
 @pytest.fixture(scope="session")
@@ -38,25 +39,25 @@ def codex() -> Path:
 
 
 @pytest.fixture(scope="module")
-def server_8k(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, tiny_8k: ResolvedModel) -> Iterator[Server]:
-    with tiny_server(tmp_path_factory.mktemp("codex-8k"), model_cache, tiny_8k, server=SERVER) as srv:
+def server_8k(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, brief_8k: ResolvedModel) -> Iterator[Server]:
+    with tiny_server(tmp_path_factory.mktemp("codex-8k"), model_cache, brief_8k, server=SERVER) as srv:
         srv.start()
         yield srv
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, tiny_16k: ResolvedModel) -> Iterator[Server]:
-    with tiny_server(tmp_path_factory.mktemp("codex"), model_cache, tiny_16k, server=SERVER) as srv:
+def server(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, brief_16k: ResolvedModel) -> Iterator[Server]:
+    with tiny_server(tmp_path_factory.mktemp("codex"), model_cache, brief_16k, server=SERVER) as srv:
         srv.start()
         yield srv
 
 
 @pytest.fixture(scope="module")
 def omit_server(
-    tmp_path_factory: pytest.TempPathFactory, model_cache: Path, tiny_16k: ResolvedModel
+    tmp_path_factory: pytest.TempPathFactory, model_cache: Path, brief_16k: ResolvedModel
 ) -> Iterator[Server]:
     tmp = tmp_path_factory.mktemp("codex-omit")
-    with tiny_server(tmp, model_cache, tiny_16k, server=SERVER, responses='hosted_tools = "omit"\n') as srv:
+    with tiny_server(tmp, model_cache, brief_16k, server=SERVER, responses='hosted_tools = "omit"\n') as srv:
         srv.start()
         yield srv
 

@@ -151,3 +151,46 @@ def test_a_forced_call_in_a_format_without_a_grammar_is_a_400(smol_dir: Path, tm
     with pytest.raises(InvalidRequestError) as info:
         build_prompt(tok, s.ResponseRequest(input="hi", tools=TOOLS, tool_choice="required"), [])
     assert info.value.param == "tool_choice"
+
+
+NAMESPACED = [{"type": "namespace", "name": "ns", "description": "", "tools": TOOLS}]
+NS_DELTAS = [*DELTAS[:7], '"name": "ns.f", ', *DELTAS[8:]]
+
+
+def seal(item_id: str, text: str) -> str:
+    return f"sealed:{item_id}:{text}"
+
+
+def fresh_namespaced() -> tuple[ResponseState, Log, Prompt]:
+    request = s.ResponseRequest(input="hi", tools=NAMESPACED)
+    options = tool_options(NAMESPACED, None, None, None)
+    prompted = Prompt("", "json_tools", options, ("<think>", "</think>"), True, None, "tools")
+    state = ResponseState(initial_response(request, response_id="resp_1", model="m", created_at=1))
+    log = Log()
+    log.add(state.created())
+    log.add(state.in_progress())
+    state.outputs.attach(prompted.parser(), "", options.namespaces, seal)
+    return state, log, prompted
+
+
+@pytest.mark.parametrize("cut", [0, 2, 3, 5, 8, len(NS_DELTAS) - 1])
+def test_namespaced_calls_and_sealed_reasoning_survive_a_rebuild(cut: int) -> None:
+    """A namespaced call comes back under its own name with its namespace, and a sealed
+    reasoning item keeps its seal: in the events, and after a resume rebuilt from them."""
+    first, log, prompted = fresh_namespaced()
+    run(first, log, NS_DELTAS[:cut], 0)
+    state = ResponseState.from_events(log.rows)
+    stored = len(state.tokens)
+    state.outputs.attach(prompted.parser(), "".join(NS_DELTAS[:stored]), prompted.tools.namespaces, seal)
+    run(state, log, NS_DELTAS[stored:], stored)
+    log.add(state.finish("stop", 5))
+    events = log.events()
+    for event in events:
+        validate_event(event)
+    final = events[-1]["response"]
+    reasoning, _, call = final["output"]
+    assert reasoning["encrypted_content"] == seal(reasoning["id"], "Let me think.\n")
+    assert (call["name"], call["namespace"]) == ("f", "ns")
+    assert final["tools"][0]["type"] == "namespace"
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert done[0]["encrypted_content"] == reasoning["encrypted_content"] and done[2]["namespace"] == "ns"

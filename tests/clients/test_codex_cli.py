@@ -1,8 +1,7 @@
 """The real Codex CLI (``codex exec``) against a real ``lmspd serve``, configured as the
 README's "Coding agents" section says: a provider block with ``wire_api = "responses"`` and
-``web_search = "disabled"`` (and, for the bundled model's 8k context, ``[features]
-multi_agent = false``), or the provider block alone with the server's
-``hosted_tools = "omit"``.
+``web_search = "disabled"`` (and, for the bundled model's 8k context, ``[agents] enabled =
+false``), or the provider block alone with the server's ``hosted_tools = "omit"``.
 
 A tiny random model answers, with the bundled model's 8k context (Codex's request without
 its multi-agent namespace is ~6,500 tokens with its tools) or a 16k one (~9,200 with it): a
@@ -103,7 +102,7 @@ def check_turn(server: Server, proc: subprocess.CompletedProcess[str], events: l
 
 def test_codex_exec_completes_a_turn_on_an_8k_model(codex: Path, server_8k: Server, tmp_path: Path) -> None:
     """The README's config for the bundled model (8k context)."""
-    config = codex_config(server_8k.url, "tiny", multi_agent=False)
+    config = codex_config(server_8k.url, "tiny", agents=False)
     proc, events = codex_exec(codex, tmp_path, config, "List the files in this folder.")
     check_turn(server_8k, proc, events)
 

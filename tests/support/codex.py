@@ -102,13 +102,13 @@ def codex_binary() -> Path | None:
     return Path(found) if found else None
 
 
-def codex_config(base_url: str, model: str, *, web_search: bool = False, multi_agent: bool = True) -> str:
+def codex_config(base_url: str, model: str, *, web_search: bool = False, agents: bool = True) -> str:
     """The Codex config of the README's "Coding agents" section: a provider block, and unless
-    ``web_search``, ``web_search = "disabled"``; without ``multi_agent``, ``[features]
-    multi_agent = false`` too (what an 8k-context model needs: the multi-agent namespace's
-    functions are ~2,700 prompt tokens)."""
+    ``web_search``, ``web_search = "disabled"``; without ``agents``, ``[agents] enabled =
+    false`` too (what an 8k-context model needs: the sub-agent tools, the ``multi_agent_v1``
+    namespace, are ~2,700 prompt tokens)."""
     search = "" if web_search else 'web_search = "disabled"\n'
-    features = "" if multi_agent else "\n[features]\nmulti_agent = false\n"
+    features = "" if agents else "\n[agents]\nenabled = false\n"
     return (
         f'model = "{model}"\nmodel_provider = "lmspd"\n{search}\n'
         f'[model_providers.lmspd]\nname = "lmspd"\nbase_url = "{base_url}/v1"\nwire_api = "responses"\n'

@@ -62,6 +62,7 @@ class Prompt:
             reasoning=self.reasoning_open,
             think=self.think,
             max_calls=self.tools.call_limit,
+            bound=self.grammar is not None and self.tools.constrained,
         )
 
 

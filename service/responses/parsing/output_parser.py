@@ -106,7 +106,9 @@ class OutputParser:
     None reads everything outside reasoning as message text. ``tools`` (Responses
     function tools) type Qwen3-Coder's values, and a call of a function not among
     them is text. ``reasoning``: the prompt opened a reasoning block (with
-    ``think``'s markers, ``<think>``/``</think>`` when not given).
+    ``think``'s markers, ``<think>``/``</think>`` when not given). ``bound``: a grammar
+    writes the calls, so they are read as it wrote them (an end marker's text inside a
+    JSON string is part of the string, not the end of the call).
     """
 
     def __init__(
@@ -117,6 +119,7 @@ class OutputParser:
         reasoning: bool = False,
         think: tuple[str, str] | None = None,
         max_calls: int | None = None,
+        bound: bool = False,
     ) -> None:
         self._format = tool_format
         self._module: ModuleType | None = None
@@ -128,6 +131,7 @@ class OutputParser:
             think = ("<think>", "</think>")
         self._think = think
         self._max_calls = max_calls
+        self._bound = bound
         self._starts: tuple[str, ...] = ()
         self._end = ""
         if tool_format == LLAMA3_JSON:
@@ -254,11 +258,15 @@ class OutputParser:
     def _in_block(self, buf: str, final: bool) -> int | None:
         scanner = self._scanner
         assert scanner is not None
-        found = buf.find(self._end) if self._end else -1
+        # The grammar lets a JSON string hold any text, "</tool_call>" too: under it, the
+        # marker ends the block only once the JSON around it has ended. (Cut there, the rest
+        # of the string would read as message text, and the call as broken.)
+        literal = self._bound and scanner.in_json
+        found = buf.find(self._end) if self._end and not literal else -1
         if found >= 0:
             view = buf[:found]
         else:
-            view = buf if final or not self._end else buf[: len(buf) - held(buf, (self._end,))]
+            view = buf if final or not self._end or literal else buf[: len(buf) - held(buf, (self._end,))]
         n = scanner.step(view, final or found >= 0)
         if n:
             self._raw.append(view[:n])

@@ -1,0 +1,58 @@
+"""The parser reads a forced call exactly as the grammar let it through.
+
+A grammar's JSON strings may hold any text, the end marker's too: a call whose argument
+holds ``</tool_call>`` is one call, not a broken call followed by message text (the Agents
+SDK saw that under ``required``: then the model stayed inside the string to the budget)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from llguidance import LLMatcher, LLTokenizer
+
+from lmspd.models.tokenizer import Tokenizer
+from lmspd.prompting.prompt import build_prompt
+from lmspd.responses.parsing.output_parser import CallDone, TextDelta
+from lmspd.responses.schema import ResponseRequest
+
+PARAMS = {
+    "type": "object",
+    "properties": {"note": {"type": "string"}, "n": {"type": "integer"}},
+    "required": ["note", "n"],
+    "additionalProperties": False,
+}
+TOOLS: list[dict[str, Any]] = [{"type": "function", "name": "save", "parameters": PARAMS}]
+NOTES = ["a</tool_call>b", "</tool_call>\n<tool_call>", '\\"</tool_call>{"', "x\n</tool_call>\nHello there"]
+
+
+@pytest.fixture(scope="module")
+def tok(smol_dir: Path) -> Tokenizer:
+    return Tokenizer(smol_dir)
+
+
+def accepted(lark: str, text: str, tokenizer_json: Path) -> bool:
+    tokenizer = LLTokenizer(tokenizer_json.read_text())
+    matcher = LLMatcher(tokenizer, LLMatcher.grammar_from_lark(lark), log_level=0)
+    return bool(matcher.consume_tokens(tokenizer.tokenize_str(text)) and matcher.is_accepting())
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "name": "save"}])
+@pytest.mark.parametrize("note", NOTES)
+def test_an_end_marker_inside_a_string_is_part_of_it(
+    tok: Tokenizer, smol_dir: Path, choice: str | dict[str, str], note: str
+) -> None:
+    request = ResponseRequest(input="Save it.", tools=TOOLS, tool_choice=choice, parallel_tool_calls=False)
+    prompt = build_prompt(tok, request, [])
+    assert prompt.grammar is not None and prompt.tool_format == "json_tools"
+    arguments = json.dumps({"note": note, "n": 3}, ensure_ascii=False)
+    text = f'<tool_call>\n{{"name": "save", "arguments": {arguments}}}\n</tool_call>'
+    assert accepted(prompt.grammar, text, smol_dir / "tokenizer.json")  # the grammar lets it through
+    for cut in range(len(text) + 1):  # however the text came in
+        parser = prompt.parser()
+        pieces = parser.feed(text[:cut]) + parser.feed(text[cut:]) + parser.finish()
+        assert not [p for p in pieces if isinstance(p, TextDelta)], (cut, pieces)
+        (done,) = [p for p in pieces if isinstance(p, CallDone)]
+        assert done.valid and json.loads(done.arguments) == {"note": note, "n": 3}, cut

@@ -8,18 +8,21 @@ distinct grammar) and masks the logits of that request with it.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from lmspd.responses.enforce import with_layout
 from lmspd.responses.tools import (
+    CustomGrammar,
+    CustomTool,
     FunctionTool,
     JsonObjectFormat,
     JsonSchemaFormat,
+    OfferedTool,
     TextFormatParam,
     ToolOptions,
-    functions,
 )
 
 
@@ -31,6 +34,9 @@ class CallSyntax:
     end: str
     body: Callable[[FunctionTool, Mapping[str, int]], str]  # one call of this tool, between the markers
     separator: str = "\n"
+    # The head of a custom tool's call, before its raw input, which runs to the end marker;
+    # None: the family has no way to carry raw text (docs/responses.md, "Custom tools").
+    custom_head: Callable[[CustomTool], str] | None = None
 
 
 def _params(tool: FunctionTool) -> dict[str, Any]:
@@ -72,9 +78,16 @@ def _mistral_call(tool: FunctionTool, special: Mapping[str, int]) -> str:
     return f'"{tool.name}" {_marker("[ARGS]", special)} %json {json.dumps(with_layout(_params(tool)))}'
 
 
+def _hermes_custom(tool: CustomTool) -> str:
+    return json.dumps(f"\n{tool.name}\n")  # the name alone on the first line
+
+
 SYNTAXES: dict[str, CallSyntax] = {
     "json_tools": CallSyntax(
-        "<tool_call>", "</tool_call>", lambda t, special: f'"\\n" {_json_call("arguments")(t, special)} "\\n"'
+        "<tool_call>",
+        "</tool_call>",
+        lambda t, special: f'"\\n" {_json_call("arguments")(t, special)} "\\n"',
+        custom_head=_hermes_custom,
     ),
     "qwen3_coder": CallSyntax("<tool_call>", "</tool_call>", _xml_call),
     "llama3_json": CallSyntax("", "", _json_call("parameters"), separator="; "),
@@ -89,8 +102,38 @@ def _marker(text: str, special: Mapping[str, int]) -> str:
     return f"<[{special[text]}]>" if text in special else json.dumps(text)
 
 
+def regex_lexeme(pattern: str) -> str:
+    """A regular expression as a lark lexeme, escaped as llguidance escapes its own."""
+    from llguidance import LLMatcher
+
+    lark = json.loads(LLMatcher.grammar_from_regex(pattern))["grammars"][0]["lark_grammar"]
+    return str(lark).removeprefix("start: ")
+
+
+def custom_input(tool: CustomTool, end: str, special: Mapping[str, int], rule: str) -> str:
+    """Rule ``rule``: a custom tool's input, then the end marker ``end`` (and the rules it needs).
+
+    The parser ends the input at the first end marker, so the input cannot hold one: a
+    regular expression is intersected with "holds no end marker", in one lexeme with the
+    marker; free text is a lazy lexeme that ends at it. One lexeme, because llguidance's lexer
+    is greedy: a lexeme that may run on would swallow a marker after it. Where the marker is
+    a special token no text lexeme holds it, and the input ends there. A Lark grammar is
+    nested (its rule names are its own) and followed by the marker."""
+    fmt, marker = tool.format, _marker(end, special)
+    name = rule.upper()
+    if isinstance(fmt, CustomGrammar) and fmt.syntax == "lark":
+        return f"{rule}: {rule}_grammar {marker}\n{rule}_grammar: %lark {{\n{fmt.definition}\n}}\n"
+    pattern = regex_lexeme(fmt.definition) if isinstance(fmt, CustomGrammar) else "/(?s:.*)/"
+    if end in special:
+        return f"{rule}: {name} {marker}\n{name}: {pattern}\n"
+    if isinstance(fmt, CustomGrammar):
+        holds = f"~/(?s:.*{regex_lexeme(re.escape(end))[1:-1]}.*)/"
+        return f"{rule}: {name}\n{name}: ({pattern} & {holds}) {marker}\n"
+    return f"{rule}[lazy]: {pattern} {marker}\n"
+
+
 def _calls(
-    syntax: CallSyntax, tools: list[FunctionTool], special: Mapping[str, int], limit: int | None, lazy: bool
+    syntax: CallSyntax, tools: list[OfferedTool], special: Mapping[str, int], limit: int | None, lazy: bool
 ) -> str:
     """Rules ``calls`` (one or more calls, at most ``limit``) and ``call``.
 
@@ -98,10 +141,20 @@ def _calls(
     lexeme), so only what follows the marker is constrained. Every tool's body is written
     once, in rule ``body``, however many rules use it: a grammar is compiled (and its
     JSON schemas with it) once per occurrence, so a copy would double the work."""
-    bodies = " | ".join(f"({syntax.body(t, special)})" for t in tools)
-    rest = f"body {_marker(syntax.end, special)}"
+    bodies = [f"({syntax.body(t, special)})" for t in tools if isinstance(t, FunctionTool)]
+    heads, inputs = [], ""
+    for i, tool in enumerate(tools):
+        if isinstance(tool, CustomTool):
+            assert syntax.custom_head is not None, "custom tools are refused for this family (prompt.build_prompt)"
+            heads.append(f"{syntax.custom_head(tool)} input_{i}")  # the input ends with the end marker
+            inputs += custom_input(tool, syntax.end, special, f"input_{i}")
+    rules = f"body: {' | '.join(bodies)}\n" if bodies else ""
+    rest = f"body {_marker(syntax.end, special)}" if bodies else ""
+    if heads:
+        rules += f"custom: {' | '.join(heads)}\n{inputs}"
+        rest = f"({rest} | custom)" if bodies else "custom"
     opener = _marker(syntax.start, special)
-    rules = f"body: {bodies}\ncall: {opener} {rest}\n"
+    rules += f"call: {opener} {rest}\n"
     first = "call"
     if lazy:
         rules += "TEXT: /(.|\\n)*/\n"
@@ -138,7 +191,7 @@ def build(
         free_text = tools.choice == "auto" and answer is None
         if free_text and not syntax.start:
             return None  # a bare-JSON call has no marker to wait for: it stays free text
-        rules = _calls(syntax, functions(tools.callable), special, tools.call_limit, lazy=free_text)
+        rules = _calls(syntax, tools.callable, special, tools.call_limit, lazy=free_text)
         if tools.choice != "auto":
             top = "calls"
         elif answer is not None:

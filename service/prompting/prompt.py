@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
+import msgspec
+
 from lmspd.errors import InvalidRequestError
 from lmspd.models.tokenizer import Tokenizer
 from lmspd.prompting import grammar
@@ -20,15 +22,23 @@ from lmspd.responses.compaction import expand, fold_summary
 from lmspd.responses.inputs import Item, to_messages
 from lmspd.responses.parsing.output_parser import OutputParser, infer_tool_format, think_markers
 from lmspd.responses.schema import ResponseRequest
-from lmspd.responses.tools import FunctionTool, ToolOptions, functions
+from lmspd.responses.tools import CustomTool, FunctionTool, ToolOptions, customs, functions
 
 HERMES_FORMAT = "json_tools"
+# How a custom (freeform) tool is called, in the Hermes family: its name alone on the first
+# line of the block, then its input as it is, up to the end marker (docs/responses.md).
+CUSTOM_SYNTAX = (
+    'For a custom tool ("type": "custom"), write its name alone on the first line and then its input as raw '
+    "text, not JSON, following its format, with </tool_call> right after the input:\n"
+    "<tool_call>\n<tool-name>\n<raw input></tool_call>"
+)
 
 
-def _hermes_block(tools: list[FunctionTool]) -> str:
+def _hermes_block(tools: list[FunctionTool], custom: list[CustomTool]) -> str:
     # The wording of Qwen2.5 / Hermes templates, which small instruct models have seen.
-    lines = "\n".join(json.dumps(_chat_tool(t), ensure_ascii=False) for t in tools)
-    return (
+    entries = [_chat_tool(t) for t in tools] + [_custom_entry(t) for t in custom]
+    lines = "\n".join(json.dumps(e, ensure_ascii=False) for e in entries)
+    block = (
         "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
         "You are provided with function signatures within <tools></tools> XML tags:\n"
         f"<tools>\n{lines}\n</tools>\n\n"
@@ -36,6 +46,19 @@ def _hermes_block(tools: list[FunctionTool]) -> str:
         "<tool_call></tool_call> XML tags:\n<tool_call>\n"
         '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
     )
+    return f"{block}\n\n{CUSTOM_SYNTAX}" if custom else block
+
+
+def _custom_block(custom: list[CustomTool]) -> str:
+    """Custom tools for a template that renders only function tools itself."""
+    lines = "\n".join(json.dumps(_custom_entry(t), ensure_ascii=False) for t in custom)
+    return f"# Custom tools\n\nYou may also call these custom tools:\n<tools>\n{lines}\n</tools>\n\n{CUSTOM_SYNTAX}"
+
+
+def _custom_entry(tool: CustomTool) -> dict[str, Any]:
+    """A custom tool as the model is shown it: its format (grammar included) says what input it takes."""
+    fmt = msgspec.to_builtins(tool.format)
+    return {"type": "custom", "name": tool.name, "description": tool.description or "", "format": fmt}
 
 
 def _chat_tool(tool: FunctionTool) -> dict[str, Any]:
@@ -59,6 +82,7 @@ class Prompt:
         return OutputParser(
             tool_format=self.tool_format,
             tools=[_chat_tool(t) for t in functions(self.tools.tools)],
+            custom=[t.name for t in customs(self.tools.tools)],
             reasoning=self.reasoning_open,
             think=self.think,
             max_calls=self.tools.call_limit,
@@ -97,11 +121,22 @@ def build_prompt(
     messages = to_messages(expanded.items, native_tools=native, think=inline)
     kwargs = dict(request.chat_template_kwargs or {})
     system = fold_summary(request.instructions, expanded.summary)
+    custom = customs(options.tools) if options.active else []
+    syntax = grammar.SYNTAXES.get(tool_format)
+    if custom and (syntax is None or syntax.custom_head is None):
+        raise InvalidRequestError(
+            f"custom tools cannot be offered to this model: its tool-call format ({tool_format}) has no way to "
+            "carry raw input; use a function tool",
+            param=f"{options.param(custom[0])}.type",
+        )
     if options.active:
+        block = None
         if native:
             kwargs["tools"] = [_chat_tool(t) for t in functions(options.tools)]
+            block = _custom_block(custom) if custom else None
         else:
-            block = _hermes_block(functions(options.tools))
+            block = _hermes_block(functions(options.tools), custom)
+        if block:
             system = f"{system}\n\n{block}" if system else block
     if system:
         messages = [{"role": "system", "content": system}, *messages]

@@ -27,6 +27,8 @@ EVENT_SCHEMAS = {
     "response.output_text.done": "ResponseOutputTextDoneStreamingEvent",
     "response.function_call_arguments.delta": "ResponseFunctionCallArgumentsDeltaStreamingEvent",
     "response.function_call_arguments.done": "ResponseFunctionCallArgumentsDoneStreamingEvent",
+    "response.custom_tool_call_input.delta": "ResponseCustomToolCallInputDeltaStreamingEvent",
+    "response.custom_tool_call_input.done": "ResponseCustomToolCallInputDoneStreamingEvent",
 }
 # docs/responses.md ("Streaming") names reasoning events as OpenAI does (``response.reasoning_text.*``); Open Responses
 # calls the same shape ``response.reasoning.*``.
@@ -42,9 +44,89 @@ VENDOR_EVENTS = {
 }
 
 
+_STATUS = {"type": "string", "enum": ["in_progress", "completed", "incomplete"]}
+
+
+def _event(kind: str, field: str) -> dict[str, Any]:
+    fields = {"item_id": {"type": "string"}, "output_index": {"type": "integer"}, field: {"type": "string"}}
+    return {
+        "type": "object",
+        "required": ["type", "sequence_number", *fields],
+        "properties": {"type": {"enum": [kind]}, "sequence_number": {"type": "integer"}, **fields},
+        "additionalProperties": False,
+    }
+
+
+# OpenAI's custom (freeform) tools, which Open Responses does not have: their shapes as OpenAI
+# documents them (the tool, tool_choice {"type": "custom"}, the custom_tool_call item and its
+# two input events), added to the schema as extensions so that every object and event is still
+# checked (docs/responses.md, "Custom tools").
+EXTENSIONS: dict[str, Any] = {
+    "CustomTool": {
+        "type": "object",
+        "required": ["type", "name"],
+        "properties": {
+            "type": {"enum": ["custom"]},
+            "name": {"type": "string"},
+            "description": {"type": ["string", "null"]},
+            "format": {
+                "oneOf": [
+                    {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text"]}}},
+                    {
+                        "type": "object",
+                        "required": ["type", "syntax", "definition"],
+                        "properties": {
+                            "type": {"enum": ["grammar"]},
+                            "syntax": {"enum": ["lark", "regex"]},
+                            "definition": {"type": "string"},
+                        },
+                        "additionalProperties": False,
+                    },
+                ]
+            },
+        },
+        "additionalProperties": False,
+    },
+    "CustomToolChoice": {
+        "type": "object",
+        "required": ["type", "name"],
+        "properties": {"type": {"enum": ["custom"]}, "name": {"type": "string"}},
+        "additionalProperties": False,
+    },
+    "CustomToolCall": {
+        "type": "object",
+        "required": ["type", "id", "call_id", "name", "input", "status"],
+        "properties": {
+            "type": {"enum": ["custom_tool_call"]},
+            "id": {"type": "string", "pattern": "^ctc_"},
+            "call_id": {"type": "string", "pattern": "^call_"},
+            "name": {"type": "string"},
+            "input": {"type": "string"},
+            "status": _STATUS,
+            "namespace": {"type": "string"},
+        },
+        "additionalProperties": False,
+    },
+    "ResponseCustomToolCallInputDeltaStreamingEvent": _event("response.custom_tool_call_input.delta", "delta"),
+    "ResponseCustomToolCallInputDoneStreamingEvent": _event("response.custom_tool_call_input.done", "input"),
+}
+
+
+def _extended(doc: dict[str, Any]) -> dict[str, Any]:
+    schemas = doc["components"]["schemas"]
+    schemas.update(EXTENSIONS)
+    schemas["ItemField"]["oneOf"].append({"$ref": "#/components/schemas/CustomToolCall"})
+    schemas["Tool"] = {
+        "anyOf": [{"$ref": "#/components/schemas/FunctionTool"}, {"$ref": "#/components/schemas/CustomTool"}]
+    }
+    choice = schemas["ResponseResource"]["properties"]["tool_choice"]
+    choice["oneOf"].append({"$ref": "#/components/schemas/CustomToolChoice"})
+    return doc
+
+
 @cache
 def _validator(name: str) -> jsonschema.Draft202012Validator:
-    doc = json.loads(SCHEMA.read_text())
+    doc = _extended(json.loads(SCHEMA.read_text()))
     return jsonschema.Draft202012Validator({**doc, "$ref": f"#/components/schemas/{name}"})
 
 

@@ -10,7 +10,7 @@ how a restarted generation rebuilds its parser from the text so far.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -38,6 +38,7 @@ from lmspd.responses.parsing.call_formats import (
     json_value,
     parse_llama3_json,
 )
+from lmspd.responses.parsing.custom_call import HermesBlock
 from lmspd.responses.parsing.qwen3_coder_call import Qwen3Coder
 
 
@@ -55,6 +56,7 @@ class ReasoningDelta:
 class CallStarted:
     index: int
     name: str
+    custom: bool = False  # a custom tool's call: its deltas and arguments are raw input
 
 
 @dataclass(frozen=True)
@@ -67,8 +69,9 @@ class ArgumentsDelta:
 class CallDone:
     index: int
     name: str
-    arguments: str
+    arguments: str  # a custom call's raw input
     valid: bool
+    custom: bool = False
 
 
 Piece = TextDelta | ReasoningDelta | CallStarted | ArgumentsDelta | CallDone
@@ -96,6 +99,7 @@ def think_markers(vocab: Mapping[str, int]) -> tuple[str, str] | None:
 class _Call:
     index: int
     name: str
+    custom: bool = False
     streamed: list[str] = field(default_factory=list)
 
 
@@ -108,7 +112,9 @@ class OutputParser:
     them is text. ``reasoning``: the prompt opened a reasoning block (with
     ``think``'s markers, ``<think>``/``</think>`` when not given). ``bound``: a grammar
     writes the calls, so they are read as it wrote them (an end marker's text inside a
-    JSON string is part of the string, not the end of the call).
+    JSON string is part of the string, not the end of the call). ``custom``: the names of
+    custom tools, whose calls carry raw input (``json_tools`` only: see
+    :class:`~lmspd.responses.parsing.call_formats.HermesBlock`).
     """
 
     def __init__(
@@ -120,13 +126,15 @@ class OutputParser:
         think: tuple[str, str] | None = None,
         max_calls: int | None = None,
         bound: bool = False,
+        custom: Collection[str] = (),
     ) -> None:
         self._format = tool_format
         self._module: ModuleType | None = None
         if tool_format is not None and tool_format != LLAMA3_JSON:
             self._module = parser_module(tool_format)
         self._tools = chat_tools(tools) if tools is not None else None
-        self._names = {t["function"]["name"] for t in self._tools} if self._tools is not None else None
+        self._custom = frozenset(custom)
+        self._names = {t["function"]["name"] for t in self._tools} | self._custom if self._tools is not None else None
         if reasoning and think is None:
             think = ("<think>", "</think>")
         self._think = think
@@ -151,6 +159,7 @@ class OutputParser:
         self._raw: list[str] = []  # the block's text so far, markers included
         self._announced = False
         self._call: _Call | None = None
+        self._ended = False  # the block closed at its end marker (not at the end of generation)
 
     def feed(self, text: str) -> list[Piece]:
         self._buf += text
@@ -244,7 +253,7 @@ class OutputParser:
     def _new_scanner(self, after_call: bool) -> Scanner:
         """``after_call``: right after a call, where Mistral needs no marker for the next one."""
         if self._format == "json_tools":
-            return JsonCall(HERMES_HEAD, ARGUMENTS_KEY, wait_end=True)
+            return HermesBlock(self._custom) if self._custom else JsonCall(HERMES_HEAD, ARGUMENTS_KEY, wait_end=True)
         if self._format == LLAMA3_JSON:
             return JsonCall(LLAMA_HEAD, PARAMETERS_KEY, speculative=True)
         if self._format == "mistral":
@@ -280,6 +289,7 @@ class OutputParser:
         if found < 0 and not final:
             return None
         marker = self._end if found >= 0 else ""
+        self._ended = found >= 0
         self._raw += [view, marker]
         scanner.close(view)
         self._handle(scanner)
@@ -298,7 +308,10 @@ class OutputParser:
             elif isinstance(event, Args):
                 self._stream(event.text)
             elif isinstance(event, Close):
-                self._close(self._parse(event.text))
+                if self._call is not None and self._call.custom:
+                    self._close_custom(event.text)
+                else:
+                    self._close(self._parse(event.text))
             elif isinstance(event, Whole):
                 self._whole(event.text)
             elif isinstance(event, Abort):
@@ -320,11 +333,11 @@ class OutputParser:
         return self._max_calls is None or index < self._max_calls
 
     def _open(self, name: str) -> None:
-        self._call = _Call(self._count, name)
+        self._call = _Call(self._count, name, name in self._custom)
         self._count += 1
         self._announced = True
         if self._keep(self._call.index):
-            self._out.append(CallStarted(self._call.index, name))
+            self._out.append(CallStarted(self._call.index, name, self._call.custom))
 
     def _stream(self, text: str) -> None:
         if self._call is None or not text:
@@ -347,6 +360,14 @@ class OutputParser:
         self._call = None
         if self._keep(call.index):
             self._out.append(CallDone(call.index, call.name, streamed, valid))
+
+    def _close_custom(self, text: str) -> None:
+        """A custom call's input is the raw text itself; it is whole only if its block closed."""
+        call = self._call
+        assert call is not None
+        self._call = None
+        if self._keep(call.index):
+            self._out.append(CallDone(call.index, call.name, text, self._ended, custom=True))
 
     def _whole(self, text: str) -> None:
         parsed = self._parse(text)

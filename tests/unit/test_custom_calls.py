@@ -5,11 +5,17 @@ them back, rendered as they were generated; the intake checks of their grammars.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
+from llguidance import LLMatcher, LLTokenizer
+from support.families import FAMILY_FORMAT, make_family_tokenizer
 
+from lmspd.errors import InvalidRequestError
+from lmspd.models.tokenizer import Tokenizer
+from lmspd.prompting.prompt import build_prompt
 from lmspd.responses import schema as s
 from lmspd.responses.enforce import SchemaBudget, SchemaError, check_directives
 from lmspd.responses.inputs import CustomToolCallItem, parse_items, to_messages
@@ -17,8 +23,10 @@ from lmspd.responses.items import resources
 from lmspd.responses.outputs import OutputItems
 from lmspd.responses.parsing.output_parser import CallDone, CallStarted, OutputParser, TextDelta
 from lmspd.responses.reasoning_echo import turn_key, turns
+from lmspd.responses.schema import ResponseRequest
 from lmspd.responses.tools import directives
 
+NO_THINKING = {"enable_thinking": False}
 PATCH = "*** Begin Patch\n*** Add File: a.txt\n+<tool_call> inside\n*** End Patch\n"
 TEXT = (
     "Let me fix it.\n<tool_call>\napply_patch\n" + PATCH + "</tool_call>\n"
@@ -144,3 +152,33 @@ def test_a_grammar_counts_against_the_schema_budget() -> None:
     with pytest.raises(SchemaError, match="max_schema_chars") as info:
         check_directives(parsed, SchemaBudget(max_chars=100))
     assert info.value.param == "tools[0].format.definition"
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory: pytest.TempPathFactory, smol_dir: Path) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("families")
+    return {family: make_family_tokenizer(root / family, smol_dir, family) for family in FAMILY_FORMAT}
+
+
+@pytest.mark.parametrize("family", list(FAMILY_FORMAT))
+def test_each_family_carries_a_custom_call_or_refuses_it(family_dirs: dict[str, Path], family: str) -> None:
+    """The Hermes family (here a native template whose markers are special tokens) carries
+    raw input under the grammar; the others have no way to and answer 400 naming the tool."""
+    tok = Tokenizer(family_dirs[family])
+    tools: Any = [{"type": "function", "name": "ls"}, custom('start: "x" /[a-z]{1,3}/ "\\n"')]
+    request = ResponseRequest(input="Go", tools=tools, tool_choice="required", chat_template_kwargs=NO_THINKING)
+    if FAMILY_FORMAT[family] != "json_tools":
+        with pytest.raises(InvalidRequestError) as info:
+            build_prompt(tok, request, [])
+        assert info.value.param == "tools[1].type"
+        return
+    prompt = build_prompt(tok, request, [])
+    assert prompt.grammar is not None and "# Custom tools" in prompt.text and '"type": "custom"' in prompt.text
+    lltok = LLTokenizer((family_dirs[family] / "tokenizer.json").read_text())
+    matcher = LLMatcher(lltok, LLMatcher.grammar_from_lark(prompt.grammar), log_level=0)
+    call = "<tool_call>\nt\nxab\n</tool_call>"
+    assert matcher.consume_tokens(lltok.tokenize_str(call)) and matcher.is_accepting(), matcher.get_error()
+    p = prompt.parser()
+    pieces = p.feed(call) + p.finish()
+    (done,) = [x for x in pieces if isinstance(x, CallDone)]
+    assert (done.name, done.arguments, done.custom, done.valid) == ("t", "xab\n", True, True)

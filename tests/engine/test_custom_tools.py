@@ -53,7 +53,7 @@ SHELL: dict[str, Any] = {
     "description": "Run a command",
     "format": {"type": "grammar", "syntax": "regex", "definition": COMMAND},
 }
-SEEDS = range(16)
+SEEDS = range(12)
 
 
 def matches_lark(tokenizer: LLTokenizer, definition: str, text: str, *, whole: bool) -> bool:
@@ -64,12 +64,13 @@ def matches_lark(tokenizer: LLTokenizer, definition: str, text: str, *, whole: b
 
 
 async def run(
-    engine: EngineClient, model: ResolvedModel, request: ResponseRequest, seed: int
+    engine: EngineClient, model: ResolvedModel, request: ResponseRequest, seed: int, max_tokens: int
 ) -> tuple[list[s._Event], list[s.OutputItem], str]:
     """One sampled generation: its streamed events, output items and how it ended."""
     prompt = prompt_for(model, request, [])
     sampling = p.SamplingParams(temperature=1.0, seed=seed)
-    cmd = build_generate(model, prompt, request_id=f"custom-{seed}-{id(request)}", max_tokens=200, sampling=sampling)
+    request_id = f"custom-{seed}-{id(request)}"
+    cmd = build_generate(model, prompt, request_id=request_id, max_tokens=max_tokens, sampling=sampling)
     items = OutputItems()
     items.attach(prompt.parser(), "", prompt.tools.namespaces)
     factories: list[EventFactory] = []
@@ -92,7 +93,9 @@ async def test_required_custom_call_always_matches(
     engine: EngineClient, tiny_long: ResolvedModel, tokenizer: LLTokenizer, tool: dict[str, Any]
 ) -> None:
     request = ResponseRequest(input="Fix the bug.", tools=[tool], tool_choice="required", parallel_tool_calls=False)
-    results = await asyncio.gather(*(run(engine, tiny_long, request, seed) for seed in SEEDS))
+    # apply_patch's lines run to any budget (above): a short one shows its prefixes as well.
+    max_tokens = 80 if tool is APPLY_PATCH else 160
+    results = await asyncio.gather(*(run(engine, tiny_long, request, seed, max_tokens) for seed in SEEDS))
     finished = 0
     for seed, (events, output, reason) in zip(SEEDS, results, strict=True):
         (call,) = output

@@ -41,7 +41,7 @@ TOOLS: list[dict[str, Any]] = [
     {"type": "function", "name": "count", "description": "Count", "parameters": COUNT},
 ]
 SCHEMAS = {"note": NOTE, "count": COUNT}
-SEEDS = range(24)
+SEEDS = range(16)
 
 
 async def run(

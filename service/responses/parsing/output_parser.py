@@ -114,7 +114,7 @@ class OutputParser:
     writes the calls, so they are read as it wrote them (an end marker's text inside a
     JSON string is part of the string, not the end of the call). ``custom``: the names of
     custom tools, whose calls carry raw input (``json_tools`` only: see
-    :class:`~lmspd.responses.parsing.call_formats.HermesBlock`).
+    :class:`~lmspd.responses.parsing.custom_call.HermesBlock`).
     """
 
     def __init__(

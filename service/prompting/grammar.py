@@ -34,9 +34,21 @@ class CallSyntax:
     end: str
     body: Callable[[FunctionTool, Mapping[str, int]], str]  # one call of this tool, between the markers
     separator: str = "\n"
-    # The head of a custom tool's call, before its raw input, which runs to the end marker;
-    # None: the family has no way to carry raw text (docs/responses.md, "Custom tools").
-    custom_head: Callable[[CustomTool], str] | None = None
+    # How a custom tool's raw input is carried; None: the family has no way to (docs/responses.md,
+    # "Custom tools").
+    custom: CustomSyntax | None = None
+
+
+@dataclass(frozen=True)
+class CustomSyntax:
+    """A custom tool's call: ``head`` (lark) before the input; ``close``, the text that ends the
+    input (its family's end marker when empty); ``stop``, where the parser ends it, which the
+    input therefore never holds; ``after`` (lark), what follows ``close`` before the end marker."""
+
+    head: Callable[[CustomTool], str]
+    close: str = ""
+    stop: str = ""
+    after: str = ""
 
 
 def _params(tool: FunctionTool) -> dict[str, Any]:
@@ -53,14 +65,18 @@ def _json_call(key: str) -> Callable[[FunctionTool, Mapping[str, int]], str]:
 
 
 def _xml_value(schema: Mapping[str, Any]) -> str:
-    """A Qwen3-Coder parameter value as text. Numbers, booleans, objects and arrays are
-    written as JSON, so JSON's grammar enforces their bounds; strings are bare text."""
+    """A Qwen3-Coder parameter value as text, then the newline and ``</parameter>`` that close it.
+    Numbers, booleans, objects and arrays are written as JSON, so JSON's grammar enforces their
+    bounds; strings are bare text, in one lexeme with what closes them: llguidance's lexer is
+    greedy, and a text lexeme followed by its own closing newline would swallow that newline
+    (then ``<`` could never follow, and the value ran to its maxLength)."""
     enum = schema.get("enum")
+    close = '"\\n</parameter>"'
     if enum is not None and all(isinstance(v, str) for v in enum):
-        return " | ".join(json.dumps(v) for v in enum)
+        return f"({' | '.join(json.dumps(v) for v in enum)}) {close}"
     if schema.get("type") == "string":
-        return f"/[^<]{{{schema.get('minLength', 0)},{schema.get('maxLength', 256)}}}/"
-    return f"%json {json.dumps(with_layout(schema))}"
+        return f"/[^<]{{{schema.get('minLength', 0)},{schema.get('maxLength', 256)}}}\\n<\\/parameter>/"
+    return f"%json {json.dumps(with_layout(schema))} {close}"
 
 
 def _xml_call(tool: FunctionTool, special: Mapping[str, int]) -> str:
@@ -69,7 +85,7 @@ def _xml_call(tool: FunctionTool, special: Mapping[str, int]) -> str:
     required = set(params.get("required", []))
     parts = []
     for name, schema in params.get("properties", {}).items():
-        element = f'"<parameter={name}>\\n" ({_xml_value(schema)}) "\\n</parameter>\\n"'
+        element = f'"<parameter={name}>\\n" {_xml_value(schema)} "\\n"'
         parts.append(f"({element})" if name in required else f"({element})?")
     return f'"\\n<function={tool.name}>\\n" {" ".join(parts)} "</function>\\n"'
 
@@ -78,18 +94,25 @@ def _mistral_call(tool: FunctionTool, special: Mapping[str, int]) -> str:
     return f'"{tool.name}" {_marker("[ARGS]", special)} %json {json.dumps(with_layout(_params(tool)))}'
 
 
-def _hermes_custom(tool: CustomTool) -> str:
-    return json.dumps(f"\n{tool.name}\n")  # the name alone on the first line
-
+# Hermes: the name alone on the block's first line, then the input up to the end marker.
+HERMES_CUSTOM = CustomSyntax(lambda t: json.dumps(f"\n{t.name}\n"), stop="</tool_call>")
+# Qwen3-Coder: one parameter, "input", its value the raw text as XML parameter text is (the
+# newlines around it are the markup's, as for every parameter).
+QWEN3_CODER_CUSTOM = CustomSyntax(
+    lambda t: json.dumps(f"\n<function={t.name}>\n<parameter=input>\n"),
+    close="\n</parameter>",
+    stop="</parameter>",
+    after='"\\n</function>\\n"',
+)
 
 SYNTAXES: dict[str, CallSyntax] = {
     "json_tools": CallSyntax(
         "<tool_call>",
         "</tool_call>",
         lambda t, special: f'"\\n" {_json_call("arguments")(t, special)} "\\n"',
-        custom_head=_hermes_custom,
+        custom=HERMES_CUSTOM,
     ),
-    "qwen3_coder": CallSyntax("<tool_call>", "</tool_call>", _xml_call),
+    "qwen3_coder": CallSyntax("<tool_call>", "</tool_call>", _xml_call, custom=QWEN3_CODER_CUSTOM),
     "llama3_json": CallSyntax("", "", _json_call("parameters"), separator="; "),
     "mistral": CallSyntax("[TOOL_CALLS]", "", _mistral_call, separator=""),
 }
@@ -110,26 +133,29 @@ def regex_lexeme(pattern: str) -> str:
     return str(lark).removeprefix("start: ")
 
 
-def custom_input(tool: CustomTool, end: str, special: Mapping[str, int], rule: str) -> str:
-    """Rule ``rule``: a custom tool's input, then the end marker ``end`` (and the rules it needs).
+def custom_input(tool: CustomTool, syntax: CallSyntax, special: Mapping[str, int], rule: str) -> str:
+    """Rule ``rule``: a custom tool's input and what follows it up to the end marker (with the
+    rules it needs).
 
-    The parser ends the input at the first end marker, so the input cannot hold one: a
-    regular expression is intersected with "holds no end marker", in one lexeme with the
-    marker; free text is a lazy lexeme that ends at it. One lexeme, because llguidance's lexer
-    is greedy: a lexeme that may run on would swallow a marker after it. Where the marker is
-    a special token no text lexeme holds it, and the input ends there. A Lark grammar is
-    nested (its rule names are its own) and followed by the marker."""
-    fmt, marker = tool.format, _marker(end, special)
-    name = rule.upper()
+    The parser ends the input at the first ``stop`` text, so the input never holds one: a
+    regular expression (free text is ``(?s:.*)``) is intersected with "holds no ``stop``", in
+    one lexeme with the ``close`` text after it. One lexeme, because llguidance's lexer is
+    greedy: a lexeme that may run on would swallow the text after it. A special token ends
+    any text lexeme by itself. A Lark grammar is nested (its rule names are its own) and
+    followed by ``close``."""
+    custom = syntax.custom
+    assert custom is not None, "custom tools are refused for this family (prompt.build_prompt)"
+    fmt, close = tool.format, custom.close or syntax.end
+    after = f"{custom.after} {_marker(syntax.end, special)}" if custom.close else ""
+    closing = _marker(close, special)
     if isinstance(fmt, CustomGrammar) and fmt.syntax == "lark":
-        return f"{rule}: {rule}_grammar {marker}\n{rule}_grammar: %lark {{\n{fmt.definition}\n}}\n"
+        return f"{rule}: {rule}_grammar {closing} {after}\n{rule}_grammar: %lark {{\n{fmt.definition}\n}}\n"
     pattern = regex_lexeme(fmt.definition) if isinstance(fmt, CustomGrammar) else "/(?s:.*)/"
-    if end in special:
-        return f"{rule}: {name} {marker}\n{name}: {pattern}\n"
-    if isinstance(fmt, CustomGrammar):
-        holds = f"~/(?s:.*{regex_lexeme(re.escape(end))[1:-1]}.*)/"
-        return f"{rule}: {name}\n{name}: ({pattern} & {holds}) {marker}\n"
-    return f"{rule}[lazy]: {pattern} {marker}\n"
+    lexeme = f"({pattern} & ~/(?s:.*{regex_lexeme(re.escape(custom.stop))[1:-1]}.*)/)"
+    name = rule.upper()
+    if close in special:
+        return f"{rule}: {name} {closing} {after}\n{name}: {lexeme}\n"
+    return f"{rule}: {name} {after}\n{name}: {lexeme} {closing}\n"
 
 
 def _calls(
@@ -144,10 +170,9 @@ def _calls(
     bodies = [f"({syntax.body(t, special)})" for t in tools if isinstance(t, FunctionTool)]
     heads, inputs = [], ""
     for i, tool in enumerate(tools):
-        if isinstance(tool, CustomTool):
-            assert syntax.custom_head is not None, "custom tools are refused for this family (prompt.build_prompt)"
-            heads.append(f"{syntax.custom_head(tool)} input_{i}")  # the input ends with the end marker
-            inputs += custom_input(tool, syntax.end, special, f"input_{i}")
+        if isinstance(tool, CustomTool) and syntax.custom is not None:
+            heads.append(f"{syntax.custom.head(tool)} input_{i}")  # the input rule ends with the end marker
+            inputs += custom_input(tool, syntax, special, f"input_{i}")
     rules = f"body: {' | '.join(bodies)}\n" if bodies else ""
     rest = f"body {_marker(syntax.end, special)}" if bodies else ""
     if heads:

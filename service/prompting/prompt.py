@@ -19,19 +19,28 @@ from lmspd.errors import InvalidRequestError
 from lmspd.models.tokenizer import Tokenizer
 from lmspd.prompting import grammar
 from lmspd.responses.compaction import expand, fold_summary
-from lmspd.responses.inputs import Item, to_messages
+from lmspd.responses.inputs import Item, hermes_custom_call, qwen3_coder_custom_call, to_messages
 from lmspd.responses.parsing.output_parser import OutputParser, infer_tool_format, think_markers
 from lmspd.responses.schema import ResponseRequest
 from lmspd.responses.tools import CustomTool, FunctionTool, ToolOptions, customs, functions
 
 HERMES_FORMAT = "json_tools"
-# How a custom (freeform) tool is called, in the Hermes family: its name alone on the first
-# line of the block, then its input as it is, up to the end marker (docs/responses.md).
-CUSTOM_SYNTAX = (
-    'For a custom tool ("type": "custom"), write its name alone on the first line and then its input as raw '
-    "text, not JSON, following its format, with </tool_call> right after the input:\n"
-    "<tool_call>\n<tool-name>\n<raw input></tool_call>"
-)
+# How a custom (freeform) tool is called, per family (docs/responses.md, "Custom tools"): in
+# the Hermes family its name alone on the block's first line, then its input as it is, up to
+# the end marker; in Qwen3-Coder's XML, its one parameter "input" holds the raw text.
+CUSTOM_SYNTAX = {
+    "json_tools": (
+        'For a custom tool ("type": "custom"), write its name alone on the first line and then its input as '
+        "raw text, not JSON, following its format, with </tool_call> right after the input:\n"
+        "<tool_call>\n<tool-name>\n<raw input></tool_call>"
+    ),
+    "qwen3_coder": (
+        'For a custom tool ("type": "custom"), pass its input as raw text, not JSON, following its format, in '
+        "one parameter named input:\n<tool_call>\n<function=tool-name>\n<parameter=input>\n<raw input>\n"
+        "</parameter>\n</function>\n</tool_call>"
+    ),
+}
+CUSTOM_CALLS = {"json_tools": hermes_custom_call, "qwen3_coder": qwen3_coder_custom_call}
 
 
 def _hermes_block(tools: list[FunctionTool], custom: list[CustomTool]) -> str:
@@ -46,13 +55,14 @@ def _hermes_block(tools: list[FunctionTool], custom: list[CustomTool]) -> str:
         "<tool_call></tool_call> XML tags:\n<tool_call>\n"
         '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
     )
-    return f"{block}\n\n{CUSTOM_SYNTAX}" if custom else block
+    return f"{block}\n\n{CUSTOM_SYNTAX[HERMES_FORMAT]}" if custom else block
 
 
-def _custom_block(custom: list[CustomTool]) -> str:
+def _custom_block(custom: list[CustomTool], tool_format: str) -> str:
     """Custom tools for a template that renders only function tools itself."""
     lines = "\n".join(json.dumps(_custom_entry(t), ensure_ascii=False) for t in custom)
-    return f"# Custom tools\n\nYou may also call these custom tools:\n<tools>\n{lines}\n</tools>\n\n{CUSTOM_SYNTAX}"
+    syntax = CUSTOM_SYNTAX[tool_format]
+    return f"# Custom tools\n\nYou may also call these custom tools:\n<tools>\n{lines}\n</tools>\n\n{syntax}"
 
 
 def _custom_entry(tool: CustomTool) -> dict[str, Any]:
@@ -118,12 +128,13 @@ def build_prompt(
     expanded = expand([*history, *request.items(), *(after or [])])
     # Reasoning goes inline only where the template cannot place it: never twice.
     inline = None if model.places_reasoning else think
-    messages = to_messages(expanded.items, native_tools=native, think=inline)
+    writer = CUSTOM_CALLS.get(tool_format, hermes_custom_call)
+    messages = to_messages(expanded.items, native_tools=native, think=inline, custom_call=writer)
     kwargs = dict(request.chat_template_kwargs or {})
     system = fold_summary(request.instructions, expanded.summary)
     custom = customs(options.tools) if options.active else []
     syntax = grammar.SYNTAXES.get(tool_format)
-    if custom and (syntax is None or syntax.custom_head is None):
+    if custom and (syntax is None or syntax.custom is None):
         raise InvalidRequestError(
             f"custom tools cannot be offered to this model: its tool-call format ({tool_format}) has no way to "
             "carry raw input; use a function tool",
@@ -133,7 +144,7 @@ def build_prompt(
         block = None
         if native:
             kwargs["tools"] = [_chat_tool(t) for t in functions(options.tools)]
-            block = _custom_block(custom) if custom else None
+            block = _custom_block(custom, tool_format) if custom else None
         else:
             block = _hermes_block(functions(options.tools), custom)
         if block:

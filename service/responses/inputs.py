@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+from collections.abc import Callable
 from typing import Any, Literal
 
 import msgspec
@@ -249,17 +250,27 @@ def hermes_custom_call(name: str, text: str) -> str:
     return f"<tool_call>\n{name}\n{text}</tool_call>"
 
 
+def qwen3_coder_custom_call(name: str, text: str) -> str:
+    """A custom tool's call in Qwen3-Coder's XML: one parameter, ``input``, its value the raw text."""
+    return f"<tool_call>\n<function={name}>\n<parameter=input>\n{text}\n</parameter>\n</function>\n</tool_call>"
+
+
 def result_text(item: FunctionCallOutputItem | CustomToolCallOutputItem) -> str:
     return item.output if isinstance(item, FunctionCallOutputItem) else item.text
 
 
 def to_messages(
-    items: list[Item], *, native_tools: bool = False, think: tuple[str, str] | None = None
+    items: list[Item],
+    *,
+    native_tools: bool = False,
+    think: tuple[str, str] | None = None,
+    custom_call: Callable[[str, str], str] = hermes_custom_call,
 ) -> list[dict[str, Any]]:
     """Chat-template messages.
 
     ``native_tools``: the template renders ``tool_calls`` and ``tool`` messages itself;
     otherwise calls and results are written out in the Hermes format it was taught.
+    ``custom_call`` writes a custom tool's call in the family's syntax.
     Calls join the assistant turn before them (its text, earlier calls); a reasoning item goes with the next
     assistant turn (as ``reasoning_content``, and inline when the model has think markers
     and the template cannot place it)."""
@@ -301,7 +312,7 @@ def to_messages(
             # No template renders a custom call (its tool_calls are functions): the call is
             # written in the syntax the model was shown, native template or not.
             message = assistant(joins=True)
-            call_text = hermes_custom_call(item.offered_name, item.input)
+            call_text = custom_call(item.offered_name, item.input)
             message["content"] += ("\n" if message["content"] else "") + call_text
         elif isinstance(item, CompactionItem):
             raise ValueError("compaction items are expanded before rendering (compaction.expand)")

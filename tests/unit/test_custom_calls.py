@@ -18,10 +18,10 @@ from lmspd.models.tokenizer import Tokenizer
 from lmspd.prompting.prompt import build_prompt
 from lmspd.responses import schema as s
 from lmspd.responses.enforce import SchemaBudget, SchemaError, check_directives
-from lmspd.responses.inputs import CustomToolCallItem, parse_items, to_messages
+from lmspd.responses.inputs import CustomToolCallItem, item_json, parse_items, to_messages
 from lmspd.responses.items import resources
 from lmspd.responses.outputs import OutputItems
-from lmspd.responses.parsing.output_parser import CallDone, CallStarted, OutputParser, TextDelta
+from lmspd.responses.parsing.output_parser import ArgumentsDelta, CallDone, CallStarted, OutputParser, TextDelta
 from lmspd.responses.reasoning_echo import turn_key, turns
 from lmspd.responses.schema import ResponseRequest
 from lmspd.responses.tools import directives
@@ -160,14 +160,22 @@ def family_dirs(tmp_path_factory: pytest.TempPathFactory, smol_dir: Path) -> dic
     return {family: make_family_tokenizer(root / family, smol_dir, family) for family in FAMILY_FORMAT}
 
 
+# A custom call of tool "t" with input "xab\n", as each family that can carry one writes it.
+FAMILY_CALLS = {
+    "json_tools": "<tool_call>\nt\nxab\n</tool_call>",
+    "qwen3_coder": "<tool_call>\n<function=t>\n<parameter=input>\nxab\n\n</parameter>\n</function>\n</tool_call>",
+}
+
+
 @pytest.mark.parametrize("family", list(FAMILY_FORMAT))
 def test_each_family_carries_a_custom_call_or_refuses_it(family_dirs: dict[str, Path], family: str) -> None:
-    """The Hermes family (here a native template whose markers are special tokens) carries
+    """Hermes (here a native template whose markers are special tokens) and Qwen3-Coder carry
     raw input under the grammar; the others have no way to and answer 400 naming the tool."""
     tok = Tokenizer(family_dirs[family])
     tools: Any = [{"type": "function", "name": "ls"}, custom('start: "x" /[a-z]{1,3}/ "\\n"')]
     request = ResponseRequest(input="Go", tools=tools, tool_choice="required", chat_template_kwargs=NO_THINKING)
-    if FAMILY_FORMAT[family] != "json_tools":
+    call = FAMILY_CALLS.get(FAMILY_FORMAT[family])
+    if call is None:
         with pytest.raises(InvalidRequestError) as info:
             build_prompt(tok, request, [])
         assert info.value.param == "tools[1].type"
@@ -176,9 +184,15 @@ def test_each_family_carries_a_custom_call_or_refuses_it(family_dirs: dict[str, 
     assert prompt.grammar is not None and "# Custom tools" in prompt.text and '"type": "custom"' in prompt.text
     lltok = LLTokenizer((family_dirs[family] / "tokenizer.json").read_text())
     matcher = LLMatcher(lltok, LLMatcher.grammar_from_lark(prompt.grammar), log_level=0)
-    call = "<tool_call>\nt\nxab\n</tool_call>"
     assert matcher.consume_tokens(lltok.tokenize_str(call)) and matcher.is_accepting(), matcher.get_error()
-    p = prompt.parser()
-    pieces = p.feed(call) + p.finish()
-    (done,) = [x for x in pieces if isinstance(x, CallDone)]
-    assert (done.name, done.arguments, done.custom, done.valid) == ("t", "xab\n", True, True)
+    for cut in range(len(call) + 1):
+        p = prompt.parser()
+        pieces = p.feed(call[:cut]) + p.feed(call[cut:]) + p.finish()
+        (done,) = [x for x in pieces if isinstance(x, CallDone)]
+        assert (done.name, done.arguments, done.custom, done.valid) == ("t", "xab\n", True, True), cut
+        streamed = "".join(x.delta for x in pieces if isinstance(x, ArgumentsDelta))
+        assert streamed == "xab\n", cut
+    # A call sent back renders as it was generated.
+    items = parse_items([{"type": "custom_tool_call", "call_id": "c", "name": "t", "input": "xab\n"}])
+    history = build_prompt(tok, msgspec.structs.replace(request, input=[*HISTORY[:1], *map(item_json, items)]), [])
+    assert call in history.text

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from llguidance import LLMatcher, LLTokenizer
+from support.families import make_family_tokenizer
 
 from lmspd.models.tokenizer import Tokenizer
 from lmspd.prompting.prompt import build_prompt
@@ -56,3 +57,21 @@ def test_an_end_marker_inside_a_string_is_part_of_it(
         assert not [p for p in pieces if isinstance(p, TextDelta)], (cut, pieces)
         (done,) = [p for p in pieces if isinstance(p, CallDone)]
         assert done.valid and json.loads(done.arguments) == {"note": note, "n": 3}, cut
+
+
+def test_a_qwen3_coder_string_value_can_end(smol_dir: Path, tmp_path: Path) -> None:
+    """A string parameter's text and its closing newline are one lexeme: as two, llguidance's
+    greedy lexer took the newline into the text, so ``</parameter>`` could never follow and
+    every string ran to its maxLength (256 when unset)."""
+    family = make_family_tokenizer(tmp_path / "qwen3_coder", smol_dir, "qwen3_coder")
+    request = ResponseRequest(input="Save it.", tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
+    prompt = build_prompt(Tokenizer(family), request, [])
+    assert prompt.grammar is not None and prompt.tool_format == "qwen3_coder"
+    text = (
+        "<tool_call>\n<function=save>\n<parameter=note>\nhi\nthere\n</parameter>\n"
+        "<parameter=n>\n3\n</parameter>\n</function>\n</tool_call>"
+    )
+    assert accepted(prompt.grammar, text, family / "tokenizer.json")
+    parser = prompt.parser()
+    (done,) = [p for p in parser.feed(text) + parser.finish() if isinstance(p, CallDone)]
+    assert done.valid and json.loads(done.arguments) == {"note": "hi\nthere", "n": 3}

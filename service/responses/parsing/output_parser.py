@@ -113,8 +113,8 @@ class OutputParser:
     ``think``'s markers, ``<think>``/``</think>`` when not given). ``bound``: a grammar
     writes the calls, so they are read as it wrote them (an end marker's text inside a
     JSON string is part of the string, not the end of the call). ``custom``: the names of
-    custom tools, whose calls carry raw input (``json_tools`` only: see
-    :class:`~lmspd.responses.parsing.custom_call.HermesBlock`).
+    custom tools, whose calls carry raw input (``json_tools``:
+    :class:`~lmspd.responses.parsing.custom_call.HermesBlock`; ``qwen3_coder``: one parameter).
     """
 
     def __init__(
@@ -261,7 +261,7 @@ class OutputParser:
                 return JsonCall(MISTRAL_HEAD, None, json_name=False, wrapped=False, speculative=True)
             return MistralCalls()
         if self._format == "qwen3_coder" and self._module is not None:
-            return Qwen3Coder(self._module, self._tools)
+            return Qwen3Coder(self._module, self._tools, self._custom)
         return Buffered()
 
     def _in_block(self, buf: str, final: bool) -> int | None:

@@ -230,7 +230,10 @@ def build(
     if answer is not None:
         rules += f"answer: {answer}\n"
     if think_end:
-        rules += f"think[lazy]: THOUGHT {_marker(think_end, special)}\nTHOUGHT: /(.|\\n)*/\n"
+        # A text lexeme ends at a special token by itself, and llguidance refuses one inside a
+        # lazy lexeme: only a textual marker needs the lazy rule.
+        lazy = "" if think_end in special else "[lazy]"
+        rules += f"think{lazy}: THOUGHT {_marker(think_end, special)}\nTHOUGHT: /(.|\\n)*/\n"
         top = f"think /[ \\n]*/ ({top})"
     return f"%llguidance {{}}\nstart: {top}\n{rules}"
 

@@ -16,7 +16,7 @@ from support.families import make_family_tokenizer
 
 from lmspd.models.tokenizer import Tokenizer
 from lmspd.prompting.prompt import build_prompt
-from lmspd.responses.parsing.output_parser import CallDone, TextDelta
+from lmspd.responses.parsing.output_parser import CallDone, ReasoningDelta, TextDelta
 from lmspd.responses.schema import ResponseRequest
 
 PARAMS = {
@@ -34,10 +34,13 @@ def tok(smol_dir: Path) -> Tokenizer:
     return Tokenizer(smol_dir)
 
 
-def accepted(lark: str, text: str, tokenizer_json: Path) -> bool:
+def accepted(lark: str, text: str | list[str], tokenizer_json: Path) -> bool:
+    """``text`` is in the grammar's language, tokenized as a whole or piece by piece (a model
+    may spell a special token's text in ordinary tokens)."""
     tokenizer = LLTokenizer(tokenizer_json.read_text())
     matcher = LLMatcher(tokenizer, LLMatcher.grammar_from_lark(lark), log_level=0)
-    return bool(matcher.consume_tokens(tokenizer.tokenize_str(text)) and matcher.is_accepting())
+    tokens = [t for piece in ([text] if isinstance(text, str) else text) for t in tokenizer.tokenize_str(piece)]
+    return bool(matcher.consume_tokens(tokens) and matcher.is_accepting())
 
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "name": "save"}])
@@ -75,3 +78,25 @@ def test_a_qwen3_coder_string_value_can_end(smol_dir: Path, tmp_path: Path) -> N
     parser = prompt.parser()
     (done,) = [p for p in parser.feed(text) + parser.finish() if isinstance(p, CallDone)]
     assert done.valid and json.loads(done.arguments) == {"note": "hi\nthere", "n": 3}
+
+
+def test_a_call_marker_inside_forced_reasoning_is_reasoning(smol_dir: Path, tmp_path: Path) -> None:
+    """When the prompt opens the reasoning block, the grammar lets the thought run to its
+    closing marker and only then the calls: a call marker inside the thought is thought."""
+    family = make_family_tokenizer(tmp_path / "hermes_think", smol_dir, "hermes_think")
+    request = ResponseRequest(input="Save it.", tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
+    prompt = build_prompt(Tokenizer(family), request, [])
+    assert prompt.grammar is not None and prompt.reasoning_open
+    thought = 'I could write <tool_call>\n{"name": "save"} here, or not.'
+    arguments = json.dumps({"note": "x", "n": 1})
+    call = f'\n</think>\n\n<tool_call>\n{{"name": "save", "arguments": {arguments}}}\n</tool_call>'
+    text = thought + call
+    # In the thought the marker is spelled in ordinary tokens: a text lexeme holds no special token.
+    before, after = thought.split("<tool_call>")
+    assert accepted(prompt.grammar, [before, *"<tool_call>", after + call], family / "tokenizer.json")
+    for cut in range(len(text) + 1):
+        parser = prompt.parser()
+        pieces = parser.feed(text[:cut]) + parser.feed(text[cut:]) + parser.finish()
+        assert "".join(p.text for p in pieces if isinstance(p, ReasoningDelta)).strip() == thought, cut
+        (done,) = [p for p in pieces if isinstance(p, CallDone)]
+        assert done.valid and json.loads(done.arguments) == {"note": "x", "n": 1}, cut

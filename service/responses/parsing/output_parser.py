@@ -140,6 +140,9 @@ class OutputParser:
         self._think = think
         self._max_calls = max_calls
         self._bound = bound
+        # A grammar lets a reasoning block the prompt opened run to its closing marker, and only
+        # then the calls: a call marker inside it is reasoning text.
+        self._calls_in_reasoning = not (bound and reasoning)
         self._starts: tuple[str, ...] = ()
         self._end = ""
         if tool_format == LLAMA3_JSON:
@@ -208,7 +211,8 @@ class OutputParser:
         if k is not None:
             return k or None
         closing = self._think[1]
-        hit = find_first(buf, (closing, *self._starts))
+        markers = (closing, *self._starts) if self._calls_in_reasoning else (closing,)
+        hit = find_first(buf, markers)
         if hit is not None:
             i, marker = hit
             self._emit(ReasoningDelta(buf[:i]))
@@ -217,7 +221,7 @@ class OutputParser:
             else:
                 self._begin(marker, after_call=False)
             return i + len(marker)
-        n = len(buf) if final else len(buf) - held(buf, (closing, *self._starts))
+        n = len(buf) if final else len(buf) - held(buf, markers)
         self._emit(ReasoningDelta(buf[:n]))
         return n or None
 

@@ -119,10 +119,14 @@ class ResponsesConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_schema_nodes: int = 2000  # JSON objects, arrays and array entries over all the request's schemas
     max_schema_chars: int = 100_000  # characters of their keys and strings (patterns, enums, names...)
     max_schema_depth: int = 64  # JSON nesting of one schema (llguidance reads up to 128)
+    # OpenAI's hosted tools (web_search, ...) in a request: "refuse" (400, the seed's rule) or
+    # "omit" (left out of the prompt, said in a response header and the log; env LMSPD_HOSTED_TOOLS).
+    hosted_tools: Literal["refuse", "omit"] = "refuse"
 
     def __post_init__(self) -> None:
         for key in self.__struct_fields__:
-            if getattr(self, key) < 0:
+            value = getattr(self, key)
+            if isinstance(value, int) and value < 0:
                 raise ConfigError(f"responses.{key} must be >= 0", param=f"responses.{key}")
         for key in (
             "background_ephemeral_ttl_secs",
@@ -199,6 +203,7 @@ ENV_VARS = {
     "LMSPD_HOST": "server.host",
     "LMSPD_PORT": "server.port",
     "LMSPD_DATA_DIR": "server.data_dir",
+    "LMSPD_HOSTED_TOOLS": "responses.hosted_tools",
     **{env: f"responses.{key}" for key, env in RESPONSES_FLAGS.values()},
 }
 

@@ -7,6 +7,7 @@ background one is polled; a foreground client that goes away abandons its task.
 
 from __future__ import annotations
 
+import logging
 from typing import TypeVar
 
 import msgspec
@@ -34,6 +35,9 @@ from lmspd.responses import schema as s
 from lmspd.store.task_store import Event
 
 T = TypeVar("T")
+log = logging.getLogger("lmspd.responses")
+# Names the hosted tool types ``[responses] hosted_tools = "omit"`` left out of a request.
+OMITTED_TOOLS_HEADER = "lmspd-omitted-tools"
 
 
 def _json(obj: object, status: int = 200) -> Response:
@@ -44,31 +48,41 @@ def _raw_json(data: bytes) -> Response:
     return Response(data, media_type="application/json")
 
 
-async def _decode_request(request: Request, max_bytes: int) -> tuple[bytes, s.ResponseRequest]:
-    body = await read_body(request, max_bytes)
+async def _decode_request(request: Request) -> tuple[bytes, s.ResponseRequest]:
+    config = state_of(request).config
+    body = await read_body(request, config.server.max_body_bytes)
     req = decode(body, s.ResponseRequest)
-    req.validate()
+    req.validate(hosted_tools=config.responses.hosted_tools)
+    if req.omitted_tools:
+        log.info("hosted tools left out: %s", ", ".join(req.omitted_tools), extra={"omitted_tools": req.omitted_tools})
     return body, req
+
+
+def _said(response: Response, req: s.ResponseRequest) -> Response:
+    """The response says what intake left out of the request (docs/responses.md, "Coding agents")."""
+    if req.omitted_tools:
+        response.headers[OMITTED_TOOLS_HEADER] = ", ".join(req.omitted_tools)
+    return response
 
 
 async def create_response(request: Request) -> Response:
     app = state_of(request)
     owner = app.auth.owner(request)
-    body, req = await _decode_request(request, app.config.server.max_body_bytes)
+    body, req = await _decode_request(request)
     key = idempotency_key(request) if req.background else None
     task, _ = await app.core.submit(owner, req, kind="response", idempotency=(key, fingerprint(body)) if key else None)
     if req.background:
-        return _raw_json(await app.core.snapshot(task))
+        return _said(_raw_json(await app.core.snapshot(task)), req)
     if req.compact_threshold() is not None:
         # Compaction ends before the stream opens or the answer is awaited: a refusal is a 400.
         await while_connected(request, app.core.past_compaction(task), task=task)
     if req.stream:
         stream = openai_stream(app.core, task, -1, render, stream_error, own=True)
-        return event_stream(request, stream)
+        return _said(event_stream(request, stream), req)
     final = await while_connected(request, app.core.outcome(task), task=task)
     data = await app.core.snapshot(final)
     await app.core.release(final)
-    return _raw_json(data)
+    return _said(_raw_json(data), req)
 
 
 async def compact(request: Request) -> Response:
@@ -130,9 +144,9 @@ async def cancel_response(request: Request) -> Response:
 async def input_tokens(request: Request) -> Response:
     app = state_of(request)
     owner = app.auth.owner(request)
-    _, req = await _decode_request(request, app.config.server.max_body_bytes)
+    _, req = await _decode_request(request)
     count = await app.core.input_tokens(owner, req)
-    return _json(InputTokens(input_tokens=count))
+    return _said(_json(InputTokens(input_tokens=count)), req)
 
 
 async def list_input_items(request: Request) -> Response:

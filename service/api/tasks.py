@@ -40,7 +40,7 @@ async def create_task(request: Request) -> Response:
     body = await read_body(request, app.config.server.max_body_bytes)
     envelope = decode(body, TaskCreate)
     try:
-        envelope.input.validate()
+        envelope.input.validate(hosted_tools=app.config.responses.hosted_tools)
     except InvalidRequestError as exc:
         raise _within_input(exc) from exc
     try:

@@ -22,6 +22,7 @@ import ulid
 from lmspd.config import Config
 from lmspd.core import compactor
 from lmspd.core.hub import Hub
+from lmspd.core.inputs import resolve
 from lmspd.core.supervisor import Supervisor
 from lmspd.errors import (
     ContextLengthExceededError,
@@ -50,6 +51,8 @@ from lmspd.responses.enforce import SchemaBudget, check_directives
 from lmspd.responses.history import history
 from lmspd.responses.inputs import Item, item_json
 from lmspd.responses.reasoning_echo import ReasoningEcho
+from lmspd.responses.sealing import Sealer
+from lmspd.store.items import ItemIndex
 from lmspd.store.status import ACTIVE, TERMINAL, OnRestart
 from lmspd.store.task_store import Event, NewEvent, ResponseFields, TaskRecord, TaskStore
 
@@ -77,6 +80,8 @@ class Core:
         self.registry = registry
         self.metrics = metrics or store.metrics
         self.echo = ReasoningEcho.of(config, store.db)
+        self.sealer = Sealer.at(config.server.database_path.parent)
+        self.items = ItemIndex(store.db)
         self.budget = SchemaBudget.of(config.responses)
         self.accepting = True
         self._limits_enforced_at = 0.0
@@ -122,7 +127,8 @@ class Core:
         turns: list[Item] = []
         if request.previous_response_id is not None or request.conversation is not None:
             turns = await history(self.store, owner, request.previous_response_id, request.conversation_id)
-        # Stored as sent: the supervisor reads it back as a TaskRequest (a superset).
+        request = await resolve(request, owner, self.items, self.sealer)
+        # Stored as sent, its input resolved: the supervisor reads it back as a TaskRequest (a superset).
         encoded = msgspec.json.encode(request)
         # Checked as it will run: with the reasoning the echo puts back.
         turns, rendered, _ = await self.echo.restore(owner, turns, request)
@@ -214,6 +220,7 @@ class Core:
         create refuses it (its sampling parameters too), never counted regardless."""
         request.sampling().validate()
         turns = await history(self.store, owner, request.previous_response_id, request.conversation_id)
+        request = await resolve(request, owner, self.items, self.sealer)
         turns, request, _ = await self.echo.restore(owner, turns, request)
 
         def count() -> int:

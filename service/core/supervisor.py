@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sqlite3
+from collections.abc import Callable
 
 import msgspec
 
@@ -19,6 +21,7 @@ from lmspd.config import Config
 from lmspd.core import compactor
 from lmspd.core.compactor import summary_id
 from lmspd.core.hub import Hub
+from lmspd.core.inputs import item_ids
 from lmspd.core.storage_backoff import StorageBackoff
 from lmspd.core.token_timer import TokenTimer
 from lmspd.engine import protocol as p
@@ -39,7 +42,9 @@ from lmspd.responses.history import history as history_for
 from lmspd.responses.inputs import Item
 from lmspd.responses.reasoning_echo import ReasoningEcho
 from lmspd.responses.schema import TaskRequest
+from lmspd.responses.sealing import Sealer
 from lmspd.store.db import Job
+from lmspd.store.items import ItemIndex
 from lmspd.store.status import TERMINAL, TaskStatus
 from lmspd.store.task_store import Event, EventBuilder, TaskRecord, TaskStore
 
@@ -66,6 +71,9 @@ class Supervisor:
         self.registry = registry
         self.metrics = metrics or store.metrics
         self.echo = ReasoningEcho.of(config, store.db)
+        # Reasoning sealed for clients that keep no state (docs/responses.md, "Coding agents").
+        self.sealer = Sealer.at(config.server.database_path.parent)
+        self.items = ItemIndex(store.db)
         self.running: dict[str, asyncio.Task[None]] = {}
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
@@ -366,7 +374,12 @@ class Supervisor:
                 max_tokens = min(max_tokens, model.context_length - input_tokens)
             prompt = await asyncio.to_thread(prompt_for, model, request, history, after)
             # A resumed task: the parser catches up with the text already generated.
-            state.outputs.attach(prompt.parser(), tokenizer_for(model).decode(state.tokens), prompt.tools.namespaces)
+            seal = None
+            if request.sealed_reasoning:
+                owner, sealer = task.owner, self.sealer
+                seal = lambda item_id, text: sealer.seal(owner, item_id, text)  # noqa: E731
+            generated = tokenizer_for(model).decode(state.tokens)
+            state.outputs.attach(prompt.parser(), generated, prompt.tools.namespaces, seal)
             cmd = await asyncio.to_thread(  # tokenizing a long prompt takes a while
                 build_generate,
                 model,
@@ -399,8 +412,10 @@ class Supervisor:
         if finished.reason == "cancelled":
             return await self._settle_cancel(task_id, state)
         events = state.finish(finished.reason, finished.prompt_tokens, finished.cached_tokens)
-        remember = self.echo.finish_job(task.owner, state.response, echoed)
-        if not await self._final(task_id, "succeeded", events, state, also=remember):
+        jobs = [self.echo.finish_job(task.owner, state.response, echoed)]
+        if task.kind == "response" and task.stored:  # its items can be referenced (item_reference)
+            jobs.append(self.items.job(task.owner, task_id, item_ids(request, state.response)))
+        if not await self._final(task_id, "succeeded", events, state, also=_all(jobs)):
             await self._settle_cancel(task_id, state)
         return None
 
@@ -449,6 +464,19 @@ class Supervisor:
             producer.cancel()
             with contextlib.suppress(BaseException):
                 await producer
+
+
+def _all(jobs: list[Callable[[sqlite3.Connection], None] | None]) -> Callable[[sqlite3.Connection], None] | None:
+    """One job running ``jobs`` (None ones left out) in the transaction that finishes a task."""
+    todo = [job for job in jobs if job is not None]
+    if not todo:
+        return None
+
+    def run(conn: sqlite3.Connection) -> None:
+        for job in todo:
+            job(conn)
+
+    return run
 
 
 async def held(claim: asyncio.Future[bool] | None) -> bool:

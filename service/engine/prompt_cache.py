@@ -41,7 +41,7 @@ from mlx_lm.models.cache import (
     trim_prompt_cache,
 )
 
-from lmspd.engine.upstream.cache import exact_entry
+from lmspd.engine.upstream.cache import exact_entry, namespaces, reach
 
 log = logging.getLogger("lmspd.engine.cache")
 
@@ -108,10 +108,11 @@ class PromptCache:
         return int(self.lru.nbytes)
 
     def fetch(self, namespace: Namespace, tokens: list[int]) -> Hit:
-        """The longest cached prefix of ``tokens`` (a copy), leaving at least one token to run."""
+        """The longest cached prefix of ``tokens`` (a copy), leaving at least one token to run:
+        from ``namespace`` first, else from the client's other namespaces (``nearest``)."""
         if not self.enabled or len(tokens) < 2:
             return Hit(None, 0)
-        cache, rest = self.lru.fetch_nearest_cache(namespace, tokens)
+        cache, rest = self.lru.fetch_nearest_cache(self.nearest(namespace, tokens), tokens)
         if cache is None:
             return Hit(None, 0)
         if not rest:  # the whole sequence is cached, but its last token must still give logits
@@ -120,6 +121,29 @@ class PromptCache:
             trim_prompt_cache(cache, 1)
             rest = tokens[-1:]
         return Hit(cache, len(tokens) - len(rest))
+
+    def nearest(self, namespace: Namespace, tokens: list[int]) -> Namespace:
+        """The namespace to read ``tokens``' prefix from. A client's ``prompt_cache_key`` picks
+        the namespace tried first; where another of the same client's (same model) holds a
+        longer prefix, that one: a new agent session starts with the system prompt and tools
+        of the last one (docs/responses.md, "The prompt cache"). Never another client's: a namespace's
+        key is ``[client, prompt_cache_key]`` as JSON (lmspd.prompting.generation.cache_key)."""
+        best, most = namespace, reach(self.lru, namespace, tokens)
+        if most >= len(tokens) - 1:
+            return best
+        client = _client(namespace[1])
+        if client is None:
+            return best
+        for other in namespaces(self.lru):
+            if (
+                isinstance(other, tuple)
+                and other != namespace
+                and other[0] == namespace[0]
+                and _client(other[1]) == client
+                and (n := reach(self.lru, other, tokens)) > most
+            ):
+                best, most = other, n
+        return best
 
     def store(self, namespace: Namespace, tokens: list[int], cache: list[Any]) -> None:
         """Keep the KV of ``tokens`` (every token the model has seen, in order)."""
@@ -405,6 +429,15 @@ def file_bytes(key: Key, cache: list[Any]) -> int:
     """An upper bound on the size of an entry's file: its arrays (as allocated, at least as
     long as what is saved), its token list and the headers."""
     return sum(int(c.nbytes) for c in cache) + 12 * len(key[1]) + 1024 * len(cache) + 4096
+
+
+def _client(key: str) -> str | None:
+    """The client a namespace's key belongs to; None for a key of another shape."""
+    try:
+        decoded = json.loads(key)
+    except ValueError:
+        return None
+    return decoded[0] if isinstance(decoded, list) and decoded and isinstance(decoded[0], str) else None
 
 
 def _mb(n: int) -> str:

@@ -19,7 +19,14 @@ from lmspd.errors import InvalidRequestError
 from lmspd.models.tokenizer import Tokenizer
 from lmspd.prompting import grammar
 from lmspd.responses.compaction import expand, fold_summary
-from lmspd.responses.inputs import Item, hermes_custom_call, qwen3_coder_custom_call, to_messages
+from lmspd.responses.inputs import (
+    Item,
+    MessageItem,
+    ReasoningItem,
+    hermes_custom_call,
+    qwen3_coder_custom_call,
+    to_messages,
+)
 from lmspd.responses.parsing.output_parser import OutputParser, infer_tool_format, think_markers
 from lmspd.responses.schema import ResponseRequest
 from lmspd.responses.tools import CustomTool, FunctionTool, ToolOptions, customs, functions
@@ -117,6 +124,14 @@ def traits(tok: Tokenizer) -> Traits:
     return Traits(think_markers(tok.vocab), native, tool_format, places)
 
 
+def current_turn_reasoning(items: list[Item]) -> list[Item]:
+    """``reasoning.context: "current_turn"``: the reasoning items after the last user message
+    only (those of earlier turns are not rendered)."""
+    users = [i for i, item in enumerate(items) if isinstance(item, MessageItem) and item.role == "user"]
+    last = users[-1] if users else 0
+    return [item for i, item in enumerate(items) if i >= last or not isinstance(item, ReasoningItem)]
+
+
 def build_prompt(
     tok: Tokenizer, request: ResponseRequest, history: list[Item], after: list[Item] | None = None
 ) -> Prompt:
@@ -128,8 +143,11 @@ def build_prompt(
     expanded = expand([*history, *request.items(), *(after or [])])
     # Reasoning goes inline only where the template cannot place it: never twice.
     inline = None if model.places_reasoning else think
+    items = expanded.items
+    if parsed.reasoning is not None and parsed.reasoning.context == "current_turn":
+        items = current_turn_reasoning(items)
     writer = CUSTOM_CALLS.get(tool_format, hermes_custom_call)
-    messages = to_messages(expanded.items, native_tools=native, think=inline, custom_call=writer)
+    messages = to_messages(items, native_tools=native, think=inline, custom_call=writer)
     kwargs = dict(request.chat_template_kwargs or {})
     system = fold_summary(request.instructions, expanded.summary)
     custom = customs(options.tools) if options.active else []

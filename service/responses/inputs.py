@@ -125,6 +125,15 @@ class CompactionItem(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, o
         return decode_payload(self.encrypted_content, "encrypted_content")
 
 
+class ItemReference(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``{"type": "item_reference", "id"}`` (``type`` may be left out): an item of the caller's
+    stored responses, by id. Replaced by that item at intake (lmspd.core.inputs), so nothing
+    after intake sees one."""
+
+    id: str
+    type: Literal["item_reference"] | None = "item_reference"
+
+
 Item = (
     MessageItem
     | FunctionCallItem
@@ -133,6 +142,7 @@ Item = (
     | CustomToolCallOutputItem
     | ReasoningItem
     | CompactionItem
+    | ItemReference
 )
 # A call of the assistant's turn, and what answers one (function and custom tools alike).
 CALL_ITEMS = (FunctionCallItem, CustomToolCallItem)
@@ -196,9 +206,11 @@ def parse_items(raw: list[Any], param: str = "input") -> list[Item]:
         where = f"{param}[{i}]"
         if not isinstance(obj, dict):
             raise InvalidRequestError(f"{where} must be an object", param=where)
-        itype = obj.get("type", "message" if "role" in obj else None)
+        itype = obj.get("type", "message" if "role" in obj else "item_reference" if "id" in obj else None)
         item: Item
-        if itype == "message":
+        if itype == "item_reference":
+            item = _convert(obj, ItemReference, where)
+        elif itype == "message":
             message: MessageItem = _convert(obj, MessageItem, where)
             if isinstance(message.content, list):
                 for j, part in enumerate(message.content):
@@ -316,6 +328,8 @@ def to_messages(
             message["content"] += ("\n" if message["content"] else "") + call_text
         elif isinstance(item, CompactionItem):
             raise ValueError("compaction items are expanded before rendering (compaction.expand)")
+        elif isinstance(item, ItemReference):
+            raise ValueError("item references are resolved at intake (lmspd.core.inputs)")
         elif native_tools:
             out.append({"role": "tool", "tool_call_id": item.call_id, "content": result_text(item)})
         else:

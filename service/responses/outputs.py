@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
+import msgspec
 import ulid
 
 from lmspd.responses import schema as s
@@ -28,6 +29,7 @@ from lmspd.responses.parsing.output_parser import (
 from lmspd.responses.tools import NAMESPACE_SEPARATOR
 
 EventFactory = Callable[[int], s._Event]
+Seal = Callable[[str, str], str]  # (item id, reasoning text) -> encrypted_content
 Kind = Literal["message", "function_call", "custom_tool_call", "reasoning", "compaction"]
 CALLS = ("function_call", "custom_tool_call")  # the kinds the parser numbers as calls
 Status = Literal["in_progress", "completed", "incomplete"]
@@ -44,6 +46,7 @@ class Item:
     status: Status = "in_progress"
     calls: int = -1  # a call's ordinal from the parser
     namespace: str | None = None  # a call's namespace tool
+    encrypted: str | None = None  # a closed reasoning item's sealed text (responses/sealing.py)
 
     def wire(self) -> s.OutputItem:
         if self.kind == "message":
@@ -71,7 +74,8 @@ class Item:
                 namespace=self.namespace,
             )
         reasoning = [] if self.status == "in_progress" else [s.ReasoningText(self.text)]
-        return s.Reasoning(id=self.id, content=reasoning)
+        sealed = msgspec.UNSET if self.encrypted is None else self.encrypted
+        return s.Reasoning(id=self.id, content=reasoning, encrypted_content=sealed)
 
 
 class OutputItems:
@@ -80,16 +84,25 @@ class OutputItems:
         self.parser: OutputParser | None = None
         self._pending_logprobs: list[s.LogProb] = []
         self._namespaces: Mapping[str, str] = {}
+        self._seal: Seal | None = None
 
     # --- rebuilding -------------------------------------------------------------------------
 
-    def attach(self, parser: OutputParser, generated_text: str, namespaces: Mapping[str, str] | None = None) -> None:
+    def attach(
+        self,
+        parser: OutputParser,
+        generated_text: str,
+        namespaces: Mapping[str, str] | None = None,
+        seal: Seal | None = None,
+    ) -> None:
         """Read the output from here on with ``parser``, which first catches up with the
         text generated so far (its pieces are already in the log). ``namespaces``: the
-        namespace of each tool the model knows by a qualified name (``ToolOptions.namespaces``)."""
+        namespace of each tool the model knows by a qualified name (``ToolOptions.namespaces``);
+        ``seal``: seals each reasoning item as it closes (``include`` asked for it)."""
         parser.feed(generated_text)
         self.parser = parser
         self._namespaces = namespaces or {}
+        self._seal = seal
 
     def replay(self, event: s._Event) -> None:
         if isinstance(event, s.OutputItemAdded):
@@ -121,6 +134,8 @@ class OutputItems:
             self.items[event.output_index].text = event.input
         elif isinstance(event, s.OutputItemDone) and not isinstance(event.item, s.Compaction):
             self.items[event.output_index].status = event.item.status or "completed"
+            if isinstance(event.item, s.Reasoning) and isinstance(event.item.encrypted_content, str):
+                self.items[event.output_index].encrypted = event.item.encrypted_content
 
     # --- streaming --------------------------------------------------------------------------
 
@@ -267,6 +282,8 @@ class OutputItems:
 
     def _close_item(self, index: int, item: Item, status: Status) -> list[EventFactory]:
         item.status = status
+        if item.kind == "reasoning" and self._seal is not None:
+            item.encrypted = self._seal(item.id, item.text)
         final = item.wire()
         out: list[EventFactory] = []
         if isinstance(final, s.OutputMessage):

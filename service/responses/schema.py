@@ -23,12 +23,17 @@ from lmspd.responses.tools import (
     TextFormatPlain,
     Tool,
     directives,
+    omit_hosted,
 )
 
 # --- requests -------------------------------------------------------------------------------
 
 
 LOGPROBS = "message.output_text.logprobs"
+ENCRYPTED_REASONING = "reasoning.encrypted_content"
+INCLUDES = frozenset({LOGPROBS, ENCRYPTED_REASONING})
+# Codex sends about 2,000 characters in 7 keys; bounded like every other store.
+MAX_CLIENT_METADATA_KEYS, MAX_CLIENT_METADATA_CHARS = 64, 65536
 MAX_COMPACT_THRESHOLD = 100_000_000
 # A token count a client may ask for: what the engine's 32-bit counters take (a context is
 # far smaller; the supervisor clamps to it).
@@ -74,6 +79,13 @@ class ResponseRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, 
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     prompt: dict[str, Any] | None = None
+    # Codex's request tags (thread, turn, window ids): stored with the request, never rendered.
+    client_metadata: dict[str, str] | None = None
+
+    @property
+    def sealed_reasoning(self) -> bool:
+        """Reasoning items carry ``encrypted_content`` (``include: ["reasoning.encrypted_content"]``)."""
+        return ENCRYPTED_REASONING in (self.include or [])
 
     @property
     def logprobs(self) -> int | None:
@@ -82,9 +94,19 @@ class ResponseRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, 
             return None
         return self.top_logprobs or 0
 
-    def validate(self) -> None:
+    @property
+    def omitted_tools(self) -> list[str]:
+        """The hosted tool types :meth:`validate` left out (``hosted_tools = "omit"``)."""
+        omitted: list[str] = self.__dict__.get("omitted_tools", [])
+        return omitted
+
+    def validate(self, *, hosted_tools: Literal["refuse", "omit"] = "refuse") -> None:
+        """``hosted_tools``: the server's ``[responses] hosted_tools``: "omit" takes hosted tools
+        out of ``tools`` (before anything reads them: the stored request has none)."""
         from lmspd.responses.inputs import parse_items
 
+        if hosted_tools == "omit":
+            self.tools, self.__dict__["omitted_tools"] = omit_hosted(self.tools)
         if isinstance(self.input, list):
             if not self.input:
                 raise InvalidRequestError("input must not be empty", param="input")
@@ -99,14 +121,25 @@ class ResponseRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, 
                     raise InvalidRequestError(
                         "metadata keys are at most 64 and values 512 characters", param="metadata"
                     )
+        if self.client_metadata is not None:
+            if len(self.client_metadata) > MAX_CLIENT_METADATA_KEYS:
+                raise InvalidRequestError(
+                    f"client_metadata has more than {MAX_CLIENT_METADATA_KEYS} keys", param="client_metadata"
+                )
+            size = sum(len(k) + len(v) for k, v in self.client_metadata.items())
+            if size > MAX_CLIENT_METADATA_CHARS:
+                raise InvalidRequestError(
+                    f"client_metadata holds more than {MAX_CLIENT_METADATA_CHARS} characters", param="client_metadata"
+                )
         if self.truncation not in (None, "disabled"):
             raise InvalidRequestError("truncation must be 'disabled'", param="truncation")
         self.directives  # noqa: B018 (parsed and checked here, at intake)
         validate_top_logprobs(self.top_logprobs)
         for i, value in enumerate(self.include or []):
-            if value != LOGPROBS:
+            if value not in INCLUDES:
                 raise InvalidRequestError(
-                    f"include value {value!r} is not available here (only {LOGPROBS!r})", param=f"include[{i}]"
+                    f"include value {value!r} is not available here (only {' and '.join(map(repr, sorted(INCLUDES)))})",
+                    param=f"include[{i}]",
                 )
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) not in (None, 0):
@@ -351,6 +384,9 @@ class Reasoning(msgspec.Struct, tag="reasoning", tag_field="type", kw_only=True)
     # Open Responses' reasoning item has no status; OpenAI's carries one, and clients
     # echo it back as input.
     status: Literal["in_progress", "completed", "incomplete"] | None = None
+    # With include ["reasoning.encrypted_content"]: the sealed text (responses/sealing.py);
+    # absent otherwise (Open Responses types it a string, never null).
+    encrypted_content: str | msgspec.UnsetType = msgspec.UNSET
 
 
 class Compaction(msgspec.Struct, tag="compaction", tag_field="type", kw_only=True, omit_defaults=True):

@@ -126,8 +126,11 @@ class ReasoningParam(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # Echoed only: the seed says effort is not mapped onto a template kwarg
     # (chat_template_kwargs does that explicitly).
     effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
-    summary: Literal["auto", "concise", "detailed"] | None = None
+    summary: Literal["auto", "concise", "detailed", "none"] | None = None
     generate_summary: Literal["auto", "concise", "detailed"] | None = None
+    # Which reasoning items of the input are rendered: "current_turn" only those after the
+    # last user message; "auto" and "all_turns" every one (what templates then keep is theirs).
+    context: Literal["auto", "all_turns", "current_turn"] | None = None
 
 
 Choice = Literal["none", "auto", "required"] | NamedFunction | NamedCustom

@@ -167,3 +167,12 @@ SELECT owner, key, size FROM reasoning_echo ORDER BY used_at;
 
 -- name: echo_delete
 DELETE FROM reasoning_echo WHERE owner = :owner AND key = :key;
+
+-- name: item_put
+-- The latest response to carry an id holds it (clients resend their own message ids each turn).
+INSERT INTO response_items (owner, item_id, task_id) VALUES (:owner, :item_id, :task_id)
+ON CONFLICT (owner, item_id) DO UPDATE SET task_id = excluded.task_id;
+
+-- name: item_task
+SELECT t.* FROM response_items i JOIN tasks t ON t.id = i.task_id
+WHERE i.owner = :owner AND i.item_id = :item_id;

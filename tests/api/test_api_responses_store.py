@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from starlette.testclient import TestClient
 from support.engine_host import Host, purge
@@ -41,7 +42,7 @@ def make_client(
                 models={"tiny": ModelEntry(path=str(tiny_long.path))},
                 engine=ENGINE,
                 server=ServerConfig(data_dir=str(tmp_path / f"data{made}")),
-                responses=ResponsesConfig(**responses),
+                responses=msgspec.convert(responses, ResponsesConfig),
             )
             return stack.enter_context(host.serve(config))
 
@@ -187,7 +188,7 @@ def serve(host: Host, tmp_path: Path, model_cache: Path, thinker: Path) -> Serve
             models={"thinker": ModelEntry(path=str(thinker))},
             engine=ENGINE,
             server=ServerConfig(data_dir=str(tmp_path / "echo"), tokens=TOKENS),
-            responses=ResponsesConfig(**responses),
+            responses=msgspec.convert(responses, ResponsesConfig),
         )
         return host.serve(config)
 

@@ -38,7 +38,7 @@ def config_for(tmp_path: Path, model_cache: Path, tiny: ResolvedModel, **respons
         models={"tiny": ModelEntry(path=str(tiny.path))},
         engine=ENGINE,
         server=ServerConfig(data_dir=str(tmp_path / "data"), tokens=TOKENS, keepalive_secs=0.5),
-        responses=ResponsesConfig(**responses),
+        responses=msgspec.convert(responses, ResponsesConfig),
     )
 
 

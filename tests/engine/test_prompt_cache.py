@@ -28,7 +28,7 @@ from lmspd.engine.process import EngineClient
 from lmspd.engine.prompt_cache import SUFFIX, DiskCache, PromptCache, stored_lengths
 from lmspd.engine.worker import KEEP_PREFILL_TOKENS, KEEP_SOON_TOKENS, Request, keeps_early
 from lmspd.models.registry import ResolvedModel
-from lmspd.prompting.generation import build_generate
+from lmspd.prompting.generation import build_generate, cache_key
 
 GREEDY = p.SamplingParams(temperature=0.0)
 CONFIG = EngineConfig(weight_dtype="quantized", max_concurrency=4)
@@ -382,3 +382,19 @@ def test_temporary_files_of_writers_that_are_gone_are_removed_at_start(tmp_path:
         path.write_bytes(b"half")
     PromptCache(1 << 20, tmp_path / "prompt-cache", 1 << 20)
     assert [p.name for p in folder.iterdir()] == [alive.name]
+
+
+def test_prompt_cache_key_is_tried_first_then_the_clients_other_keys() -> None:
+    """A new agent session (a new prompt_cache_key) starts from the last session's prefix of the
+    same client; never from another client's, and its own key's entry wins when it holds more."""
+    cache = PromptCache(max_bytes=1 << 30)
+    session = list(range(100, 400))  # an agent's system prompt and tools
+    cache.store(("m", cache_key("alice", "s1")), [*session, 1, 2], kv(302))
+    assert cache.fetch(("m", cache_key("alice", "s2")), [*session, 9, 9]).cached == 300
+    assert cache.fetch(("m", cache_key("alice", None)), [*session, 9, 9]).cached == 300
+    assert cache.fetch(("m", cache_key("bob", "s1")), [*session, 9, 9]).cached == 0
+    assert cache.fetch(("other-model", cache_key("alice", "s1")), [*session, 9, 9]).cached == 0
+    cache.store(("m", cache_key("alice", "s2")), session[:50], kv(50, seed=1))
+    assert cache.fetch(("m", cache_key("alice", "s2")), [*session, 9, 9]).cached == 300  # the longer one
+    cache.store(("m", cache_key("alice", "s2")), [*session, 9], kv(301, seed=2))
+    assert cache.nearest(("m", cache_key("alice", "s2")), [*session, 9, 9]) == ("m", cache_key("alice", "s2"))

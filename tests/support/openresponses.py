@@ -44,6 +44,12 @@ VENDOR_EVENTS = {
 }
 
 
+# OpenAI's shapes that Open Responses lacks, which agent clients send and lmspd echoes
+# (docs/responses.md, "Coding agents"): added to the document, each where OpenAI puts it.
+# Custom (freeform) tools: the tool, tool_choice {"type": "custom"}, the custom_tool_call item
+# and its two input events (docs/responses.md, "Custom tools"), so every object and event is
+# still checked.
+_TOOL_FIELDS = {"name": {"type": "string"}, "description": {"anyOf": [{"type": "string"}, {"type": "null"}]}}
 _STATUS = {"type": "string", "enum": ["in_progress", "completed", "incomplete"]}
 
 
@@ -57,18 +63,23 @@ def _event(kind: str, field: str) -> dict[str, Any]:
     }
 
 
-# OpenAI's custom (freeform) tools, which Open Responses does not have: their shapes as OpenAI
-# documents them (the tool, tool_choice {"type": "custom"}, the custom_tool_call item and its
-# two input events), added to the schema as extensions so that every object and event is still
-# checked (docs/responses.md, "Custom tools").
-EXTENSIONS: dict[str, Any] = {
+OPENAI_SCHEMAS: dict[str, Any] = {
+    "NamespaceTool": {
+        "type": "object",
+        "required": ["type", "name", "description", "tools"],
+        "properties": {
+            "type": {"enum": ["namespace"]},
+            "name": {"type": "string"},
+            "description": {"type": "string"},
+            "tools": {"type": "array", "items": {"$ref": "#/components/schemas/FunctionTool"}},
+        },
+    },
     "CustomTool": {
         "type": "object",
-        "required": ["type", "name"],
+        "required": ["type", "name", "format"],
         "properties": {
             "type": {"enum": ["custom"]},
-            "name": {"type": "string"},
-            "description": {"type": ["string", "null"]},
+            **_TOOL_FIELDS,
             "format": {
                 "oneOf": [
                     {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text"]}}},
@@ -112,22 +123,32 @@ EXTENSIONS: dict[str, Any] = {
 }
 
 
-def _extended(doc: dict[str, Any]) -> dict[str, Any]:
+def document() -> dict[str, Any]:
+    """The Open Responses document with :data:`OPENAI_SCHEMAS` added: a tool is a function,
+    namespace or custom tool; an item may be a custom tool call; tool_choice may name a custom tool."""
+    doc: dict[str, Any] = json.loads(SCHEMA.read_text())
     schemas = doc["components"]["schemas"]
-    schemas.update(EXTENSIONS)
-    schemas["ItemField"]["oneOf"].append({"$ref": "#/components/schemas/CustomToolCall"})
+    schemas.update(OPENAI_SCHEMAS)
+    tool = schemas["Tool"]
     schemas["Tool"] = {
-        "anyOf": [{"$ref": "#/components/schemas/FunctionTool"}, {"$ref": "#/components/schemas/CustomTool"}]
+        "description": tool["description"],
+        "oneOf": [{"$ref": "#/components/schemas/FunctionTool"}]
+        + [{"$ref": f"#/components/schemas/{name}"} for name in ("NamespaceTool", "CustomTool")],
     }
-    choice = schemas["ResponseResource"]["properties"]["tool_choice"]
-    choice["oneOf"].append({"$ref": "#/components/schemas/CustomToolChoice"})
+    namespace_tools = schemas["NamespaceTool"]["properties"]["tools"]
+    namespace_tools["items"] = {
+        "oneOf": [{"$ref": "#/components/schemas/FunctionTool"}, {"$ref": "#/components/schemas/CustomTool"}]
+    }
+    schemas["ItemField"]["oneOf"].append({"$ref": "#/components/schemas/CustomToolCall"})
+    schemas["ResponseResource"]["properties"]["tool_choice"]["oneOf"].append(
+        {"$ref": "#/components/schemas/CustomToolChoice"}
+    )
     return doc
 
 
 @cache
 def _validator(name: str) -> jsonschema.Draft202012Validator:
-    doc = _extended(json.loads(SCHEMA.read_text()))
-    return jsonschema.Draft202012Validator({**doc, "$ref": f"#/components/schemas/{name}"})
+    return jsonschema.Draft202012Validator({**document(), "$ref": f"#/components/schemas/{name}"})
 
 
 def validate(name: str, obj: Any) -> None:

@@ -242,10 +242,12 @@ def test_stored_responses_survive_kill_and_restart(server: Server, client: opena
 
 
 def test_the_next_turn_reuses_the_prompt_cache_even_after_kill_9(server: Server, client: openai.OpenAI) -> None:
-    # A key of its own: the partition starts empty, whatever ran before in this module.
+    # A key of its own; the client's entries under other keys may still lend turn 1 the prefix
+    # every prompt starts with (the template's opening), never the question.
     kw: dict[str, Any] = {"temperature": 0, "max_output_tokens": 8, "prompt_cache_key": uuid.uuid4().hex}
-    first = client.responses.create(input="Tell me about rivers.", **kw)
-    assert first.usage is not None and first.usage.input_tokens_details.cached_tokens == 0
+    first = client.responses.create(input=f"Tell me about rivers, {uuid.uuid4().hex}.", **kw)
+    assert first.usage is not None
+    assert first.usage.input_tokens_details.cached_tokens < first.usage.input_tokens - 8
     folder = server.config.parent / "data" / "prompt-cache"
     # Files other tests of the module left (other keys, maybe longer): not turn 2's.
     earlier = frozenset(folder.rglob("*.safetensors"))

@@ -50,6 +50,7 @@ EXPECTED_SCHEMA = {
     "task_counts": ["status", "n"],
     "reasoning_echo": ["owner", "key", "item", "size", "used_at"],
     "reasoning_echo_bytes": ["id", "total"],
+    "response_items": ["owner", "item_id", "task_id"],
 }
 EXPECTED_TRIGGERS = {
     "task_counts_insert",
@@ -66,6 +67,7 @@ EXPECTED_INDEXES = {
     "tasks_by_expiry",
     "tasks_by_conversation",
     "reasoning_echo_by_use",
+    "response_items_by_task",
 }
 
 
@@ -112,8 +114,8 @@ def test_migrations_produce_exactly_the_schema(tmp_path: Path) -> None:
     assert indexes == EXPECTED_INDEXES
     triggers = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'trigger'")}
     assert triggers == EXPECTED_TRIGGERS
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == 5
-    assert migrate(conn) == 5  # idempotent
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == 6
+    assert migrate(conn) == 6  # idempotent
 
 
 async def test_wal_and_full_sync(store: TaskStore) -> None:

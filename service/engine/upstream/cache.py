@@ -14,3 +14,18 @@ def exact_entry(lru: Any, namespace: Hashable, tokens: Sequence[int]) -> Any | N
         return lru._trie.get(namespace, list(tokens))
     except KeyError:
         return None
+
+
+def namespaces(lru: Any) -> list[Hashable]:
+    """Every namespace the cache holds entries in (``lru._trie._trie``'s keys, as above)."""
+    return list(lru._trie._trie)
+
+
+def reach(lru: Any, namespace: Hashable, tokens: Sequence[int]) -> int:
+    """How many leading tokens of ``tokens`` an entry in ``namespace`` holds, as
+    ``fetch_nearest_cache`` would find it, without copying anything."""
+    found = lru._trie.search(namespace, list(tokens))
+    if found.exact is not None:
+        return len(tokens)
+    shorter = len(found.shorter) if found.shorter is not None else 0
+    return max(shorter, found.common_prefix if found.longer is not None else 0)

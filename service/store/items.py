@@ -1,0 +1,32 @@
+"""The item index: which stored response holds an item id, per owner (``item_reference``).
+
+Written by a job that rides in the transaction finishing a stored response (as the reasoning
+echo's does), so indexing costs no commit of its own; rows go with their task.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Callable, Sequence
+
+from lmspd.store.db import Database
+from lmspd.store.queries import q
+from lmspd.store.task_store import TaskRecord
+
+
+class ItemIndex:
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+    def job(self, owner: str, task_id: str, item_ids: Sequence[str]) -> Callable[[sqlite3.Connection], None]:
+        rows = [{"owner": owner, "item_id": item_id, "task_id": task_id} for item_id in dict.fromkeys(item_ids)]
+
+        def run(conn: sqlite3.Connection) -> None:
+            conn.executemany(q("item_put"), rows)
+
+        return run
+
+    async def task_of(self, owner: str, item_id: str) -> TaskRecord | None:
+        """The owner's task whose response holds ``item_id``, if any."""
+        row = await self.db.fetchone(q("item_task"), {"owner": owner, "item_id": item_id})
+        return None if row is None else TaskRecord.from_row(row)

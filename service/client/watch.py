@@ -18,7 +18,15 @@ from rich.text import Text
 from lmspd.client.http import FINAL_EVENTS, Json, TaskClient
 
 TEXT_DELTA = "response.output_text.delta"
-TOKEN_EVENTS = frozenset({TEXT_DELTA, "response.reasoning_text.delta", "response.function_call_arguments.delta"})
+TOKEN_EVENTS = frozenset(
+    {
+        TEXT_DELTA,
+        "response.reasoning_text.delta",
+        "response.function_call_arguments.delta",
+        "response.custom_tool_call_input.delta",
+    }
+)
+CALL_TYPES = ("function_call", "custom_tool_call")
 RESTARTED = "lmsp.attempt.restarted"
 # A span shorter than this is a replay of events already generated, not a speed worth showing.
 MIN_RATE_SPAN = 0.5
@@ -68,8 +76,10 @@ class TaskView:
             self._parts.append(delta)
             return delta
         item = event.get("item")
-        if kind == "response.output_item.done" and isinstance(item, dict) and item.get("type") == "function_call":
-            self.calls.append(f"{item.get('name')}({item.get('arguments')})")
+        if kind == "response.output_item.done" and isinstance(item, dict) and item.get("type") in CALL_TYPES:
+            # A custom tool's input is raw text: shown quoted, as one line.
+            given = item.get("arguments") if item.get("type") == "function_call" else repr(item.get("input"))
+            self.calls.append(f"{item.get('name')}({given})")
             return None
         if kind == RESTARTED:
             self._parts.clear()
@@ -198,7 +208,7 @@ def _watch_plain(client: TaskClient, view: TaskView, out: TextIO, err: TextIO, a
             out.write(delta)
             out.flush()
         elif event.get("type") == "response.output_item.done" and view.calls:
-            if event.get("item", {}).get("type") == "function_call":
+            if event.get("item", {}).get("type") in CALL_TYPES:
                 print(f"lmspd: call {view.calls[-1]}", file=err, flush=True)
         elif event.get("type") == RESTARTED:
             print(

@@ -13,22 +13,48 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
+import msgspec
+
 from lmspd.errors import InvalidRequestError
 from lmspd.models.tokenizer import Tokenizer
 from lmspd.prompting import grammar
 from lmspd.responses.compaction import expand, fold_summary
-from lmspd.responses.inputs import Item, MessageItem, ReasoningItem, to_messages
+from lmspd.responses.inputs import (
+    Item,
+    MessageItem,
+    ReasoningItem,
+    hermes_custom_call,
+    qwen3_coder_custom_call,
+    to_messages,
+)
 from lmspd.responses.parsing.output_parser import OutputParser, infer_tool_format, think_markers
 from lmspd.responses.schema import ResponseRequest
-from lmspd.responses.tools import FunctionTool, ToolOptions, functions
+from lmspd.responses.tools import CustomTool, FunctionTool, ToolOptions, customs, functions
 
 HERMES_FORMAT = "json_tools"
+# How a custom (freeform) tool is called, per family (docs/responses.md, "Custom tools"): in
+# the Hermes family its name alone on the block's first line, then its input as it is, up to
+# the end marker; in Qwen3-Coder's XML, its one parameter "input" holds the raw text.
+CUSTOM_SYNTAX = {
+    "json_tools": (
+        'For a custom tool ("type": "custom"), write its name alone on the first line and then its input as '
+        "raw text, not JSON, following its format, with </tool_call> right after the input:\n"
+        "<tool_call>\n<tool-name>\n<raw input></tool_call>"
+    ),
+    "qwen3_coder": (
+        'For a custom tool ("type": "custom"), pass its input as raw text, not JSON, following its format, in '
+        "one parameter named input:\n<tool_call>\n<function=tool-name>\n<parameter=input>\n<raw input>\n"
+        "</parameter>\n</function>\n</tool_call>"
+    ),
+}
+CUSTOM_CALLS = {"json_tools": hermes_custom_call, "qwen3_coder": qwen3_coder_custom_call}
 
 
-def _hermes_block(tools: list[FunctionTool]) -> str:
+def _hermes_block(tools: list[FunctionTool], custom: list[CustomTool]) -> str:
     # The wording of Qwen2.5 / Hermes templates, which small instruct models have seen.
-    lines = "\n".join(json.dumps(_chat_tool(t), ensure_ascii=False) for t in tools)
-    return (
+    entries = [_chat_tool(t) for t in tools] + [_custom_entry(t) for t in custom]
+    lines = "\n".join(json.dumps(e, ensure_ascii=False) for e in entries)
+    block = (
         "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
         "You are provided with function signatures within <tools></tools> XML tags:\n"
         f"<tools>\n{lines}\n</tools>\n\n"
@@ -36,6 +62,20 @@ def _hermes_block(tools: list[FunctionTool]) -> str:
         "<tool_call></tool_call> XML tags:\n<tool_call>\n"
         '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
     )
+    return f"{block}\n\n{CUSTOM_SYNTAX[HERMES_FORMAT]}" if custom else block
+
+
+def _custom_block(custom: list[CustomTool], tool_format: str) -> str:
+    """Custom tools for a template that renders only function tools itself."""
+    lines = "\n".join(json.dumps(_custom_entry(t), ensure_ascii=False) for t in custom)
+    syntax = CUSTOM_SYNTAX[tool_format]
+    return f"# Custom tools\n\nYou may also call these custom tools:\n<tools>\n{lines}\n</tools>\n\n{syntax}"
+
+
+def _custom_entry(tool: CustomTool) -> dict[str, Any]:
+    """A custom tool as the model is shown it: its format (grammar included) says what input it takes."""
+    fmt = msgspec.to_builtins(tool.format)
+    return {"type": "custom", "name": tool.name, "description": tool.description or "", "format": fmt}
 
 
 def _chat_tool(tool: FunctionTool) -> dict[str, Any]:
@@ -59,9 +99,11 @@ class Prompt:
         return OutputParser(
             tool_format=self.tool_format,
             tools=[_chat_tool(t) for t in functions(self.tools.tools)],
+            custom=[t.name for t in customs(self.tools.tools)],
             reasoning=self.reasoning_open,
             think=self.think,
             max_calls=self.tools.call_limit,
+            bound=self.grammar is not None and self.tools.constrained,
         )
 
 
@@ -104,14 +146,26 @@ def build_prompt(
     items = expanded.items
     if parsed.reasoning is not None and parsed.reasoning.context == "current_turn":
         items = current_turn_reasoning(items)
-    messages = to_messages(items, native_tools=native, think=inline)
+    writer = CUSTOM_CALLS.get(tool_format, hermes_custom_call)
+    messages = to_messages(items, native_tools=native, think=inline, custom_call=writer)
     kwargs = dict(request.chat_template_kwargs or {})
     system = fold_summary(request.instructions, expanded.summary)
+    custom = customs(options.tools) if options.active else []
+    syntax = grammar.SYNTAXES.get(tool_format)
+    if custom and (syntax is None or syntax.custom is None):
+        raise InvalidRequestError(
+            f"custom tools cannot be offered to this model: its tool-call format ({tool_format}) has no way to "
+            "carry raw input; use a function tool",
+            param=f"{options.param(custom[0])}.type",
+        )
     if options.active:
+        block = None
         if native:
             kwargs["tools"] = [_chat_tool(t) for t in functions(options.tools)]
+            block = _custom_block(custom, tool_format) if custom else None
         else:
-            block = _hermes_block(functions(options.tools))
+            block = _hermes_block(functions(options.tools), custom)
+        if block:
             system = f"{system}\n\n{block}" if system else block
     if system:
         messages = [{"role": "system", "content": system}, *messages]

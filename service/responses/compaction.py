@@ -14,13 +14,16 @@ from dataclasses import dataclass
 
 from lmspd.errors import ContextLengthExceededError
 from lmspd.responses.inputs import (
+    CALL_ITEMS,
+    RESULT_ITEMS,
     CompactionItem,
+    CustomToolCallItem,
     FunctionCallItem,
-    FunctionCallOutputItem,
     Item,
     MessageItem,
     ReasoningItem,
     message_text,
+    result_text,
 )
 
 SUMMARY_INSTRUCTION = (
@@ -96,11 +99,11 @@ def split_points(convo: list[Item]) -> list[int]:
     outputs: set[str] = set()
     for i in range(1, len(convo) + 1):
         prev = convo[i - 1]
-        if isinstance(prev, FunctionCallItem):
+        if isinstance(prev, CALL_ITEMS):
             calls.add(prev.call_id)
-        elif isinstance(prev, FunctionCallOutputItem):
+        elif isinstance(prev, RESULT_ITEMS):
             outputs.add(prev.call_id)
-        boundary = i == len(convo) or _is_user(convo[i]) or isinstance(prev, FunctionCallOutputItem)
+        boundary = i == len(convo) or _is_user(convo[i]) or isinstance(prev, RESULT_ITEMS)
         if boundary and calls <= outputs:
             points.append(i)
     return points
@@ -145,8 +148,10 @@ def transcript(previous_summary: str | None, items: list[Item]) -> str:
             lines.append(f"{item.role.capitalize()}: {message_text(item)}")
         elif isinstance(item, FunctionCallItem):
             lines.append(f"Assistant called {item.name}({item.arguments})")
-        elif isinstance(item, FunctionCallOutputItem):
-            lines.append(f"Result of the call: {item.output}")
+        elif isinstance(item, CustomToolCallItem):
+            lines.append(f"Assistant called {item.name} with:\n{item.input}")
+        elif isinstance(item, RESULT_ITEMS):
+            lines.append(f"Result of the call: {result_text(item)}")
         elif isinstance(item, ReasoningItem):
             continue  # the assistant's private reasoning is not part of the record
     return "\n".join(lines)

@@ -28,7 +28,7 @@ from urllib.parse import unquote
 
 from lmspd.engine.constraint import parser_limits
 from lmspd.errors import InvalidRequestError
-from lmspd.responses.tools import Directives, FunctionTool, JsonSchemaFormat
+from lmspd.responses.tools import CustomGrammar, Directives, FunctionTool, JsonSchemaFormat, customs
 
 if TYPE_CHECKING:
     from lmspd.config import ResponsesConfig
@@ -111,15 +111,41 @@ def check_directives(parsed: Directives, budget: SchemaBudget) -> None:
     ]
     if isinstance(fmt, JsonSchemaFormat):
         schemas.insert(0, ("text.format.schema", fmt.schema))
+    # A custom tool's grammar is rendered and compiled like a schema: its text counts too.
+    grammars = [
+        (f"{options.param(t)}.format.definition", t.format)
+        for t in customs(options.tools)
+        if isinstance(t.format, CustomGrammar)
+    ]
     left = (budget.max_nodes, budget.max_chars)
-    for param, schema in schemas:
+    for param, schema in [*schemas, *((p, g.definition) for p, g in grammars)]:
         left = _measure(schema, param, left, budget)
+    for param, custom in grammars:
+        check_custom_grammar(custom, param)
     if isinstance(fmt, JsonSchemaFormat):
         check_schema(fmt.schema, "text.format.schema")
     if options.constrained:
         for tool in options.callable:
             if isinstance(tool, FunctionTool) and tool.parameters is not None:
                 check_schema(tool.parameters, f"{options.param(tool)}.parameters")
+
+
+def check_custom_grammar(custom: CustomGrammar, param: str) -> None:
+    """400 unless llguidance compiles a custom tool's grammar, within the engine's parser limits:
+    alone, and nested as the call grammar nests a Lark one (lmspd.prompting.grammar.custom_input;
+    alone first, so a definition cannot close the nesting and add rules outside it)."""
+    from llguidance import LLMatcher
+
+    if custom.syntax == "regex":
+        grammars = [LLMatcher.grammar_from_regex(custom.definition)]
+    else:
+        nested = f"%llguidance {{}}\nstart: nested\nnested: %lark {{\n{custom.definition}\n}}\n"
+        grammars = [LLMatcher.grammar_from_lark(custom.definition), LLMatcher.grammar_from_lark(nested)]
+    for grammar in grammars:
+        error = LLMatcher.validate_grammar(grammar, limits=parser_limits())
+        if error:
+            first = error.strip().splitlines()[0]
+            raise SchemaError(f"{param}: the {custom.syntax} grammar does not compile: {first}", param=param)
 
 
 def check_schema(schema: Mapping[str, Any], param: str) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+from collections.abc import Callable
 from typing import Any, Literal
 
 import msgspec
@@ -62,6 +63,36 @@ class FunctionCallOutputItem(msgspec.Struct, kw_only=True, forbid_unknown_fields
     status: str | None = None
 
 
+class CustomToolCallItem(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A custom (freeform) tool's call, its ``input`` raw text (a ``custom_tool_call`` output item)."""
+
+    type: Literal["custom_tool_call"]
+    call_id: str
+    name: str
+    input: str
+    id: str | None = None
+    status: str | None = None
+    namespace: str | None = None
+
+    @property
+    def offered_name(self) -> str:
+        return f"{self.namespace}{NAMESPACE_SEPARATOR}{self.name}" if self.namespace else self.name
+
+
+class CustomToolCallOutputItem(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A custom tool call's result: text, or text parts (as OpenAI allows; media is refused)."""
+
+    type: Literal["custom_tool_call_output"]
+    call_id: str
+    output: str | list[dict[str, Any]]
+    id: str | None = None
+    status: str | None = None
+
+    @property
+    def text(self) -> str:
+        return self.output if isinstance(self.output, str) else "".join(_part_text(p, "output") for p in self.output)
+
+
 class ReasoningItem(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """A reasoning item sent back: its text (``content``, else ``summary``) is rendered
     as the next assistant turn's reasoning."""
@@ -103,7 +134,19 @@ class ItemReference(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     type: Literal["item_reference"] | None = "item_reference"
 
 
-Item = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem | CompactionItem | ItemReference
+Item = (
+    MessageItem
+    | FunctionCallItem
+    | FunctionCallOutputItem
+    | CustomToolCallItem
+    | CustomToolCallOutputItem
+    | ReasoningItem
+    | CompactionItem
+    | ItemReference
+)
+# A call of the assistant's turn, and what answers one (function and custom tools alike).
+CALL_ITEMS = (FunctionCallItem, CustomToolCallItem)
+RESULT_ITEMS = (FunctionCallOutputItem, CustomToolCallOutputItem)
 _MEDIA = {"input_image", "input_file", "input_audio"}  # text models only
 
 
@@ -177,6 +220,14 @@ def parse_items(raw: list[Any], param: str = "input") -> list[Item]:
             item = _convert(obj, FunctionCallItem, where)
         elif itype == "function_call_output":
             item = _convert(obj, FunctionCallOutputItem, where)
+        elif itype == "custom_tool_call":
+            item = _convert(obj, CustomToolCallItem, where)
+        elif itype == "custom_tool_call_output":
+            result: CustomToolCallOutputItem = _convert(obj, CustomToolCallOutputItem, where)
+            if isinstance(result.output, list):
+                for j, part in enumerate(result.output):
+                    _part_text(part, f"{where}.output[{j}]")
+            item = result
         elif itype == "reasoning":
             item = _convert(obj, ReasoningItem, where)
         elif itype == "compaction":
@@ -206,13 +257,32 @@ def hermes_call(name: str, arguments: str) -> str:
     return "<tool_call>\n" + json.dumps({"name": name, "arguments": args}, ensure_ascii=False) + "\n</tool_call>"
 
 
+def hermes_custom_call(name: str, text: str) -> str:
+    """A custom tool's call as lmspd writes it in the Hermes family (docs/responses.md, "Custom tools")."""
+    return f"<tool_call>\n{name}\n{text}</tool_call>"
+
+
+def qwen3_coder_custom_call(name: str, text: str) -> str:
+    """A custom tool's call in Qwen3-Coder's XML: one parameter, ``input``, its value the raw text."""
+    return f"<tool_call>\n<function={name}>\n<parameter=input>\n{text}\n</parameter>\n</function>\n</tool_call>"
+
+
+def result_text(item: FunctionCallOutputItem | CustomToolCallOutputItem) -> str:
+    return item.output if isinstance(item, FunctionCallOutputItem) else item.text
+
+
 def to_messages(
-    items: list[Item], *, native_tools: bool = False, think: tuple[str, str] | None = None
+    items: list[Item],
+    *,
+    native_tools: bool = False,
+    think: tuple[str, str] | None = None,
+    custom_call: Callable[[str, str], str] = hermes_custom_call,
 ) -> list[dict[str, Any]]:
     """Chat-template messages.
 
     ``native_tools``: the template renders ``tool_calls`` and ``tool`` messages itself;
     otherwise calls and results are written out in the Hermes format it was taught.
+    ``custom_call`` writes a custom tool's call in the family's syntax.
     Calls join the assistant turn before them (its text, earlier calls); a reasoning item goes with the next
     assistant turn (as ``reasoning_content``, and inline when the model has think markers
     and the template cannot place it)."""
@@ -250,14 +320,20 @@ def to_messages(
                 message["content"] += ("\n" if message["content"] else "") + hermes_call(
                     item.offered_name, item.arguments
                 )
+        elif isinstance(item, CustomToolCallItem):
+            # No template renders a custom call (its tool_calls are functions): the call is
+            # written in the syntax the model was shown, native template or not.
+            message = assistant(joins=True)
+            call_text = custom_call(item.offered_name, item.input)
+            message["content"] += ("\n" if message["content"] else "") + call_text
         elif isinstance(item, CompactionItem):
             raise ValueError("compaction items are expanded before rendering (compaction.expand)")
         elif isinstance(item, ItemReference):
             raise ValueError("item references are resolved at intake (lmspd.core.inputs)")
         elif native_tools:
-            out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+            out.append({"role": "tool", "tool_call_id": item.call_id, "content": result_text(item)})
         else:
-            response = f"<tool_response>\n{item.output}\n</tool_response>"
+            response = f"<tool_response>\n{result_text(item)}\n</tool_response>"
             last = out[-1] if out else None
             if last is not None and last["role"] == "user" and last["content"].startswith("<tool_response>"):
                 last["content"] += "\n" + response

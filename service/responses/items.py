@@ -13,6 +13,8 @@ import msgspec
 from lmspd.errors import InvalidRequestError
 from lmspd.responses.inputs import (
     CompactionItem,
+    CustomToolCallItem,
+    CustomToolCallOutputItem,
     FunctionCallItem,
     FunctionCallOutputItem,
     Item,
@@ -80,6 +82,24 @@ def resource(response_id: str, index: int, item: Item) -> dict[str, Any]:
         return listed
     if isinstance(item, CompactionItem):
         return {"id": item.id or f"cmp_{suffix}", "type": "compaction", "encrypted_content": item.encrypted_content}
+    if isinstance(item, CustomToolCallItem):
+        custom: dict[str, Any] = {
+            "id": item.id or f"ctc_{suffix}",
+            "type": "custom_tool_call",
+            "call_id": item.call_id,
+            "name": item.name,
+            "input": item.input,
+            "status": item.status or "completed",
+        }
+        return custom | ({"namespace": item.namespace} if item.namespace else {})
+    if isinstance(item, CustomToolCallOutputItem):
+        return {
+            "id": item.id or f"ctco_{suffix}",
+            "type": "custom_tool_call_output",
+            "call_id": item.call_id,
+            "output": item.output,
+            "status": item.status or "completed",
+        }
     assert isinstance(item, FunctionCallOutputItem)
     return {
         "id": item.id or f"fco_{suffix}",

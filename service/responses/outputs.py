@@ -1,7 +1,7 @@
 """The output items of a response in progress, and the streaming events that build them.
 
-Pieces from the output parser (message text, reasoning text, function calls) become
-items in output order: a reasoning item, a message, function calls. Each item is
+Pieces from the output parser (message text, reasoning text, function and custom tool calls) become
+items in output order: a reasoning item, a message, calls. Each item is
 announced (``output_item.added``), grows by deltas and is closed (``.done`` events)
 before the next one opens (docs/responses.md, "Streaming"). The state is rebuilt from the
 event log with :meth:`OutputItems.replay`, so a resumed task carries on the same items.
@@ -30,7 +30,8 @@ from lmspd.responses.tools import NAMESPACE_SEPARATOR
 
 EventFactory = Callable[[int], s._Event]
 Seal = Callable[[str, str], str]  # (item id, reasoning text) -> encrypted_content
-Kind = Literal["message", "function_call", "reasoning", "compaction"]
+Kind = Literal["message", "function_call", "custom_tool_call", "reasoning", "compaction"]
+CALLS = ("function_call", "custom_tool_call")  # the kinds the parser numbers as calls
 Status = Literal["in_progress", "completed", "incomplete"]
 
 
@@ -38,7 +39,7 @@ Status = Literal["in_progress", "completed", "incomplete"]
 class Item:
     kind: Kind
     id: str
-    text: str = ""  # message text, reasoning text or call arguments so far
+    text: str = ""  # message text, reasoning text, call arguments or a custom call's input so far
     logprobs: list[s.LogProb] = field(default_factory=list)
     call_id: str = ""
     name: str = ""
@@ -60,6 +61,15 @@ class Item:
                 call_id=self.call_id,
                 name=self.name,
                 arguments=arguments,
+                status=self.status,
+                namespace=self.namespace,
+            )
+        if self.kind == "custom_tool_call":
+            return s.CustomToolCall(
+                id=self.id,
+                call_id=self.call_id,
+                name=self.name,
+                input="" if self.status == "in_progress" else self.text,
                 status=self.status,
                 namespace=self.namespace,
             )
@@ -97,11 +107,11 @@ class OutputItems:
     def replay(self, event: s._Event) -> None:
         if isinstance(event, s.OutputItemAdded):
             item = event.item
-            if isinstance(item, s.FunctionCall):
-                calls = sum(1 for i in self.items if i.kind == "function_call")
+            if isinstance(item, s.FunctionCall | s.CustomToolCall):
+                calls = sum(1 for i in self.items if i.kind in CALLS)
                 self.items.append(
                     Item(
-                        "function_call",
+                        "custom_tool_call" if isinstance(item, s.CustomToolCall) else "function_call",
                         item.id,
                         call_id=item.call_id,
                         name=item.name,
@@ -116,10 +126,12 @@ class OutputItems:
         elif isinstance(event, s.OutputTextDelta):
             self.items[event.output_index].text += event.delta
             self.items[event.output_index].logprobs += event.logprobs
-        elif isinstance(event, s.ReasoningTextDelta | s.FunctionCallArgumentsDelta):
+        elif isinstance(event, s.ReasoningTextDelta | s.FunctionCallArgumentsDelta | s.CustomToolCallInputDelta):
             self.items[event.output_index].text += event.delta
         elif isinstance(event, s.FunctionCallArgumentsDone):
             self.items[event.output_index].text = event.arguments
+        elif isinstance(event, s.CustomToolCallInputDone):
+            self.items[event.output_index].text = event.input
         elif isinstance(event, s.OutputItemDone) and not isinstance(event.item, s.Compaction):
             self.items[event.output_index].status = event.item.status or "completed"
             if isinstance(event.item, s.Reasoning) and isinstance(event.item.encrypted_content, str):
@@ -148,7 +160,8 @@ class OutputItems:
             elif isinstance(piece, ReasoningDelta):
                 out += self._reasoning(piece.text)
             elif isinstance(piece, CallStarted):
-                out += self._open("function_call", name=piece.name, calls=piece.index)
+                kind: Kind = "custom_tool_call" if piece.custom else "function_call"
+                out += self._open(kind, name=piece.name, calls=piece.index)
             elif isinstance(piece, ArgumentsDelta):
                 out += self._arguments(piece.index, piece.delta)
             else:
@@ -157,9 +170,9 @@ class OutputItems:
 
     def _open(self, kind: Kind, *, name: str = "", calls: int = -1) -> list[EventFactory]:
         out = self.close("completed")
-        prefix = {"message": "msg", "function_call": "fc", "reasoning": "rs"}[kind]
+        prefix = {"message": "msg", "function_call": "fc", "custom_tool_call": "ctc", "reasoning": "rs"}[kind]
         item = Item(kind, f"{prefix}_{ulid.new()}", name=name, calls=calls)
-        if kind == "function_call":
+        if kind in CALLS:
             item.call_id = f"call_{ulid.new()}"
             if namespace := self._namespaces.get(name):  # the client knows it by its own name
                 item.name, item.namespace = name[len(namespace) + len(NAMESPACE_SEPARATOR) :], namespace
@@ -231,7 +244,7 @@ class OutputItems:
 
     def _call(self, ordinal: int) -> tuple[int, Item] | None:
         for index, item in enumerate(self.items):
-            if item.kind == "function_call" and item.calls == ordinal:
+            if item.kind in CALLS and item.calls == ordinal:
                 return index, item
         return None
 
@@ -242,6 +255,12 @@ class OutputItems:
             return []
         index, item = found
         item.text += delta
+        if item.kind == "custom_tool_call":
+            return [
+                lambda seq: s.CustomToolCallInputDelta(
+                    sequence_number=seq, item_id=item.id, output_index=index, delta=delta
+                )
+            ]
         return [
             lambda seq: s.FunctionCallArgumentsDelta(
                 sequence_number=seq, item_id=item.id, output_index=index, delta=delta
@@ -286,6 +305,12 @@ class OutputItems:
             out.append(
                 lambda seq: s.FunctionCallArgumentsDone(
                     sequence_number=seq, item_id=item.id, output_index=index, arguments=final.arguments
+                )
+            )
+        elif isinstance(final, s.CustomToolCall):
+            out.append(
+                lambda seq: s.CustomToolCallInputDone(
+                    sequence_number=seq, item_id=item.id, output_index=index, input=final.input
                 )
             )
         else:

@@ -29,7 +29,15 @@ import msgspec
 from lmspd.config import Config
 from lmspd.errors import LmspdError
 from lmspd.responses import schema as s
-from lmspd.responses.inputs import FunctionCallItem, Item, MessageItem, ReasoningItem, parse_items
+from lmspd.responses.inputs import (
+    CALL_ITEMS,
+    CustomToolCallItem,
+    FunctionCallItem,
+    Item,
+    MessageItem,
+    ReasoningItem,
+    parse_items,
+)
 from lmspd.store.db import Database
 from lmspd.store.echo import EchoStore
 
@@ -45,7 +53,7 @@ class Turn:
 
 
 def _is_turn_item(item: Item) -> bool:
-    return isinstance(item, FunctionCallItem) or (isinstance(item, MessageItem) and item.role == "assistant")
+    return isinstance(item, CALL_ITEMS) or (isinstance(item, MessageItem) and item.role == "assistant")
 
 
 def turns(items: Sequence[Item]) -> list[Turn]:
@@ -63,7 +71,7 @@ def turns(items: Sequence[Item]) -> list[Turn]:
             i += 1
             continue
         end = i + 1
-        while end < len(items) and isinstance(items[end], FunctionCallItem):
+        while end < len(items) and isinstance(items[end], CALL_ITEMS):
             end += 1
         found.append(Turn(i, end, pending))
         pending = None
@@ -86,6 +94,8 @@ def turn_key(items: Sequence[Item]) -> str:
             canonical.append(["message", _message_text(item)])
         elif isinstance(item, FunctionCallItem):
             canonical.append(["function_call", item.offered_name, item.arguments, item.call_id])
+        elif isinstance(item, CustomToolCallItem):
+            canonical.append(["custom_tool_call", item.offered_name, item.input, item.call_id])
     return hashlib.sha256(msgspec.json.encode(canonical)).hexdigest()
 
 

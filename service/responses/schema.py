@@ -362,6 +362,17 @@ class FunctionCall(msgspec.Struct, tag="function_call", tag_field="type", kw_onl
     namespace: str | None = None  # the function's namespace tool (OpenAI's field; absent at top level)
 
 
+class CustomToolCall(msgspec.Struct, tag="custom_tool_call", tag_field="type", kw_only=True, omit_defaults=True):
+    """OpenAI's ``custom_tool_call``: a custom (freeform) tool called with raw text (``input``)."""
+
+    id: str
+    call_id: str
+    name: str
+    input: str
+    status: Literal["in_progress", "completed", "incomplete"]
+    namespace: str | None = None  # the tool's namespace, as for a function call
+
+
 class ReasoningText(msgspec.Struct, tag="reasoning_text", tag_field="type"):
     text: str
 
@@ -386,7 +397,7 @@ class Compaction(msgspec.Struct, tag="compaction", tag_field="type", kw_only=Tru
     created_by: str | None = None
 
 
-OutputItem = OutputMessage | FunctionCall | Reasoning | Compaction
+OutputItem = OutputMessage | FunctionCall | CustomToolCall | Reasoning | Compaction
 
 
 class InputTokensDetails(msgspec.Struct):
@@ -532,6 +543,18 @@ class FunctionCallArgumentsDone(_Event, tag="response.function_call_arguments.do
     arguments: str
 
 
+class CustomToolCallInputDelta(_Event, tag="response.custom_tool_call_input.delta"):
+    item_id: str
+    output_index: int
+    delta: str
+
+
+class CustomToolCallInputDone(_Event, tag="response.custom_tool_call_input.done"):
+    item_id: str
+    output_index: int
+    input: str
+
+
 class ReasoningTextDelta(_Event, tag="response.reasoning_text.delta"):
     item_id: str
     output_index: int
@@ -608,6 +631,8 @@ ResponseEvent = (
     | OutputTextDone
     | FunctionCallArgumentsDelta
     | FunctionCallArgumentsDone
+    | CustomToolCallInputDelta
+    | CustomToolCallInputDone
     | ReasoningTextDelta
     | ReasoningTextDone
     | AttemptRestarted

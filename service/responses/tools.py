@@ -197,9 +197,13 @@ class ToolOptions(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def functions(tools: list[OfferedTool]) -> list[FunctionTool]:
-    """``tools``, all function tools (custom tools are refused at intake until they render)."""
-    assert all(isinstance(t, FunctionTool) for t in tools), "custom tools are refused at intake"
+    """The function tools among ``tools``."""
     return [t for t in tools if isinstance(t, FunctionTool)]
+
+
+def customs(tools: list[OfferedTool]) -> list[CustomTool]:
+    """The custom (freeform) tools among ``tools``."""
+    return [t for t in tools if isinstance(t, CustomTool)]
 
 
 def _convert(obj: Any, kind: Any, param: str) -> Any:
@@ -264,10 +268,6 @@ def parse_tools(raw: list[dict[str, Any]] | None) -> ParsedTools:
                 param=f"{where}.type",
             )
         tool: Tool = _convert(obj, Tool, where)
-        if isinstance(tool, CustomTool) or (
-            isinstance(tool, NamespaceTool) and any(isinstance(x, CustomTool) for x in tool.tools)
-        ):
-            raise InvalidRequestError("custom tools are not supported yet", param=f"{where}.type")
         declared.append(tool)
         if isinstance(tool, NamespaceTool):
             _check_name(tool.name, where)

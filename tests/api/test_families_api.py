@@ -7,6 +7,7 @@ the grammar for the family's call syntax, and the parse that reads it back."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -113,3 +114,54 @@ def test_reasoning_streams_in_its_own_item_first(client: openai.OpenAI) -> None:
     assert final["output"][0]["type"] == "reasoning"
     assert final["output"][0]["content"] == [{"type": "reasoning_text", "text": done["text"]}]
     assert "<think>" not in done["text"]
+
+
+STAMP: Any = {
+    "type": "custom",
+    "name": "stamp",
+    "description": "Stamp a date",
+    "format": {"type": "grammar", "syntax": "regex", "definition": r"20[0-9]{2}-[01][0-9]-[0-3][0-9]"},
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILY_FORMAT))
+def test_custom_call_where_the_family_can_carry_one(client: openai.OpenAI, family: str) -> None:
+    """Hermes/Qwen JSON and Qwen3-Coder carry a custom tool's raw input; Mistral and Llama 3
+    have no marker that could end it, and say so naming the tool."""
+    request: Any = {
+        "model": family,
+        "input": "Stamp today.",
+        "tools": [STAMP],
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "max_output_tokens": 60,
+        "extra_body": NO_THINKING if family == "hermes_think" else None,
+    }
+    if FAMILY_FORMAT[family] not in ("json_tools", "qwen3_coder"):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.responses.create(**request)
+        assert info.value.body is not None and info.value.body["param"] == "tools[0].type"  # type: ignore[index]
+        return
+    with client.responses.stream(**request) as stream:
+        events = [event.model_dump(mode="json", exclude_unset=True) for event in stream]
+        final = stream.get_final_response().model_dump(mode="json", exclude_unset=True)
+    for event in events:
+        validate_event(event)
+    (call,) = final["output"]
+    assert call["type"] == "custom_tool_call" and call["status"] == "completed", call
+    assert re.fullmatch(STAMP["format"]["definition"], call["input"])
+    deltas = [e["delta"] for e in events if e["type"] == "response.custom_tool_call_input.delta"]
+    assert "".join(deltas) == call["input"]
+
+
+def test_required_after_an_opened_reasoning_block_reasons_then_calls(client: openai.OpenAI) -> None:
+    """The hermes_think template opens ``<think>`` and its ``</think>`` is a special token: the
+    grammar lets the thought run to it, then only calls (its lazy rule, which llguidance refuses
+    around a special token, made this a 400). Random weights seldom close the thought."""
+    response = client.responses.create(
+        model="hermes_think", input="Weather in Oslo?", tools=TOOLS, tool_choice="required", max_output_tokens=40
+    )
+    validate("ResponseResource", response.model_dump(mode="json", exclude_unset=True))
+    assert response.status in ("completed", "incomplete")
+    assert {item.type for item in response.output} <= {"reasoning", "function_call"}
+    assert response.output[0].type == "reasoning"

@@ -27,6 +27,8 @@ EVENT_SCHEMAS = {
     "response.output_text.done": "ResponseOutputTextDoneStreamingEvent",
     "response.function_call_arguments.delta": "ResponseFunctionCallArgumentsDeltaStreamingEvent",
     "response.function_call_arguments.done": "ResponseFunctionCallArgumentsDoneStreamingEvent",
+    "response.custom_tool_call_input.delta": "ResponseCustomToolCallInputDeltaStreamingEvent",
+    "response.custom_tool_call_input.done": "ResponseCustomToolCallInputDoneStreamingEvent",
 }
 # docs/responses.md ("Streaming") names reasoning events as OpenAI does (``response.reasoning_text.*``); Open Responses
 # calls the same shape ``response.reasoning.*``.
@@ -44,7 +46,23 @@ VENDOR_EVENTS = {
 
 # OpenAI's shapes that Open Responses lacks, which agent clients send and lmspd echoes
 # (docs/responses.md, "Coding agents"): added to the document, each where OpenAI puts it.
+# Custom (freeform) tools: the tool, tool_choice {"type": "custom"}, the custom_tool_call item
+# and its two input events (docs/responses.md, "Custom tools"), so every object and event is
+# still checked.
 _TOOL_FIELDS = {"name": {"type": "string"}, "description": {"anyOf": [{"type": "string"}, {"type": "null"}]}}
+_STATUS = {"type": "string", "enum": ["in_progress", "completed", "incomplete"]}
+
+
+def _event(kind: str, field: str) -> dict[str, Any]:
+    fields = {"item_id": {"type": "string"}, "output_index": {"type": "integer"}, field: {"type": "string"}}
+    return {
+        "type": "object",
+        "required": ["type", "sequence_number", *fields],
+        "properties": {"type": {"enum": [kind]}, "sequence_number": {"type": "integer"}, **fields},
+        "additionalProperties": False,
+    }
+
+
 OPENAI_SCHEMAS: dict[str, Any] = {
     "NamespaceTool": {
         "type": "object",
@@ -59,14 +77,55 @@ OPENAI_SCHEMAS: dict[str, Any] = {
     "CustomTool": {
         "type": "object",
         "required": ["type", "name", "format"],
-        "properties": {"type": {"enum": ["custom"]}, **_TOOL_FIELDS, "format": {"type": "object"}},
+        "properties": {
+            "type": {"enum": ["custom"]},
+            **_TOOL_FIELDS,
+            "format": {
+                "oneOf": [
+                    {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text"]}}},
+                    {
+                        "type": "object",
+                        "required": ["type", "syntax", "definition"],
+                        "properties": {
+                            "type": {"enum": ["grammar"]},
+                            "syntax": {"enum": ["lark", "regex"]},
+                            "definition": {"type": "string"},
+                        },
+                        "additionalProperties": False,
+                    },
+                ]
+            },
+        },
+        "additionalProperties": False,
     },
+    "CustomToolChoice": {
+        "type": "object",
+        "required": ["type", "name"],
+        "properties": {"type": {"enum": ["custom"]}, "name": {"type": "string"}},
+        "additionalProperties": False,
+    },
+    "CustomToolCall": {
+        "type": "object",
+        "required": ["type", "id", "call_id", "name", "input", "status"],
+        "properties": {
+            "type": {"enum": ["custom_tool_call"]},
+            "id": {"type": "string", "pattern": "^ctc_"},
+            "call_id": {"type": "string", "pattern": "^call_"},
+            "name": {"type": "string"},
+            "input": {"type": "string"},
+            "status": _STATUS,
+            "namespace": {"type": "string"},
+        },
+        "additionalProperties": False,
+    },
+    "ResponseCustomToolCallInputDeltaStreamingEvent": _event("response.custom_tool_call_input.delta", "delta"),
+    "ResponseCustomToolCallInputDoneStreamingEvent": _event("response.custom_tool_call_input.done", "input"),
 }
 
 
 def document() -> dict[str, Any]:
     """The Open Responses document with :data:`OPENAI_SCHEMAS` added: a tool is a function,
-    namespace or custom tool."""
+    namespace or custom tool; an item may be a custom tool call; tool_choice may name a custom tool."""
     doc: dict[str, Any] = json.loads(SCHEMA.read_text())
     schemas = doc["components"]["schemas"]
     schemas.update(OPENAI_SCHEMAS)
@@ -80,6 +139,10 @@ def document() -> dict[str, Any]:
     namespace_tools["items"] = {
         "oneOf": [{"$ref": "#/components/schemas/FunctionTool"}, {"$ref": "#/components/schemas/CustomTool"}]
     }
+    schemas["ItemField"]["oneOf"].append({"$ref": "#/components/schemas/CustomToolCall"})
+    schemas["ResponseResource"]["properties"]["tool_choice"]["oneOf"].append(
+        {"$ref": "#/components/schemas/CustomToolChoice"}
+    )
     return doc
 
 

@@ -133,6 +133,11 @@ class Scanner:
     def body(self) -> str:
         return "".join(self._parts)
 
+    @property
+    def in_json(self) -> bool:
+        """The text so far ends inside a JSON value, where a marker's text is content."""
+        return False
+
     def step(self, view: str, final: bool) -> int | None:
         """Consume from ``view``; None when nothing can be decided without more text."""
         raise NotImplementedError
@@ -187,6 +192,10 @@ class JsonCall(Scanner):
         self._opened = False
         self._streaming = False
         self._end = JsonEnd()
+
+    @property
+    def in_json(self) -> bool:
+        return self._state in ("value", "tail")
 
     def step(self, view: str, final: bool) -> int | None:
         state = self._state

@@ -10,7 +10,7 @@ how a restarted generation rebuilds its parser from the text so far.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -38,6 +38,7 @@ from lmspd.responses.parsing.call_formats import (
     json_value,
     parse_llama3_json,
 )
+from lmspd.responses.parsing.custom_call import HermesBlock
 from lmspd.responses.parsing.qwen3_coder_call import Qwen3Coder
 
 
@@ -55,6 +56,7 @@ class ReasoningDelta:
 class CallStarted:
     index: int
     name: str
+    custom: bool = False  # a custom tool's call: its deltas and arguments are raw input
 
 
 @dataclass(frozen=True)
@@ -67,8 +69,9 @@ class ArgumentsDelta:
 class CallDone:
     index: int
     name: str
-    arguments: str
+    arguments: str  # a custom call's raw input
     valid: bool
+    custom: bool = False
 
 
 Piece = TextDelta | ReasoningDelta | CallStarted | ArgumentsDelta | CallDone
@@ -96,6 +99,7 @@ def think_markers(vocab: Mapping[str, int]) -> tuple[str, str] | None:
 class _Call:
     index: int
     name: str
+    custom: bool = False
     streamed: list[str] = field(default_factory=list)
 
 
@@ -106,7 +110,11 @@ class OutputParser:
     None reads everything outside reasoning as message text. ``tools`` (Responses
     function tools) type Qwen3-Coder's values, and a call of a function not among
     them is text. ``reasoning``: the prompt opened a reasoning block (with
-    ``think``'s markers, ``<think>``/``</think>`` when not given).
+    ``think``'s markers, ``<think>``/``</think>`` when not given). ``bound``: a grammar
+    writes the calls, so they are read as it wrote them (an end marker's text inside a
+    JSON string is part of the string, not the end of the call). ``custom``: the names of
+    custom tools, whose calls carry raw input (``json_tools``:
+    :class:`~lmspd.responses.parsing.custom_call.HermesBlock`; ``qwen3_coder``: one parameter).
     """
 
     def __init__(
@@ -117,17 +125,24 @@ class OutputParser:
         reasoning: bool = False,
         think: tuple[str, str] | None = None,
         max_calls: int | None = None,
+        bound: bool = False,
+        custom: Collection[str] = (),
     ) -> None:
         self._format = tool_format
         self._module: ModuleType | None = None
         if tool_format is not None and tool_format != LLAMA3_JSON:
             self._module = parser_module(tool_format)
         self._tools = chat_tools(tools) if tools is not None else None
-        self._names = {t["function"]["name"] for t in self._tools} if self._tools is not None else None
+        self._custom = frozenset(custom)
+        self._names = {t["function"]["name"] for t in self._tools} | self._custom if self._tools is not None else None
         if reasoning and think is None:
             think = ("<think>", "</think>")
         self._think = think
         self._max_calls = max_calls
+        self._bound = bound
+        # A grammar lets a reasoning block the prompt opened run to its closing marker, and only
+        # then the calls: a call marker inside it is reasoning text.
+        self._calls_in_reasoning = not (bound and reasoning)
         self._starts: tuple[str, ...] = ()
         self._end = ""
         if tool_format == LLAMA3_JSON:
@@ -147,6 +162,7 @@ class OutputParser:
         self._raw: list[str] = []  # the block's text so far, markers included
         self._announced = False
         self._call: _Call | None = None
+        self._ended = False  # the block closed at its end marker (not at the end of generation)
 
     def feed(self, text: str) -> list[Piece]:
         self._buf += text
@@ -195,7 +211,8 @@ class OutputParser:
         if k is not None:
             return k or None
         closing = self._think[1]
-        hit = find_first(buf, (closing, *self._starts))
+        markers = (closing, *self._starts) if self._calls_in_reasoning else (closing,)
+        hit = find_first(buf, markers)
         if hit is not None:
             i, marker = hit
             self._emit(ReasoningDelta(buf[:i]))
@@ -204,7 +221,7 @@ class OutputParser:
             else:
                 self._begin(marker, after_call=False)
             return i + len(marker)
-        n = len(buf) if final else len(buf) - held(buf, (closing, *self._starts))
+        n = len(buf) if final else len(buf) - held(buf, markers)
         self._emit(ReasoningDelta(buf[:n]))
         return n or None
 
@@ -240,7 +257,7 @@ class OutputParser:
     def _new_scanner(self, after_call: bool) -> Scanner:
         """``after_call``: right after a call, where Mistral needs no marker for the next one."""
         if self._format == "json_tools":
-            return JsonCall(HERMES_HEAD, ARGUMENTS_KEY, wait_end=True)
+            return HermesBlock(self._custom) if self._custom else JsonCall(HERMES_HEAD, ARGUMENTS_KEY, wait_end=True)
         if self._format == LLAMA3_JSON:
             return JsonCall(LLAMA_HEAD, PARAMETERS_KEY, speculative=True)
         if self._format == "mistral":
@@ -248,17 +265,21 @@ class OutputParser:
                 return JsonCall(MISTRAL_HEAD, None, json_name=False, wrapped=False, speculative=True)
             return MistralCalls()
         if self._format == "qwen3_coder" and self._module is not None:
-            return Qwen3Coder(self._module, self._tools)
+            return Qwen3Coder(self._module, self._tools, self._custom)
         return Buffered()
 
     def _in_block(self, buf: str, final: bool) -> int | None:
         scanner = self._scanner
         assert scanner is not None
-        found = buf.find(self._end) if self._end else -1
+        # The grammar lets a JSON string hold any text, "</tool_call>" too: under it, the
+        # marker ends the block only once the JSON around it has ended. (Cut there, the rest
+        # of the string would read as message text, and the call as broken.)
+        literal = self._bound and scanner.in_json
+        found = buf.find(self._end) if self._end and not literal else -1
         if found >= 0:
             view = buf[:found]
         else:
-            view = buf if final or not self._end else buf[: len(buf) - held(buf, (self._end,))]
+            view = buf if final or not self._end or literal else buf[: len(buf) - held(buf, (self._end,))]
         n = scanner.step(view, final or found >= 0)
         if n:
             self._raw.append(view[:n])
@@ -272,6 +293,7 @@ class OutputParser:
         if found < 0 and not final:
             return None
         marker = self._end if found >= 0 else ""
+        self._ended = found >= 0
         self._raw += [view, marker]
         scanner.close(view)
         self._handle(scanner)
@@ -290,7 +312,10 @@ class OutputParser:
             elif isinstance(event, Args):
                 self._stream(event.text)
             elif isinstance(event, Close):
-                self._close(self._parse(event.text))
+                if self._call is not None and self._call.custom:
+                    self._close_custom(event.text)
+                else:
+                    self._close(self._parse(event.text))
             elif isinstance(event, Whole):
                 self._whole(event.text)
             elif isinstance(event, Abort):
@@ -312,11 +337,11 @@ class OutputParser:
         return self._max_calls is None or index < self._max_calls
 
     def _open(self, name: str) -> None:
-        self._call = _Call(self._count, name)
+        self._call = _Call(self._count, name, name in self._custom)
         self._count += 1
         self._announced = True
         if self._keep(self._call.index):
-            self._out.append(CallStarted(self._call.index, name))
+            self._out.append(CallStarted(self._call.index, name, self._call.custom))
 
     def _stream(self, text: str) -> None:
         if self._call is None or not text:
@@ -339,6 +364,14 @@ class OutputParser:
         self._call = None
         if self._keep(call.index):
             self._out.append(CallDone(call.index, call.name, streamed, valid))
+
+    def _close_custom(self, text: str) -> None:
+        """A custom call's input is the raw text itself; it is whole only if its block closed."""
+        call = self._call
+        assert call is not None
+        self._call = None
+        if self._keep(call.index):
+            self._out.append(CallDone(call.index, call.name, text, self._ended, custom=True))
 
     def _whole(self, text: str) -> None:
         parsed = self._parse(text)

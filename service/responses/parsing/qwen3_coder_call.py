@@ -23,9 +23,13 @@ class Qwen3Coder(Scanner):
 
     FUNCTION, PARAMETER, PARAMETER_END, FUNCTION_END = "<function=", "<parameter=", "</parameter>", "</function>"
 
-    def __init__(self, module: ModuleType, tools: list[dict[str, Any]] | None) -> None:
+    def __init__(
+        self, module: ModuleType, tools: list[dict[str, Any]] | None, custom: frozenset[str] = frozenset()
+    ) -> None:
         super().__init__()
-        self._module, self._tools = module, tools
+        self._module, self._tools, self._custom = module, tools, custom
+        # A custom tool's call: its one parameter's value is the raw input, streamed as it is.
+        self._raw: list[str] | None = None
         self._state = "pre"
         self._opened = False
         self._config: dict[str, Any] = {}
@@ -71,6 +75,9 @@ class Qwen3Coder(Scanner):
 
     def close(self, tail: str) -> None:
         self._parts.append(tail)
+        if self._raw is not None:
+            self.events.append(Close("".join(self._raw)))
+            return
         self.events.append(Close(self.body) if self._opened else Whole(self.body))
 
     def _seek(self, view: str, final: bool, markers: tuple[str, ...]) -> int | None:
@@ -83,7 +90,8 @@ class Qwen3Coder(Scanner):
         elif marker == self.PARAMETER:
             self._state = "parameter"
         elif marker == self.FUNCTION_END:
-            self.events.append(Args("}"))
+            if self._raw is None:
+                self.events.append(Args("}"))
             self._state = "done"
         else:
             self._state = "body"
@@ -91,11 +99,18 @@ class Qwen3Coder(Scanner):
 
     def _open(self, name: str) -> None:
         self._opened = True
+        self._state = "body"
+        if name in self._custom:
+            self._raw = []
+            self.events.append(Open(name))
+            return
         self._config = self._module._get_arguments_config(name, self._tools)
         self.events.extend((Open(name), Args("{")))
-        self._state = "body"
 
     def _start_param(self, name: str) -> None:
+        if self._raw is not None:  # the value as a string parameter's is, not typed
+            self._param, self._lead_seen, self._value, self._state = name, False, "", "value"
+            return
         sep = "" if self._first else ", "
         self._first = False
         self.events.append(Args(f"{sep}{json.dumps(name, ensure_ascii=False)}: "))
@@ -108,6 +123,9 @@ class Qwen3Coder(Scanner):
         self._state = "value"
 
     def _add_value(self, chunk: str) -> None:
+        if self._raw is not None:
+            self._add_raw(chunk)
+            return
         if not self._as_string:
             self._value += chunk
             return
@@ -126,7 +144,22 @@ class Qwen3Coder(Scanner):
             self.events.append(Args(escape(ready)))
             self._value = self._value[len(ready) :]
 
+    def _add_raw(self, chunk: str) -> None:
+        """A custom call's input: the value without the newlines that wrap every value."""
+        assert self._raw is not None
+        if chunk and not self._lead_seen:
+            self._lead_seen = True
+            chunk = chunk.removeprefix("\n")
+        self._value += chunk
+        ready = self._value.removesuffix("\n")  # held: the markup's, if the value ends here
+        if ready:
+            self._raw.append(ready)
+            self.events.append(Args(ready))
+            self._value = self._value[len(ready) :]
+
     def _end_value(self) -> None:
+        if self._raw is not None:
+            return  # its held newline is the markup's
         value = self._value
         if self._quoted:
             self.events.append(Args(escape(value.removesuffix("\n")) + '"'))

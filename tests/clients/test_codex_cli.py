@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 from support.clients import require
 from support.codex import CODEX_VERSION, codex_binary, codex_config
+from support.models import ROOT
 from support.server import Server, tiny_server
 
 from lmspd.models.registry import ResolvedModel
@@ -121,3 +122,7 @@ def test_codex_exec_with_web_search_on_and_the_server_omitting_it(
     proc, events = codex_exec(codex, tmp_path, config, "List the files in this folder.")
     check_turn(omit_server, proc, events)
     assert "web_search" in omit_server.log.read_text()  # the log says what it left out
+
+
+def test_ci_installs_the_codex_cli_the_suite_pins() -> None:
+    assert f"CODEX_VERSION={CODEX_VERSION} " in (ROOT / ".ci" / "run").read_text()

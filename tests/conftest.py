@@ -102,6 +102,30 @@ def tiny_long(tmp_path_factory: pytest.TempPathFactory, smol_dir: Path) -> Resol
     return ResolvedModel(name="tiny_long", path=path)
 
 
+@pytest.fixture(scope="session")
+def brief_8k(tmp_path_factory: pytest.TempPathFactory, smol_dir: Path) -> ResolvedModel:
+    """A tiny model that ends its answers by itself after a few tokens (``make_tiny_model``'s
+    ``brief``), with the bundled model's 8192-token context: a Codex CLI request without its
+    multi-agent namespace (~6,500 prompt tokens with its tools) fits, prefilled in a second."""
+    path = make_tiny_model(tmp_path_factory.mktemp("brief_8k") / "brief_8k", smol_dir, context=8192, brief=True)
+    return ResolvedModel(name="brief_8k", path=path)
+
+
+@pytest.fixture(scope="session")
+def brief_16k(tmp_path_factory: pytest.TempPathFactory, smol_dir: Path) -> ResolvedModel:
+    """``brief_8k`` with a 16384-token context: room for Codex CLI's default request."""
+    path = make_tiny_model(tmp_path_factory.mktemp("brief_16k") / "brief_16k", smol_dir, context=16384, brief=True)
+    return ResolvedModel(name="brief_16k", path=path)
+
+
+@pytest.fixture(scope="session")
+def tiny_16k(tmp_path_factory: pytest.TempPathFactory, smol_dir: Path) -> ResolvedModel:
+    """The tiny model with a 16384-token context: room for Codex CLI's default request
+    (~9,200 prompt tokens once its multi-agent namespace's functions are offered)."""
+    path = make_tiny_model(tmp_path_factory.mktemp("tiny_16k") / "tiny_16k", smol_dir, seed=0, context=16384)
+    return ResolvedModel(name="tiny_16k", path=path)
+
+
 SHARED_ENGINE = EngineConfig(weight_dtype="quantized", max_concurrency=4)
 
 

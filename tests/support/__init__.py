@@ -8,6 +8,8 @@ tests/ on ``sys.path``; mypy finds them through ``mypy_path``).
 - ``generation``: engine commands and their collection, for the engine tier.
 - ``families``: tokenizers for the tool-calling template families.
 - ``openresponses``: validation against the Open Responses schema (in ``data/``).
+- ``codex``: the captured Codex CLI requests (``data/codex/``), a raw streaming POST, the
+  pinned ``codex`` binary; ``codex_capture``: the stand-in server that captured them.
 """
 
 from pathlib import Path

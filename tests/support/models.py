@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 from lmspd.models.catalog import BUILTIN_MODELS
 
@@ -21,8 +22,17 @@ os.environ.setdefault("LMSPD_KERNEL_DIR", str(CACHE / "kernels"))
 SMOL = BUILTIN_MODELS["smollm2-135m-instruct"]
 
 
-def make_tiny_model(out: Path, tokenizer_from: Path, seed: int = 0, context: int = 256) -> Path:
-    """A 2-layer llama with random 4-bit weights and the real tokenizer."""
+def make_tiny_model(out: Path, tokenizer_from: Path, seed: int = 0, context: int = 256, *, brief: bool = False) -> Path:
+    """A 2-layer llama with random 4-bit weights and the real tokenizer.
+
+    ``brief``: a model that ends its answers by itself (random weights almost never say
+    end-of-sequence), for clients that take an answer cut by its token budget for a failure
+    (Codex CLI: "Incomplete response returned"). Float32 weights, not 4-bit (exact zeros are
+    the mechanism), and its own output head: after any token whose id is a multiple of 3
+    (newlines excepted, so the first token after the prompt is a word), end-of-sequence
+    wins. The residual stream's last dimension carries that mark unchanged: the embeddings
+    hold it (1 for those tokens, 0 for the rest), no layer writes it, and only
+    end-of-sequence's row of the head reads it. An answer is then a few random tokens."""
     import mlx.core as mx
     import mlx.nn as nn
     from mlx.utils import tree_flatten
@@ -46,7 +56,7 @@ def make_tiny_model(out: Path, tokenizer_from: Path, seed: int = 0, context: int
         "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0,
         "rope_traditional": True,
-        "tie_word_embeddings": True,
+        "tie_word_embeddings": not brief,
         "eos_token_id": 2,
         "bos_token_id": 1,
         "quantization": {"group_size": 32, "bits": 4},
@@ -64,10 +74,36 @@ def make_tiny_model(out: Path, tokenizer_from: Path, seed: int = 0, context: int
             layer.mlp.down_proj,
         ):
             proj.weight = proj.weight * 3.0
-    nn.quantize(model, group_size=32, bits=4)
+    if brief:
+        _end_answers(model, Tokenizer.from_file(str(tokenizer_from / "tokenizer.json")), config)
+        del config["quantization"]
+    else:
+        nn.quantize(model, group_size=32, bits=4)
     out.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
     (out / "config.json").write_text(json.dumps(config))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tokenizer_from / name, out / name)
     return out
+
+
+def _end_answers(model: Any, tokenizer: Any, config: dict[str, Any]) -> None:
+    """``make_tiny_model(brief=True)``'s head and mark (its docstring)."""
+    import mlx.core as mx
+
+    mark, eos, vocab = config["hidden_size"] - 1, config["eos_token_id"], config["vocab_size"]
+    embed = model.model.embed_tokens.weight
+    model.lm_head.weight = embed  # the random head the tied model had, then made to ignore the mark
+    ids = mx.arange(vocab)
+    marked = (ids % 3 == 0).astype(embed.dtype)
+    for text in ("\n", "\n\n", " \n"):
+        for i in tokenizer.encode(text, add_special_tokens=False).ids:
+            marked[i] = 0.0
+    columns = mx.arange(config["hidden_size"]) == mark
+    model.model.embed_tokens.weight = mx.where(columns[None, :], marked[:, None], embed)
+    for layer in model.model.layers:  # no layer writes the mark's dimension
+        for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
+            proj.weight = mx.where(columns[:, None], 0.0, proj.weight)
+    head = mx.where(columns[None, :], 0.0, model.lm_head.weight)
+    rows = (ids == eos)[:, None]
+    model.lm_head.weight = mx.where(rows, mx.where(columns[None, :], 1e4, 0.0), head)

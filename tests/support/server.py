@@ -73,17 +73,20 @@ def tiny_server(
     engine: str = "",
     server: str = "",
     models: str = "",
+    responses: str = "",
     dtype: str = "quantized",
 ) -> Iterator[Server]:
     """A configured (not yet started) ``lmspd serve`` on the tiny model, killed on exit.
-    ``engine``, ``server`` and ``models`` are extra TOML lines for those sections; ``dtype``
-    the engine's weight dtype (float32 where the bundled model must prefill fast)."""
+    ``engine``, ``server``, ``models`` and ``responses`` are extra TOML lines for those
+    sections; ``dtype`` the engine's weight dtype (float32 where the bundled model must
+    prefill fast)."""
     config = tmp / "lmspd.toml"
     config.write_text(
         f'default_model = "tiny"\ncache_dir = "{model_cache}"\n'
         f'[engine]\nweight_dtype = "{dtype}"\n{engine}'
         f'[server]\ndata_dir = "{tmp / "data"}"\n{server}'
         f'[models.tiny]\npath = "{tiny.path}"\n{models}'
+        f"[responses]\n{responses}"
     )
     srv = Server(config, free_port(), tmp / "server.log")
     try:

@@ -63,6 +63,32 @@ def test_matvec_is_the_float32_product_of_the_dequantized_weights(
     assert mx.allclose(got, want, rtol=1e-5, atol=1e-5).item()
 
 
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32])
+def test_simd_matvec_computes_the_portable_kernels_bits(
+    ext: ModuleType, bits: int, group: int, dtype: mx.Dtype
+) -> None:
+    """The SIMD kernel only lays the work out differently: every sum in the same order, bit for bit
+    (202 columns: the one-row path's 4-column tiles end in a partial one)."""
+    q, s, b = _quantized(202, 384, group, bits, dtype)
+    for rows in (1, 2, 8, 9, 17):
+        x = mx.random.normal((rows, 384), key=mx.random.key(rows + bits))
+        want = ext.quantized_matvec(x, q, s, b, group, bits, False, False)
+        for split in (True, False):
+            got = ext.quantized_matvec(x, q, s, b, group, bits, split, True)
+            assert mx.array_equal(got, want).item(), (rows, split)
+
+
+def test_the_build_says_which_simd_it_runs() -> None:
+    import platform
+
+    ext = kernels.load()
+    flags = Path("/proc/cpuinfo").read_text()
+    expected = {"aarch64": "neon", "x86_64": "avx2" if " avx2 " in flags and " f16c " in flags else "portable"}
+    assert ext.simd() == expected.get(platform.machine(), "portable")
+
+
 def test_matvec_keeps_leading_dimensions(ext: ModuleType) -> None:
     q, s, b = _quantized(64, 128, 32, 4, mx.float16)
     x = mx.random.normal((2, 3, 128), key=mx.random.key(7))
@@ -94,6 +120,11 @@ def test_a_build_is_cached_under_a_key_of_its_inputs(monkeypatch: pytest.MonkeyP
     key = kernels.build_key()
     monkeypatch.setattr(kernels, "SOURCE", changed)
     assert kernels.build_key() != key  # edited source: a new build, not the stale binary
+    header = tmp_path / "simd.h"
+    header.write_text(kernels.HEADERS[0].read_text() + "\n// changed\n")
+    key = kernels.build_key()
+    monkeypatch.setattr(kernels, "HEADERS", (header,))
+    assert kernels.build_key() != key  # an edited header too
 
 
 def test_a_machine_without_a_compiler_is_told_why(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

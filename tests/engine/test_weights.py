@@ -95,11 +95,29 @@ def test_auto_applies_the_fastest_measured_choice(
     tiny: ResolvedModel, monkeypatch: pytest.MonkeyPatch, scores: dict[str, float], expected: str
 ) -> None:
     monkeypatch.setattr(weights, "measure", lambda model, kernel_dir: scores)
+    monkeypatch.setattr(weights, "fixed_choice", lambda model, kernel_dir: None)  # where kernels do not run
     model, _ = load_model(tiny.path)
     assert apply_weight_dtype(model, "auto") == expected
     assert _is_quantized(model) == (expected == "quantized")
     if expected == "float32":
         assert {v.dtype for _, v in tree_flatten(model.parameters())} == {mx.float32}
+
+
+def test_auto_takes_the_packed_kernels_wherever_they_run_without_timing(
+    tiny: ResolvedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rule, not a timing: a busy machine cannot flip auto to float32 on one start in three."""
+
+    def no_timing(model: object, kernel_dir: str) -> dict[str, float]:
+        raise AssertionError("auto timed its candidates")
+
+    monkeypatch.setattr(weights, "measure", no_timing)
+    for _ in range(3):
+        model, _ = load_model(tiny.path)
+        assert apply_weight_dtype(model, "auto") == "quantized_float32"
+    model, _ = load_model(tiny.path)
+    model.model.layers[0].mlp.up_proj.bits = 3  # a quantization the kernels cannot run: measured
+    assert weights.fixed_choice(model, "") is None
 
 
 @pytest.mark.parametrize("dtype", ["quantized", "bfloat16"])

@@ -16,6 +16,8 @@
 #include <cstring>
 #include <vector>
 
+#include "mlx/types/half_types.h"
+
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define LMSPD_SIMD_AVX2 1
 #include <immintrin.h>
@@ -69,13 +71,13 @@ struct Unpacker<2> {
   }
 };
 
-inline void widen(const mx::float16_t* s, float* out, int n) {
+inline void widen(const mlx::core::float16_t* s, float* out, int n) {
   int i = 0;
   for (; i + 8 <= n; i += 8)
     _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i))));
   for (; i < n; ++i) out[i] = static_cast<float>(s[i]);
 }
-inline void widen(const mx::bfloat16_t* s, float* out, int n) {
+inline void widen(const mlx::core::bfloat16_t* s, float* out, int n) {
   int i = 0;
   for (; i + 8 <= n; i += 8) {
     const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i)));
@@ -130,12 +132,12 @@ struct Unpacker<8> {
   }
 };
 
-inline void widen(const mx::float16_t* s, float* out, int n) {
+inline void widen(const mlx::core::float16_t* s, float* out, int n) {
   int i = 0;
   for (; i + 4 <= n; i += 4) vst1q_f32(out + i, vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(reinterpret_cast<const uint16_t*>(s + i)))));
   for (; i < n; ++i) out[i] = static_cast<float>(s[i]);
 }
-inline void widen(const mx::bfloat16_t* s, float* out, int n) {
+inline void widen(const mlx::core::bfloat16_t* s, float* out, int n) {
   int i = 0;
   for (; i + 4 <= n; i += 4)
     vst1q_f32(out + i, vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(reinterpret_cast<const uint16_t*>(s + i)), 16)));

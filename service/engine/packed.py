@@ -6,7 +6,9 @@ and biases as they are, and multiplies through lmspd's kernels (``kernels/quanti
 - a decode step's few rows go through ``quantized_matvec``, which unpacks each weight group
   once for all rows;
 - a prefill's many rows go through ``dequantize`` into a transient float32 matrix and BLAS,
-  as fast as dense float32 weights.
+  as fast as dense float32 weights;
+- a decode step's rotary embeddings go through ``rope``, one primitive where mx.fast.rope on
+  the CPU is its ~15-primitive fallback, from tables of the fallback's own cos and sin.
 
 Every product uses exactly the weights mx.dequantize gives (rounded to the scales' dtype as
 MLX's arithmetic rounds them), in float32 arithmetic: the float32 choice's weights, bit for
@@ -73,6 +75,51 @@ class PackedEmbedding(PackedLinear):
         return self._product(x)
 
 
+class TableRoPE(nn.Module):  # type: ignore[misc]  # mlx is untyped
+    """nn.RoPE, bit for bit, for one new position per row (a decode step) in one primitive.
+
+    The tables are what mx.fast.rope's CPU fallback computes for each position (the same MLX
+    ops, on all positions at once); a prompt's many positions, and anything else, go to
+    mx.fast.rope itself."""
+
+    def __init__(self, rope: nn.RoPE, tables: tuple[mx.array, mx.array], ext: ModuleType) -> None:
+        super().__init__()
+        self.dims: int = rope.dims
+        self.traditional: bool = rope.traditional
+        self.base: float = rope.base
+        self.scale: float = rope.scale
+        self._cos, self._sin = tables  # "_": not parameters
+        self._ext = ext
+
+    def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
+        if x.ndim >= 3 and x.shape[-2] == 1 and x.dtype == mx.float32:
+            at: mx.array | None = None
+            if isinstance(offset, int):
+                at = mx.array(offset, dtype=mx.int32) if 0 <= offset < self._cos.shape[0] else None
+            elif offset.dtype == mx.int32 and offset.ndim <= 1:  # a batch's, one per row, each < its context
+                at = offset
+            if at is not None:
+                out: mx.array = self._ext.rope(x, self._cos, self._sin, at, self.dims, self.traditional)
+                return out
+        return mx.fast.rope(x, self.dims, traditional=self.traditional, base=self.base, scale=self.scale, offset=offset)
+
+
+def rope_tables(dims: int, base: float, scale: float, positions: int) -> tuple[mx.array, mx.array]:
+    """cos and sin of every position's angles, as mx.fast.rope's fallback computes them."""
+    half = dims // 2
+    pos = (mx.arange(positions, dtype=mx.float32) + mx.array(0, dtype=mx.int32)) * mx.array(scale, dtype=mx.float32)
+    inv_freqs = mx.exp(mx.arange(0, -half, -1, dtype=mx.float32) * (mx.log(mx.array(base, dtype=mx.float32)) / half))
+    theta = pos[:, None] * inv_freqs
+    cos, sin = mx.cos(theta), mx.sin(theta)
+    mx.eval(cos, sin)
+    return cos, sin
+
+
+def _ropes(model: nn.Module) -> list[tuple[str, Any]]:
+    leaves = tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module)
+    return [(path, m) for path, m in leaves if type(m) is nn.RoPE]  # subclasses compute otherwise
+
+
 def _quantized(model: nn.Module) -> list[tuple[str, Any]]:
     leaves = tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module)
     return [(path, m) for path, m in leaves if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
@@ -113,3 +160,14 @@ def pack(model: nn.Module, ext: ModuleType) -> None:
     model.set_dtype(mx.float32)
     for layer, scales, biases in kept:
         layer.scales, layer.biases = scales, biases
+    # Every position the model can take: the engine refuses a prompt past its context.
+    positions = getattr(getattr(model, "args", None), "max_position_embeddings", None)
+    if isinstance(positions, int) and positions > 0:
+        tables: dict[tuple[int, float, float], tuple[mx.array, mx.array]] = {}
+        ropes = []
+        for path, rope in _ropes(model):
+            key = (rope.dims, float(rope.base), float(rope.scale))
+            if key not in tables:
+                tables[key] = rope_tables(*key, positions)
+            ropes.append((path, TableRoPE(rope, tables[key], ext)))
+        model.update_modules(tree_unflatten(ropes))

@@ -10,7 +10,7 @@ from types import ModuleType
 import mlx.core as mx
 import pytest
 
-from lmspd.engine import kernels
+from lmspd.engine import kernels, packed
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the kernels are built on Linux only")
 
@@ -87,6 +87,31 @@ def test_the_build_says_which_simd_it_runs() -> None:
     flags = Path("/proc/cpuinfo").read_text()
     expected = {"aarch64": "neon", "x86_64": "avx2" if " avx2 " in flags and " f16c " in flags else "portable"}
     assert ext.simd() == expected.get(platform.machine(), "portable")
+
+
+@pytest.mark.parametrize(("dims", "width"), [(64, 64), (32, 64)])
+@pytest.mark.parametrize("traditional", [True, False])
+@pytest.mark.parametrize(("base", "scale"), [(100000.0, 1.0), (10000.0, 0.25)])
+def test_table_rope_is_mx_fast_rope_bit_for_bit(
+    ext: ModuleType, dims: int, width: int, traditional: bool, base: float, scale: float
+) -> None:
+    cos, sin = packed.rope_tables(dims, base, scale, 4096)
+    for batch, heads, rows in ((1, 9, 1), (8, 3, 1), (2, 4, 5)):
+        x = mx.random.normal((batch, heads, rows, width), key=mx.random.key(batch + rows))
+        for offset in (0, 1, 99, 4000):
+            want = mx.fast.rope(x, dims, traditional=traditional, base=base, scale=scale, offset=offset)
+            got = ext.rope(x, cos, sin, mx.array(offset, dtype=mx.int32), dims, traditional)
+            assert mx.array_equal(got, want).item(), (batch, rows, offset)
+        offsets = mx.array([3 * b + 5 for b in range(batch)], dtype=mx.int32)  # a batch's, one per row
+        want = mx.fast.rope(x, dims, traditional=traditional, base=base, scale=scale, offset=offsets)
+        assert mx.array_equal(ext.rope(x, cos, sin, offsets, dims, traditional), want).item()
+
+
+def test_table_rope_past_its_tables_is_nan_never_a_wrong_angle(ext: ModuleType) -> None:
+    cos, sin = packed.rope_tables(16, 10000.0, 1.0, 8)
+    x = mx.ones((2, 1, 1, 16))
+    got = ext.rope(x, cos, sin, mx.array([7, 8], dtype=mx.int32), 16, True)
+    assert not mx.isnan(got[0]).any().item() and mx.isnan(got[1]).all().item()
 
 
 def test_matvec_keeps_leading_dimensions(ext: ModuleType) -> None:

@@ -44,6 +44,7 @@ namespace mx = mlx::core;
 
 #include "portable.h"
 #include "simd.h"
+#include "rope.h"
 
 namespace {
 
@@ -370,6 +371,22 @@ mx::array quantized_matvec(const mx::array& x, const mx::array& w, const mx::arr
   return mx::array(shape, mx::float32, std::make_shared<QuantizedMatvec>(s, bits, group_size, split, simd), inputs);
 }
 
+// x rotated by the tables' angles at positions offset + t (offset: one, or one per batch row).
+mx::array rope(const mx::array& x, const mx::array& cos, const mx::array& sin, const mx::array& offset, int dims,
+               bool traditional) {
+  if (x.dtype() != mx::float32 || x.ndim() < 3 || dims % 2 != 0 || dims > x.shape(-1))
+    throw std::invalid_argument("x must be float32 with at least 3 dimensions, dims even and <= its last");
+  if (cos.dtype() != mx::float32 || cos.ndim() != 2 || cos.shape(1) != dims / 2 || sin.shape() != cos.shape() ||
+      sin.dtype() != mx::float32)
+    throw std::invalid_argument("cos and sin must be float32 tables of (positions, dims / 2)");
+  if (offset.dtype() != mx::int32 || offset.ndim() > 1 || (offset.size() != 1 && offset.size() != x.size() / (x.shape(-1) * x.shape(-2) * x.shape(-3))))
+    throw std::invalid_argument("offset must be int32, one or one per batch row");
+  auto s = mx::default_stream(mx::Device::cpu);
+  std::vector<mx::array> inputs = {row_contiguous(x, s), row_contiguous(cos, s), row_contiguous(sin, s),
+                                   row_contiguous(offset, s)};
+  return mx::array(x.shape(), mx::float32, std::make_shared<TableRope>(s, dims, traditional), inputs);
+}
+
 // Seconds to read all of a's bytes once on both threads: the memory bandwidth a matvec's
 // weights stream at, for bench.matvec's bound.
 double read_seconds(const mx::array& a) {
@@ -397,8 +414,10 @@ double read_seconds(const mx::array& a) {
 NB_MODULE(quantized_ext, m) {
   m.def("quantized_matvec", &quantized_matvec, nb::arg("x"), nb::arg("w"), nb::arg("scales"), nb::arg("biases"),
         nb::arg("group_size"), nb::arg("bits"), nb::arg("split") = true, nb::arg("simd") = true);
-  m.def("simd", &simd_name);
-  m.def("read_seconds", &read_seconds, nb::arg("a"));  // the matvec's instruction set in this build: avx2, neon or portable
+  m.def("simd", &simd_name);  // the matvec's instruction set in this build: avx2, neon or portable
+  m.def("read_seconds", &read_seconds, nb::arg("a"));
+  m.def("rope", &rope, nb::arg("x"), nb::arg("cos"), nb::arg("sin"), nb::arg("offset"), nb::arg("dims"),
+        nb::arg("traditional"));
   m.def("dequantize", &dequantize, nb::arg("w"), nb::arg("scales"), nb::arg("biases"), nb::arg("group_size"),
         nb::arg("bits"));
 }

@@ -8,7 +8,8 @@ and biases as they are, and multiplies through lmspd's kernels (``kernels/quanti
 - a prefill's many rows go through ``dequantize`` into a transient float32 matrix and BLAS,
   as fast as dense float32 weights;
 - a decode step's rotary embeddings go through ``rope``, one primitive where mx.fast.rope on
-  the CPU is its ~15-primitive fallback, from tables of the fallback's own cos and sin.
+  the CPU is its ~15-primitive fallback, from tables of the fallback's own cos and sin; every
+  RMSNorm through ``rms_norm``, one primitive for mx.fast.rms_norm's eight.
 
 Every product uses exactly the weights mx.dequantize gives (rounded to the scales' dtype as
 MLX's arithmetic rounds them), in float32 arithmetic: the float32 choice's weights, bit for
@@ -104,6 +105,22 @@ class TableRoPE(nn.Module):  # type: ignore[misc]  # mlx is untyped
         return mx.fast.rope(x, self.dims, traditional=self.traditional, base=self.base, scale=self.scale, offset=offset)
 
 
+class FusedRMSNorm(nn.Module):  # type: ignore[misc]  # mlx is untyped
+    """nn.RMSNorm, bit for bit, in one primitive where mx.fast.rms_norm on the CPU is eight."""
+
+    def __init__(self, norm: nn.RMSNorm, ext: ModuleType) -> None:
+        super().__init__()
+        self.weight = norm.weight
+        self.eps: float = norm.eps
+        self._ext = ext
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if x.dtype == mx.float32 and self.weight.dtype == mx.float32:
+            out: mx.array = self._ext.rms_norm(x, self.weight, self.eps)
+            return out
+        return mx.fast.rms_norm(x, self.weight, self.eps)
+
+
 def rope_tables(dims: int, base: float, scale: float, positions: int) -> tuple[mx.array, mx.array]:
     """cos and sin of every position's angles, as mx.fast.rope's fallback computes them."""
     half = dims // 2
@@ -115,9 +132,9 @@ def rope_tables(dims: int, base: float, scale: float, positions: int) -> tuple[m
     return cos, sin
 
 
-def _ropes(model: nn.Module) -> list[tuple[str, Any]]:
+def _leaves(model: nn.Module, kind: type) -> list[tuple[str, Any]]:
     leaves = tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module)
-    return [(path, m) for path, m in leaves if type(m) is nn.RoPE]  # subclasses compute otherwise
+    return [(path, m) for path, m in leaves if type(m) is kind]  # subclasses compute otherwise
 
 
 def _quantized(model: nn.Module) -> list[tuple[str, Any]]:
@@ -165,9 +182,11 @@ def pack(model: nn.Module, ext: ModuleType) -> None:
     if isinstance(positions, int) and positions > 0:
         tables: dict[tuple[int, float, float], tuple[mx.array, mx.array]] = {}
         ropes = []
-        for path, rope in _ropes(model):
+        for path, rope in _leaves(model, nn.RoPE):
             key = (rope.dims, float(rope.base), float(rope.scale))
             if key not in tables:
                 tables[key] = rope_tables(*key, positions)
             ropes.append((path, TableRoPE(rope, tables[key], ext)))
         model.update_modules(tree_unflatten(ropes))
+    norms = [(path, FusedRMSNorm(norm, ext)) for path, norm in _leaves(model, nn.RMSNorm)]
+    model.update_modules(tree_unflatten(norms))

@@ -107,6 +107,15 @@ def test_table_rope_is_mx_fast_rope_bit_for_bit(
         assert mx.array_equal(ext.rope(x, cos, sin, offsets, dims, traditional), want).item()
 
 
+@pytest.mark.parametrize("shape", [(1, 1, 576), (8, 1, 576), (1, 512, 576), (3, 7, 64)])
+@pytest.mark.parametrize("eps", [1e-5, 1e-6])
+def test_rms_norm_is_mx_fast_rms_norm_bit_for_bit(ext: ModuleType, shape: tuple[int, ...], eps: float) -> None:
+    for scale in (1.0, 1e-3, 100.0):
+        x = mx.random.normal(shape, key=mx.random.key(shape[1])) * scale
+        w = mx.random.normal((shape[-1],), key=mx.random.key(shape[-1]))
+        assert mx.array_equal(ext.rms_norm(x, w, eps), mx.fast.rms_norm(x, w, eps)).item(), scale
+
+
 def test_table_rope_past_its_tables_is_nan_never_a_wrong_angle(ext: ModuleType) -> None:
     cos, sin = packed.rope_tables(16, 10000.0, 1.0, 8)
     x = mx.ones((2, 1, 1, 16))

@@ -60,6 +60,7 @@ def test_packed_float32_decodes_a_batch_of_uneven_prompts_as_the_quantized_model
     packed_model, _ = load_model(tiny.path)
     apply_weight_dtype(packed_model, "quantized_float32")
     assert isinstance(packed_model.model.layers[0].self_attn.rope, packed.TableRoPE)
+    assert isinstance(packed_model.model.layers[0].input_layernorm, packed.FusedRMSNorm)
     assert tokens(packed_model) == tokens(quantized)
 
 

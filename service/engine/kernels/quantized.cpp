@@ -24,6 +24,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
@@ -44,7 +45,7 @@ namespace mx = mlx::core;
 
 #include "portable.h"
 #include "simd.h"
-#include "rope.h"
+#include "fused.h"
 
 namespace {
 
@@ -387,6 +388,16 @@ mx::array rope(const mx::array& x, const mx::array& cos, const mx::array& sin, c
   return mx::array(x.shape(), mx::float32, std::make_shared<TableRope>(s, dims, traditional), inputs);
 }
 
+// mx.fast.rms_norm(x, weight, eps) for float32 x and weight.
+mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps) {
+  if (x.dtype() != mx::float32 || weight.dtype() != mx::float32 || x.ndim() < 1 || weight.ndim() != 1 ||
+      weight.shape(0) != x.shape(-1))
+    throw std::invalid_argument("x and weight must be float32, the weight 1-D and as wide as x");
+  auto s = mx::default_stream(mx::Device::cpu);
+  return mx::array(x.shape(), mx::float32, std::make_shared<RmsNorm>(s, eps),
+                   {row_contiguous(x, s), row_contiguous(weight, s)});
+}
+
 // Seconds to read all of a's bytes once on both threads: the memory bandwidth a matvec's
 // weights stream at, for bench.matvec's bound.
 double read_seconds(const mx::array& a) {
@@ -416,6 +427,7 @@ NB_MODULE(quantized_ext, m) {
         nb::arg("group_size"), nb::arg("bits"), nb::arg("split") = true, nb::arg("simd") = true);
   m.def("simd", &simd_name);  // the matvec's instruction set in this build: avx2, neon or portable
   m.def("read_seconds", &read_seconds, nb::arg("a"));
+  m.def("rms_norm", &rms_norm, nb::arg("x"), nb::arg("weight"), nb::arg("eps"));
   m.def("rope", &rope, nb::arg("x"), nb::arg("cos"), nb::arg("sin"), nb::arg("offset"), nb::arg("dims"),
         nb::arg("traditional"));
   m.def("dequantize", &dequantize, nb::arg("w"), nb::arg("scales"), nb::arg("biases"), nb::arg("group_size"),

@@ -1,6 +1,9 @@
-// Rotary position embedding from tables, one primitive for what mx.fast.rope does on the CPU.
+// Single primitives for what MLX's fast ops build as graphs on the CPU, bit for bit.
 //
-// MLX's CPU backend has no RoPE kernel: mx.fast.rope there builds its fallback graph, ~15
+// MLX's CPU backend has no kernels for its fast ops: each builds its fallback graph of plain
+// primitives, and a decode step's many small calls are dispatch-bound (bench/step_profile.py).
+//
+// TableRope. MLX's CPU backend has no RoPE kernel: mx.fast.rope there builds its fallback graph, ~15
 // primitives a call (positions, frequencies, cos, sin, slices, products, concatenation), and a
 // decode step of SmolLM2-135M calls it 60 times (step_profile's "rope" row: 4-5 ms of a step).
 // TableRope takes the fallback's own cos and sin for every position, computed once by MLX's
@@ -85,6 +88,59 @@ class TableRope : public mx::UnaryPrimitive {
  private:
   int dims_;
   bool traditional_;
+};
+
+// RMSNorm as mx.fast.rms_norm's CPU fallback computes it, for float32 x and weight: per row,
+// the squares x * x summed one after another from 0 (MLX's CPU sum reduction of a contiguous
+// row), times 1 / D as float32, plus eps, then 1 / sqrt of that; each x times it, then times
+// the weight, every product rounded. Two primitives of the fallback's eight per call, 61 calls a
+// SmolLM2 decode step.
+LMSPD_NO_CONTRACT_ATTR void rms_norm_rows(const float* x, const float* w, float* out, size_t rows, int D, float eps) {
+  LMSPD_NO_CONTRACT
+  const float inv_d = static_cast<float>(1.0 / D);
+  for (size_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * D;
+    float* o = out + r * D;
+    float sum = 0.f;
+    for (int i = 0; i < D; ++i) {
+      const float sq = xr[i] * xr[i];
+      sum = sum + sq;
+    }
+    const float mean = sum * inv_d;
+    const float scale = 1.0f / std::sqrt(mean + eps);
+    for (int i = 0; i < D; ++i) {
+      const float normed = xr[i] * scale;
+      o[i] = normed * w[i];
+    }
+  }
+}
+
+class RmsNorm : public mx::UnaryPrimitive {
+ public:
+  RmsNorm(mx::Stream s, float eps) : mx::UnaryPrimitive(s), eps_(eps) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    const auto& x = inputs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs) enc.set_input_array(a);
+    enc.set_output_array(out);
+    const int D = x.shape(-1);
+    enc.dispatch([x = mx::array::unsafe_weak_copy(x), w = mx::array::unsafe_weak_copy(inputs[1]),
+                  out = mx::array::unsafe_weak_copy(out), D, eps = eps_]() mutable {
+      rms_norm_rows(x.data<float>(), w.data<float>(), out.data<float>(), x.size() / D, D, eps);
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("lmspd rms_norm runs on the CPU only");
+  }
+  const char* name() const override { return "LmspdRmsNorm"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return eps_ == static_cast<const RmsNorm&>(other).eps_;
+  }
+
+ private:
+  float eps_;
 };
 
 }  // namespace

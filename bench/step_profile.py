@@ -234,6 +234,7 @@ def host_profile(model_dir: Path, batch: int, reps: int) -> None:
 
 def prefill_profile(model: Any, tokens: int, reps: int) -> None:
     import mlx.core as mx
+    from mlx_lm.models.base import scaled_dot_product_attention
     from mlx_lm.models.cache import make_prompt_cache
 
     prompt = mx.array([(7 * j) % 900 + 3 for j in range(tokens)])
@@ -259,13 +260,27 @@ def prefill_profile(model: Any, tokens: int, reps: int) -> None:
     }
     for n in set(chunks):
         fns[f"blas{n}"] = lambda n=n: [xi @ w.T for xi, w in zip(xs[n], dense, strict=True)]  # type: ignore[misc]
+    a = model.args
+    heads, kv_heads = a.num_attention_heads, a.num_key_value_heads
+    head_dim = getattr(a, "head_dim", None) or a.hidden_size // heads
+    for i, n in enumerate(chunks):  # each chunk's queries against every key so far, causal
+        keys = sum(chunks[: i + 1])
+        q = mx.random.normal((1, heads, n, head_dim))
+        kv = mx.random.normal((1, kv_heads, keys, head_dim))
+        mx.eval(q, kv)
+        fns[f"attention{i}"] = lambda q=q, kv=kv: [  # type: ignore[misc]
+            scaled_dot_product_attention(q, kv, kv, cache=None, scale=head_dim**-0.5, mask="causal")
+            for _ in range(a.num_hidden_layers)
+        ]
     t = alternating_ms(fns, reps)
     deq = t["dequantize"] * len(chunks)
     blas = sum(t[f"blas{n}"] for n in chunks)
+    attention = sum(t[f"attention{i}"] for i in range(len(chunks)))
     print(f"\nprefill, {tokens} tokens in {len(chunks)} chunks: {total:.0f} ms, {1e3 * tokens / total:.0f} tok/s")
     row("dequantize to float32 (once per chunk)", deq, total)
     row("BLAS matmuls", blas, total)
-    row("attention, norms, rope, elementwise, copies", total - deq - blas, total, "total minus the above")
+    row("attention (MLX's CPU fallback: matmuls, mask, softmax)", attention, total)
+    row("norms, rope, elementwise, copies", total - deq - blas - attention, total, "total minus the above")
 
 
 def cached_first_token(model: Any, reps: int) -> None:

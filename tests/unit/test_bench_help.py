@@ -9,7 +9,7 @@ import pytest
 from support.models import ROOT
 
 
-@pytest.mark.parametrize("module", ["bench.raw", "bench.step_profile", "bench.matvec"])
+@pytest.mark.parametrize("module", ["bench.raw", "bench.step_profile", "bench.matvec", "bench.memory", "bench.peers"])
 def test_help_exits_cleanly(module: str) -> None:
     done = subprocess.run(
         [sys.executable, "-m", module, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60

@@ -80,6 +80,22 @@ def test_simd_matvec_computes_the_portable_kernels_bits(
             assert mx.array_equal(got, want).item(), (rows, split)
 
 
+@pytest.mark.parametrize(("bits", "group"), [(4, 32), (8, 64), (2, 32)])
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+def test_stacked_siblings_give_each_products_bits(ext: ModuleType, bits: int, group: int, dtype: mx.Dtype) -> None:
+    """q, k and v (or gate and up) in one call: each output is its own product, bit for bit."""
+    parts = [_quantized(rows, 256, group, bits, dtype) for rows in (130, 66, 66)]
+    w, s, b = (mx.concatenate([p[i] for p in parts]) for i in range(3))
+    for rows in (1, 3, 8):
+        x = mx.random.normal((rows, 1, 256), key=mx.random.key(rows))
+        outs = ext.quantized_matvecs(x, w, s, b, group, bits, [130, 66, 66])
+        for got, (q, sc, bi) in zip(outs, parts, strict=True):
+            want = ext.quantized_matvec(x, q, sc, bi, group, bits)
+            assert got.shape == want.shape and mx.array_equal(got, want).item()
+    with pytest.raises(ValueError, match="add up"):
+        ext.quantized_matvecs(mx.ones((1, 256)), w, s, b, group, bits, [130, 66])
+
+
 def test_the_build_says_which_simd_it_runs() -> None:
     import platform
 

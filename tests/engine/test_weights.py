@@ -61,6 +61,8 @@ def test_packed_float32_decodes_a_batch_of_uneven_prompts_as_the_quantized_model
     apply_weight_dtype(packed_model, "quantized_float32")
     assert isinstance(packed_model.model.layers[0].self_attn.rope, packed.TableRoPE)
     assert isinstance(packed_model.model.layers[0].input_layernorm, packed.FusedRMSNorm)
+    attention = packed_model.model.layers[0].self_attn
+    assert attention.q_proj._siblings is attention.v_proj._siblings is not None  # one call for q, k, v
     assert tokens(packed_model) == tokens(quantized)
 
 

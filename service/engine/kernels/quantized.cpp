@@ -21,6 +21,7 @@
 // extensions (qmv_portable, which any target builds); both compute the same bits, and the tests
 // hold them to it. The engine builds this on the machine that runs it (kernels/__init__.py).
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/vector.h>
 
 #include <atomic>
 #include <chrono>
@@ -294,6 +295,68 @@ class QuantizedMatvec : public mx::UnaryPrimitive {
   bool split_, simd_;
 };
 
+// Sibling layers' products of one x (q, k and v; gate and up) as one primitive, their weights
+// stacked: one dispatch, one pass of group sums, and enough columns for both cores (a 192-wide
+// k or v product alone is mostly fixed cost). Each output column is computed as the single
+// product computes it: the same bits.
+class QuantizedMatvecs : public mx::Primitive {
+ public:
+  QuantizedMatvecs(mx::Stream s, int bits, int group_size, std::vector<int> widths)
+      : mx::Primitive(s), bits_(bits), group_size_(group_size), widths_(std::move(widths)) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const auto& x = inputs[0];
+    const auto& sc = inputs[2];
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs) enc.set_input_array(a);
+    std::vector<float*> outs;
+    for (auto& o : outputs) {
+      o.set_data(mx::allocator::malloc(o.nbytes()));
+      enc.set_output_array(o);
+    }
+    const int K = x.shape(-1);
+    const int M = static_cast<int>(x.size() / K);
+    const int W = K * bits_ / 32, G = K / group_size_, GS = group_size_;
+    const size_t item = sc.itemsize();
+    Kernel kernel = kernel_for(bits_, group_size_, sc.dtype(), true);
+    std::vector<int> widths = widths_;
+    std::vector<mx::array> weak;
+    for (const auto& a : inputs) weak.push_back(mx::array::unsafe_weak_copy(a));
+    for (const auto& o : outputs) weak.push_back(mx::array::unsafe_weak_copy(o));
+    enc.dispatch([weak = std::move(weak), widths, M, K, W, G, GS, item, kernel]() mutable {
+      const float* xp = weak[0].data<float>();
+      const uint32_t* wp = weak[1].data<uint32_t>();
+      const uint8_t* sp = weak[2].data<uint8_t>();
+      const uint8_t* bp = weak[3].data<uint8_t>();
+      const std::vector<float> xsum = group_sums(xp, M, K, GS);
+      const float* xs = xsum.data();
+      int total = 0;
+      for (int w : widths) total += w;
+      pool().parallel_for(total, grain_for(K, M, 4), [&](int c0, int c1) {
+        int start = 0;
+        for (size_t j = 0; j < widths.size(); start += widths[j], ++j) {
+          const int lo = c0 > start ? c0 : start, hi = c1 < start + widths[j] ? c1 : start + widths[j];
+          if (lo >= hi) continue;
+          kernel(xp, xs, wp + size_t(start) * W, sp + size_t(start) * G * item, bp + size_t(start) * G * item,
+                 weak[4 + j].data<float>(), M, widths[j], K, lo - start, hi - start);
+        }
+      });
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("lmspd quantized_matvecs runs on the CPU only");
+  }
+  const char* name() const override { return "LmspdQuantizedMatvecs"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const QuantizedMatvecs&>(other);
+    return bits_ == o.bits_ && group_size_ == o.group_size_ && widths_ == o.widths_;
+  }
+
+ private:
+  int bits_, group_size_;
+  std::vector<int> widths_;
+};
+
 class Dequantize : public mx::UnaryPrimitive {
  public:
   Dequantize(mx::Stream s, int bits, int group_size) : mx::UnaryPrimitive(s), bits_(bits), group_size_(group_size) {}
@@ -388,6 +451,28 @@ mx::array rope(const mx::array& x, const mx::array& cos, const mx::array& sin, c
   return mx::array(x.shape(), mx::float32, std::make_shared<TableRope>(s, dims, traditional), inputs);
 }
 
+// x @ dequantize(w).T for stacked weights, as one output per width (the rows of w, in order).
+std::vector<mx::array> quantized_matvecs(const mx::array& x, const mx::array& w, const mx::array& scales,
+                                         const mx::array& biases, int group_size, int bits, std::vector<int> widths) {
+  check(w, scales, biases, group_size, bits);
+  if (x.dtype() != mx::float32 || x.ndim() < 1 || x.shape(-1) != w.shape(1) * 32 / bits)
+    throw std::invalid_argument("x must be float32 with the weights' input size last");
+  int total = 0;
+  for (int n : widths) total += n > 0 ? n : -(1 << 30);
+  if (widths.empty() || total != w.shape(0)) throw std::invalid_argument("the widths must add up to w's rows");
+  auto s = mx::default_stream(mx::Device::cpu);
+  std::vector<mx::Shape> shapes;
+  for (int n : widths) {
+    auto shape = x.shape();
+    shape.back() = n;
+    shapes.push_back(shape);
+  }
+  std::vector<mx::array> inputs = {row_contiguous(x, s), row_contiguous(w, s), row_contiguous(scales, s),
+                                   row_contiguous(biases, s)};
+  return mx::array::make_arrays(std::move(shapes), std::vector<mx::Dtype>(widths.size(), mx::float32),
+                                std::make_shared<QuantizedMatvecs>(s, bits, group_size, widths), inputs);
+}
+
 // mx.fast.rms_norm(x, weight, eps) for float32 x and weight.
 mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps) {
   if (x.dtype() != mx::float32 || weight.dtype() != mx::float32 || x.ndim() < 1 || weight.ndim() != 1 ||
@@ -427,6 +512,8 @@ NB_MODULE(quantized_ext, m) {
         nb::arg("group_size"), nb::arg("bits"), nb::arg("split") = true, nb::arg("simd") = true);
   m.def("simd", &simd_name);  // the matvec's instruction set in this build: avx2, neon or portable
   m.def("read_seconds", &read_seconds, nb::arg("a"));
+  m.def("quantized_matvecs", &quantized_matvecs, nb::arg("x"), nb::arg("w"), nb::arg("scales"), nb::arg("biases"),
+        nb::arg("group_size"), nb::arg("bits"), nb::arg("widths"));
   m.def("rms_norm", &rms_norm, nb::arg("x"), nb::arg("weight"), nb::arg("eps"));
   m.def("rope", &rope, nb::arg("x"), nb::arg("cos"), nb::arg("sin"), nb::arg("offset"), nb::arg("dims"),
         nb::arg("traditional"));

@@ -110,7 +110,27 @@ def stream(
     times: list[float] | None = None,
 ) -> tuple[float, float, int]:
     """(time to first token, seconds from first to last token, tokens) of one streamed answer;
-    ``times`` collects when each piece of text arrived, and ``stop`` hangs up early."""
+    ``times`` collects when each piece of text arrived, and ``stop`` hangs up early.
+
+    A request the server closed its kept-alive connection under, before answering, is sent once
+    more: llama-server (cpp-httplib) closes a connection after a few requests, and the pool may
+    have picked it just then."""
+    try:
+        return _stream(port, model, prompt, tokens, stop, times)
+    except httpx.RemoteProtocolError as exc:
+        if "without sending a response" not in str(exc):
+            raise
+        return _stream(port, model, prompt, tokens, stop, times)
+
+
+def _stream(
+    port: int,
+    model: str,
+    prompt: str,
+    tokens: int,
+    stop: threading.Event | None,
+    times: list[float] | None,
+) -> tuple[float, float, int]:
     body = {
         "model": model,
         "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}],
@@ -233,7 +253,7 @@ def server_command(name: str, port: int, data: Path, model_dir: Path, round_no: 
         cmd += ["--decode-concurrency", "8"]
         return Server(name, cmd, port, "/v1/models", data / f"{name}.log")
     cmd = [str(args.llama_server), "-m", str(args.gguf), "--host", "127.0.0.1", "--port", str(port)]
-    cmd += ["--parallel", "8", "--kv-unified", "-t", str(os.cpu_count() or 1), "--jinja"]
+    cmd += ["--parallel", "8", "--kv-unified", "-t", str(args.llama_threads or os.cpu_count() or 1), "--jinja"]
     return Server(name, cmd, port, "/health", data / f"{name}.log")
 
 
@@ -251,6 +271,7 @@ def main() -> None:
     )
     parser.add_argument("--llama-server", type=Path, default=None, help="llama.cpp's llama-server binary")
     parser.add_argument("--gguf", type=Path, default=GGUF, help="the GGUF file llama-server serves")
+    parser.add_argument("--llama-threads", type=int, default=0, help="llama-server's -t (default: one per CPU)")
     parser.add_argument("--no-mlx-lm", action="store_true", help="leave mlx_lm.server out")
     args = parser.parse_args()
     config = load_config()

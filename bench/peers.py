@@ -1,6 +1,6 @@
-"""lmspd against mlx_lm.server on the same machine and model, one server at a time.
+"""lmspd against mlx_lm.server and llama-server on the same machine and model, one at a time.
 
-    python -m bench.peers [--rounds 2] [--model-dir DIR]
+    python -m bench.peers [--rounds 2] [--model-dir DIR] [--llama-server PATH --gguf FILE] [--no-mlx-lm]
 
 Both servers get the same converted model directory and the same Chat Completions requests
 (streaming, greedy), through the same client code: time to first token for a repeated prompt
@@ -14,7 +14,12 @@ ours). The concurrent rows also run in one raw mlx-lm ``BatchGenerator`` (bench/
 engine's BLAS and weights, no server), the ceiling lmspd's batching is measured against.
 
 Each server runs as it ships: lmspd with its defaults (its engine loads the system's OpenBLAS
-when there is one), mlx_lm.server with ``--decode-concurrency 8``.
+when there is one), mlx_lm.server with ``--decode-concurrency 8``. With ``--llama-server``
+(built by ``bench/llama_cpp.sh``), llama.cpp's server joins on the GGUF file lmspd's model was
+converted from (``--gguf``; default the test cache's SmolLM2 file): ``--parallel 8`` with
+``--kv-unified`` (so each slot has the whole context, as each lmspd stream does), one thread
+per CPU, the GGUF's own chat template (``--jinja``). ``--no-mlx-lm`` leaves mlx_lm.server out
+(its 2,000-token admission alone takes minutes).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -39,6 +45,8 @@ from bench.serving import free_port, kill, spawn
 from lmspd.config import load_config
 from lmspd.models.registry import ModelRegistry
 
+# The GGUF file the bundled model is converted from, where the test cache keeps it.
+GGUF = Path(__file__).resolve().parents[1] / ".test-cache" / "gguf" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 SYSTEM = "You are a helpful assistant. Answer in full sentences."
 TOPICS = ["dragons", "the sea", "Rome", "bees", "Jupiter", "autumn", "steam engines", "volcanoes", "tea", "owls"]
 
@@ -102,7 +110,27 @@ def stream(
     times: list[float] | None = None,
 ) -> tuple[float, float, int]:
     """(time to first token, seconds from first to last token, tokens) of one streamed answer;
-    ``times`` collects when each piece of text arrived, and ``stop`` hangs up early."""
+    ``times`` collects when each piece of text arrived, and ``stop`` hangs up early.
+
+    A request the server closed its kept-alive connection under, before answering, is sent once
+    more: llama-server (cpp-httplib) closes a connection after a few requests, and the pool may
+    have picked it just then."""
+    try:
+        return _stream(port, model, prompt, tokens, stop, times)
+    except httpx.RemoteProtocolError as exc:
+        if "without sending a response" not in str(exc):
+            raise
+        return _stream(port, model, prompt, tokens, stop, times)
+
+
+def _stream(
+    port: int,
+    model: str,
+    prompt: str,
+    tokens: int,
+    stop: threading.Event | None,
+    times: list[float] | None,
+) -> tuple[float, float, int]:
     body = {
         "model": model,
         "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}],
@@ -113,7 +141,7 @@ def stream(
     }
     start = time.perf_counter()
     first = last = 0.0
-    count = 0
+    count = pieces = 0
     with CLIENT.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=body) as r:
         r.raise_for_status()
         for line in r.iter_lines():
@@ -122,6 +150,7 @@ def stream(
             chunk = json.loads(line[6:])
             for choice in chunk.get("choices") or []:
                 if (choice.get("delta") or {}).get("content"):
+                    pieces += 1
                     last = time.perf_counter()
                     first = first or last
                     if times is not None:
@@ -130,7 +159,7 @@ def stream(
                 break
             if chunk.get("usage"):
                 count = int(chunk["usage"]["completion_tokens"])
-    return first - start, last - first, count
+    return first - start, last - first, count or pieces  # a server without usage: a piece a token
 
 
 def concurrent(port: int, model: str, n: int, tokens: int, offset: int) -> float:
@@ -214,20 +243,44 @@ ROWS: list[tuple[str, str, Callable[[float, float], float]]] = [
 LOWER_BETTER = ("ttft_repeated", "ttft_distinct", "gap_p99")
 
 
+def server_command(name: str, port: int, data: Path, model_dir: Path, round_no: int, args: Any) -> Server:
+    if name == "lmspd":
+        cmd = [sys.executable, "-m", "lmspd.cli", "serve", "--config", str(data / "lmspd.toml")]
+        cmd += ["--port", str(port), "--model", "bench", "--data-dir", str(data / f"db{round_no}")]
+        return Server(name, cmd, port, "/readyz", data / f"{name}.log")
+    if name == "mlx_lm.server":
+        cmd = [sys.executable, "-m", "mlx_lm.server", "--model", str(model_dir), "--port", str(port)]
+        cmd += ["--decode-concurrency", "8"]
+        return Server(name, cmd, port, "/v1/models", data / f"{name}.log")
+    cmd = [str(args.llama_server), "-m", str(args.gguf), "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--parallel", "8", "--kv-unified", "-t", str(args.llama_threads or os.cpu_count() or 1), "--jinja"]
+    return Server(name, cmd, port, "/health", data / f"{name}.log")
+
+
+def served_model(name: str, model_dir: Path) -> str:
+    return {"lmspd": "bench", "mlx_lm.server": str(model_dir)}.get(name, "bench")
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--model-dir", type=Path, default=None)
     parser.add_argument("--long-prompt", type=int, default=2000, help="tokens of the admitted prompt (0: skip)")
     parser.add_argument(
         "--dtype", default="quantized_float32", help="raw BatchGenerator's weights (lmspd's auto choice on Linux)"
     )
+    parser.add_argument("--llama-server", type=Path, default=None, help="llama.cpp's llama-server binary")
+    parser.add_argument("--gguf", type=Path, default=GGUF, help="the GGUF file llama-server serves")
+    parser.add_argument("--llama-threads", type=int, default=0, help="llama-server's -t (default: one per CPU)")
+    parser.add_argument("--no-mlx-lm", action="store_true", help="leave mlx_lm.server out")
     args = parser.parse_args()
     config = load_config()
     model_dir = (args.model_dir or ModelRegistry(config).resolve(config.default_model).path).resolve()
     notes = long_prompt(model_dir, args.long_prompt) if args.long_prompt else ""
-    best: dict[str, dict[str, float]] = {"lmspd": {}, "mlx_lm.server": {}, "raw": {}}
-    peaks: dict[str, int] = {"lmspd": 0, "mlx_lm.server": 0}
+    servers = ["lmspd"] + ([] if args.no_mlx_lm else ["mlx_lm.server"])
+    servers += ["llama-server"] if args.llama_server else []
+    best: dict[str, dict[str, float]] = {name: {} for name in [*servers, "raw"]}
+    peaks: dict[str, int] = dict.fromkeys(servers, 0)
     raw = Raw(model_dir, args.dtype)
     with tempfile.TemporaryDirectory(prefix="lmspd-peers-") as tmp:
         data = Path(tmp)
@@ -237,36 +290,33 @@ def main() -> None:
             got = {"agg4": raw_concurrent(raw, 4, 32, k + 10), "agg8": raw_concurrent(raw, 8, 32, k + 20)}
             keep_best(best["raw"], got)
             print(f"round {round_no + 1} raw BatchGenerator: " + ", ".join(f"{k} {v:.2f}" for k, v in got.items()))
-            for name in ("lmspd", "mlx_lm.server") if round_no % 2 == 0 else ("mlx_lm.server", "lmspd"):
+            shift = round_no % len(servers)  # each round starts with the next server
+            for name in servers[shift:] + servers[:shift]:
                 port = free_port()
-                if name == "lmspd":
-                    cmd = [sys.executable, "-m", "lmspd.cli", "serve", "--config", str(data / "lmspd.toml")]
-                    cmd += ["--port", str(port), "--model", "bench", "--data-dir", str(data / f"db{round_no}")]
-                    server, model, ready = "lmspd", "bench", "/readyz"
-                else:
-                    cmd = [sys.executable, "-m", "mlx_lm.server", "--model", str(model_dir), "--port", str(port)]
-                    cmd += ["--decode-concurrency", "8"]
-                    server, model, ready = "mlx_lm.server", str(model_dir), "/v1/models"
-                with Server(server, cmd, port, ready, data / f"{server}.log") as srv:
-                    got = measure(port, model, round_no, notes)
+                with server_command(name, port, data, model_dir, round_no, args) as srv:
+                    got = measure(port, served_model(name, model_dir), round_no, notes)
                 peaks[name] = max(peaks[name], srv.peak)
                 print(f"round {round_no + 1} {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in got.items()), flush=True)
                 keep_best(best[name], got)
     raw.close()
     print(f"\nmodel {model_dir}, {os.cpu_count()} CPUs, best of {args.rounds} rounds\n")
-    print("| | lmspd | mlx_lm.server | lmspd ahead by | raw BatchGenerator | lmspd / raw |")
-    print("|---|---|---|---|---|---|")
+    peers = servers[1:]
+    print("| | lmspd | " + " | ".join(f"{p} | lmspd ahead by" for p in peers) + " | raw BatchGenerator | lmspd / raw |")
+    print("|---|---|" + "---|---|" * len(peers) + "---|---|")
     for label, key, ratio in ROWS:
         if key not in best["lmspd"]:
             continue
-        ours, theirs = best["lmspd"][key], best["mlx_lm.server"][key]
+        ours = best["lmspd"][key]
         unit = "s" if key in LOWER_BETTER else ""
-        row = f"| {label} | {ours:.2f}{unit} | {theirs:.2f}{unit} | {ratio(ours, theirs):.2f}x |"
+        row = f"| {label} | {ours:.2f}{unit} |"
+        for peer in peers:
+            theirs = best[peer].get(key, float("nan"))
+            row += f" {theirs:.2f}{unit} | {ratio(ours, theirs):.2f}x |"
         base = best["raw"].get(key)
         print(row + (f" {base:.2f} | {ours / base:.2f} |" if base else " | |"))
-    ours_mib, theirs_mib = peaks["lmspd"] / 1024, peaks["mlx_lm.server"] / 1024
-    rss = f"{ours_mib:.0f} MiB | {theirs_mib:.0f} MiB | {theirs_mib / ours_mib:.2f}x"
-    print(f"| peak RSS (server and children) | {rss} | | |")
+    ours_mib = peaks["lmspd"] / 1024
+    rss = "".join(f" {peaks[p] / 1024:.0f} MiB | {peaks[p] / 1024 / ours_mib:.2f}x |" for p in peers)
+    print(f"| peak RSS (server and children) | {ours_mib:.0f} MiB |{rss} | |")
 
 
 def keep_best(best: dict[str, float], got: dict[str, float]) -> None:

@@ -104,5 +104,17 @@ def serve(model_dir: Path, dtype: str) -> None:
         print(json.dumps(reply), flush=True)
 
 
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        description="A raw mlx-lm child for the benchmarks: answers JSON lines on stdin (see bench/raw.py)."
+    )
+    parser.add_argument("model_dir", type=Path, help="the converted model directory")
+    parser.add_argument("dtype", help="the weight dtype, as engine.weight_dtype takes it")
+    args = parser.parse_args()
+    serve(args.model_dir, args.dtype)
+
+
 if __name__ == "__main__":
-    serve(Path(sys.argv[1]), sys.argv[2])
+    main()

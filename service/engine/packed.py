@@ -6,7 +6,10 @@ and biases as they are, and multiplies through lmspd's kernels (``kernels/quanti
 - a decode step's few rows go through ``quantized_matvec``, which unpacks each weight group
   once for all rows;
 - a prefill's many rows go through ``dequantize`` into a transient float32 matrix and BLAS,
-  as fast as dense float32 weights.
+  as fast as dense float32 weights;
+- a decode step's rotary embeddings go through ``rope``, one primitive where mx.fast.rope on
+  the CPU is its ~15-primitive fallback, from tables of the fallback's own cos and sin; every
+  RMSNorm through ``rms_norm``, one primitive for mx.fast.rms_norm's eight.
 
 Every product uses exactly the weights mx.dequantize gives (rounded to the scales' dtype as
 MLX's arithmetic rounds them), in float32 arithmetic: the float32 choice's weights, bit for
@@ -46,9 +49,13 @@ class PackedLinear(nn.Module):  # type: ignore[misc]  # mlx is untyped
         self._ext = ext
         out = self.weight.shape[0]
         self._kernel_rows = KERNEL_ROWS_WIDE if out >= WIDE else KERNEL_ROWS
+        self._siblings: Siblings | None = None  # set by pack: this layer's products ride with its siblings'
+        self._index = 0
 
     def _product(self, x: mx.array) -> mx.array:
         if x.size // x.shape[-1] <= self._kernel_rows:
+            if self._siblings is not None:
+                return self._siblings.output(self._index, x)
             out: mx.array = self._ext.quantized_matvec(
                 x, self.weight, self.scales, self.biases, self.group_size, self.bits
             )
@@ -61,6 +68,65 @@ class PackedLinear(nn.Module):  # type: ignore[misc]  # mlx is untyped
         return y + self.bias if "bias" in self else y
 
 
+# Layers of one block that multiply the same x, by the attribute names mlx-lm's models use.
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+class Siblings:
+    """Sibling layers' products of one x (a block's q, k and v; gate and up) as one kernel call
+    at decode (``quantized_matvecs``): one dispatch instead of three, and columns enough for both
+    cores (a 192-wide k or v product alone is mostly fixed cost). Their weights are stacked once,
+    each layer keeping a view of its rows (no copy kept). The first sibling called with an x
+    computes every output; the others take theirs while x is the same array."""
+
+    def __init__(self, layers: list[PackedLinear], ext: ModuleType) -> None:
+        self.weight = mx.concatenate([m.weight for m in layers])
+        self.scales = mx.concatenate([m.scales for m in layers])
+        self.biases = mx.concatenate([m.biases for m in layers])
+        mx.eval(self.weight, self.scales, self.biases)
+        self.widths = [int(m.weight.shape[0]) for m in layers]
+        self.group_size, self.bits = layers[0].group_size, layers[0].bits
+        self._ext = ext
+        start = 0
+        for i, (m, width) in enumerate(zip(layers, self.widths, strict=True)):
+            rows = slice(start, start + width)
+            m.weight, m.scales, m.biases = self.weight[rows], self.scales[rows], self.biases[rows]
+            mx.eval(m.weight, m.scales, m.biases)
+            m._siblings, m._index = self, i
+            start += width
+        self._x: mx.array | None = None
+        self._outputs: list[mx.array] = []
+
+    def output(self, index: int, x: mx.array) -> mx.array:
+        if index == 0 or self._x is not x:
+            self._x = x
+            self._outputs = self._ext.quantized_matvecs(
+                x, self.weight, self.scales, self.biases, self.group_size, self.bits, self.widths
+            )
+        out = self._outputs[index]
+        if index == len(self.widths) - 1:
+            self._x, self._outputs = None, []  # the last sibling: nothing held past the step
+        return out
+
+    @staticmethod
+    def find(model: nn.Module) -> list[list[PackedLinear]]:
+        """Each module's sibling layers that can share a call: packed alike, without a bias."""
+        found: list[list[PackedLinear]] = []
+        for _, module in model.named_modules():
+            for names in SIBLINGS:
+                layers = [module.get(n) for n in names]
+                if not all(type(m) is PackedLinear and "bias" not in m for m in layers):
+                    continue
+                first = layers[0]
+                if all(
+                    m.weight.shape[1] == first.weight.shape[1]
+                    and (m.bits, m.group_size, m.scales.dtype) == (first.bits, first.group_size, first.scales.dtype)
+                    for m in layers
+                ):
+                    found.append(layers)
+        return found
+
+
 class PackedEmbedding(PackedLinear):
     """A quantized embedding: rows looked up packed; ``as_linear`` (tied output head) is the
     same product as a linear layer's."""
@@ -71,6 +137,67 @@ class PackedEmbedding(PackedLinear):
 
     def as_linear(self, x: mx.array) -> mx.array:
         return self._product(x)
+
+
+class TableRoPE(nn.Module):  # type: ignore[misc]  # mlx is untyped
+    """nn.RoPE, bit for bit, for one new position per row (a decode step) in one primitive.
+
+    The tables are what mx.fast.rope's CPU fallback computes for each position (the same MLX
+    ops, on all positions at once); a prompt's many positions, and anything else, go to
+    mx.fast.rope itself."""
+
+    def __init__(self, rope: nn.RoPE, tables: tuple[mx.array, mx.array], ext: ModuleType) -> None:
+        super().__init__()
+        self.dims: int = rope.dims
+        self.traditional: bool = rope.traditional
+        self.base: float = rope.base
+        self.scale: float = rope.scale
+        self._cos, self._sin = tables  # "_": not parameters
+        self._ext = ext
+
+    def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
+        if x.ndim >= 3 and x.shape[-2] == 1 and x.dtype == mx.float32:
+            at: mx.array | None = None
+            if isinstance(offset, int):
+                at = mx.array(offset, dtype=mx.int32) if 0 <= offset < self._cos.shape[0] else None
+            elif offset.dtype == mx.int32 and offset.ndim <= 1:  # a batch's, one per row, each < its context
+                at = offset
+            if at is not None:
+                out: mx.array = self._ext.rope(x, self._cos, self._sin, at, self.dims, self.traditional)
+                return out
+        return mx.fast.rope(x, self.dims, traditional=self.traditional, base=self.base, scale=self.scale, offset=offset)
+
+
+class FusedRMSNorm(nn.Module):  # type: ignore[misc]  # mlx is untyped
+    """nn.RMSNorm, bit for bit, in one primitive where mx.fast.rms_norm on the CPU is eight."""
+
+    def __init__(self, norm: nn.RMSNorm, ext: ModuleType) -> None:
+        super().__init__()
+        self.weight = norm.weight
+        self.eps: float = norm.eps
+        self._ext = ext
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if x.dtype == mx.float32 and self.weight.dtype == mx.float32:
+            out: mx.array = self._ext.rms_norm(x, self.weight, self.eps)
+            return out
+        return mx.fast.rms_norm(x, self.weight, self.eps)
+
+
+def rope_tables(dims: int, base: float, scale: float, positions: int) -> tuple[mx.array, mx.array]:
+    """cos and sin of every position's angles, as mx.fast.rope's fallback computes them."""
+    half = dims // 2
+    pos = (mx.arange(positions, dtype=mx.float32) + mx.array(0, dtype=mx.int32)) * mx.array(scale, dtype=mx.float32)
+    inv_freqs = mx.exp(mx.arange(0, -half, -1, dtype=mx.float32) * (mx.log(mx.array(base, dtype=mx.float32)) / half))
+    theta = pos[:, None] * inv_freqs
+    cos, sin = mx.cos(theta), mx.sin(theta)
+    mx.eval(cos, sin)
+    return cos, sin
+
+
+def _leaves(model: nn.Module, kind: type) -> list[tuple[str, Any]]:
+    leaves = tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module)
+    return [(path, m) for path, m in leaves if type(m) is kind]  # subclasses compute otherwise
 
 
 def _quantized(model: nn.Module) -> list[tuple[str, Any]]:
@@ -113,3 +240,18 @@ def pack(model: nn.Module, ext: ModuleType) -> None:
     model.set_dtype(mx.float32)
     for layer, scales, biases in kept:
         layer.scales, layer.biases = scales, biases
+    # Every position the model can take: the engine refuses a prompt past its context.
+    positions = getattr(getattr(model, "args", None), "max_position_embeddings", None)
+    if isinstance(positions, int) and positions > 0:
+        tables: dict[tuple[int, float, float], tuple[mx.array, mx.array]] = {}
+        ropes = []
+        for path, rope in _leaves(model, nn.RoPE):
+            key = (rope.dims, float(rope.base), float(rope.scale))
+            if key not in tables:
+                tables[key] = rope_tables(*key, positions)
+            ropes.append((path, TableRoPE(rope, tables[key], ext)))
+        model.update_modules(tree_unflatten(ropes))
+    norms = [(path, FusedRMSNorm(norm, ext)) for path, norm in _leaves(model, nn.RMSNorm)]
+    model.update_modules(tree_unflatten(norms))
+    for layers in Siblings.find(model):
+        Siblings(layers, ext)

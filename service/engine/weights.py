@@ -1,19 +1,26 @@
-"""Weight dtype: keep a model quantized or run it dense, by setting or by measurement.
+"""Weight dtype: keep a model quantized or run it dense, by setting, rule or measurement.
 
-On Metal quantized matmuls are fast; on the CPU backend they may not be (the
+On Metal quantized matmuls are fast; on the CPU backend MLX's own may not be (the
 mlx-cpu wheel's 4-bit kernel is single-threaded) and dense weights can win.
-``auto`` therefore assumes nothing: it times the model's own layer shapes in
-each candidate dtype and keeps the fastest, excluding dense dtypes whose
-weights would take more than a fixed share of memory.
 
 ``auto`` only weighs choices that keep the quantized model's weights: float32
 holds every weight mx.dequantize gives exactly, and ``quantized_float32`` keeps
 them packed and computes each as its exact affine value scale * q + bias in
-float32 (packed.py, lmspd's kernels; offered where the kernels build). Among
-choices within 10% of the fastest, auto keeps a packed one: it holds a fraction
-of the memory. bfloat16 weights are not exact (8-bit mantissa), and on
-SmolLM2-135M they turned "The capital of France is Paris." into "L'Étoile, la
-Marseillaise," -- so half precision is only ever used when a user asks for it.
+float32 (packed.py, lmspd's kernels; offered where the kernels build).
+
+Where lmspd's kernels run the model (the CPU backend, Linux), auto takes
+``quantized_float32`` without timing anything: it computes what float32 computes
+from a fifth of its memory, and its decode reads a sixth of the bytes. Timing
+used to decide there too, and on a busy machine one start in three measured
+float32 within the 10% margin and took it (half the decode speed, 1 GB more):
+a rule gives the same answer every start. Elsewhere auto times the model's own
+layer shapes in each candidate dtype and keeps the fastest, excluding dense
+dtypes whose weights would take more than a fixed share of memory; among
+choices within 10% of the fastest it keeps a packed one for its memory.
+
+bfloat16 weights are not exact (8-bit mantissa), and on SmolLM2-135M they turned
+"The capital of France is Paris." into "L'Étoile, la Marseillaise," -- so half
+precision is only ever used when a user asks for it.
 """
 
 from __future__ import annotations
@@ -146,13 +153,23 @@ def choose(scores: dict[str, float]) -> str:
     return min(near, key=scores.__getitem__) if near else best
 
 
+def fixed_choice(model: nn.Module, kernel_dir: str) -> str | None:
+    """auto's choice where a rule decides (None: measure): the packed kernels where they run."""
+    if mx.metal.is_available():
+        return None
+    return "quantized_float32" if _packed_reason(model, kernel_dir) is None else None
+
+
 def apply_weight_dtype(model: nn.Module, setting: str, kernel_dir: str = "") -> str:
     """Convert the model in place per ``setting``; returns the dtype it now runs in
     (``kernel_dir``: where lmspd's kernels are built, "" for the default)."""
     if not _quantized_modules(model):
         return "dense"
     choice = setting
-    if setting == "auto":
+    if setting == "auto" and (fixed := fixed_choice(model, kernel_dir)) is not None:
+        choice = fixed
+        log.info("weight dtype auto: %s (lmspd's kernels run this model: float32 results, packed weights)", choice)
+    elif setting == "auto":
         scores = measure(model, kernel_dir)
         choice = choose(scores)
         log.info("weight dtype auto: %s (scores %s)", choice, {k: f"{v * 1e3:.2f}ms" for k, v in scores.items()})

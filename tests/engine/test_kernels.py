@@ -10,7 +10,7 @@ from types import ModuleType
 import mlx.core as mx
 import pytest
 
-from lmspd.engine import kernels
+from lmspd.engine import kernels, packed
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the kernels are built on Linux only")
 
@@ -63,6 +63,82 @@ def test_matvec_is_the_float32_product_of_the_dequantized_weights(
     assert mx.allclose(got, want, rtol=1e-5, atol=1e-5).item()
 
 
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32])
+def test_simd_matvec_computes_the_portable_kernels_bits(
+    ext: ModuleType, bits: int, group: int, dtype: mx.Dtype
+) -> None:
+    """The SIMD kernel only lays the work out differently: every sum in the same order, bit for bit
+    (202 columns: the one-row path's 4-column tiles end in a partial one)."""
+    q, s, b = _quantized(202, 384, group, bits, dtype)
+    for rows in (1, 2, 8, 9, 17):
+        x = mx.random.normal((rows, 384), key=mx.random.key(rows + bits))
+        want = ext.quantized_matvec(x, q, s, b, group, bits, False, False)
+        for split in (True, False):
+            got = ext.quantized_matvec(x, q, s, b, group, bits, split, True)
+            assert mx.array_equal(got, want).item(), (rows, split)
+
+
+@pytest.mark.parametrize(("bits", "group"), [(4, 32), (8, 64), (2, 32)])
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+def test_stacked_siblings_give_each_products_bits(ext: ModuleType, bits: int, group: int, dtype: mx.Dtype) -> None:
+    """q, k and v (or gate and up) in one call: each output is its own product, bit for bit."""
+    parts = [_quantized(rows, 256, group, bits, dtype) for rows in (130, 66, 66)]
+    w, s, b = (mx.concatenate([p[i] for p in parts]) for i in range(3))
+    for rows in (1, 3, 8):
+        x = mx.random.normal((rows, 1, 256), key=mx.random.key(rows))
+        outs = ext.quantized_matvecs(x, w, s, b, group, bits, [130, 66, 66])
+        for got, (q, sc, bi) in zip(outs, parts, strict=True):
+            want = ext.quantized_matvec(x, q, sc, bi, group, bits)
+            assert got.shape == want.shape and mx.array_equal(got, want).item()
+    with pytest.raises(ValueError, match="add up"):
+        ext.quantized_matvecs(mx.ones((1, 256)), w, s, b, group, bits, [130, 66])
+
+
+def test_the_build_says_which_simd_it_runs() -> None:
+    import platform
+
+    ext = kernels.load()
+    flags = Path("/proc/cpuinfo").read_text()
+    expected = {"aarch64": "neon", "x86_64": "avx2" if " avx2 " in flags and " f16c " in flags else "portable"}
+    assert ext.simd() == expected.get(platform.machine(), "portable")
+
+
+@pytest.mark.parametrize(("dims", "width"), [(64, 64), (32, 64)])
+@pytest.mark.parametrize("traditional", [True, False])
+@pytest.mark.parametrize(("base", "scale"), [(100000.0, 1.0), (10000.0, 0.25)])
+def test_table_rope_is_mx_fast_rope_bit_for_bit(
+    ext: ModuleType, dims: int, width: int, traditional: bool, base: float, scale: float
+) -> None:
+    cos, sin = packed.rope_tables(dims, base, scale, 4096)
+    for batch, heads, rows in ((1, 9, 1), (8, 3, 1), (2, 4, 5)):
+        x = mx.random.normal((batch, heads, rows, width), key=mx.random.key(batch + rows))
+        for offset in (0, 1, 99, 4000):
+            want = mx.fast.rope(x, dims, traditional=traditional, base=base, scale=scale, offset=offset)
+            got = ext.rope(x, cos, sin, mx.array(offset, dtype=mx.int32), dims, traditional)
+            assert mx.array_equal(got, want).item(), (batch, rows, offset)
+        offsets = mx.array([3 * b + 5 for b in range(batch)], dtype=mx.int32)  # a batch's, one per row
+        want = mx.fast.rope(x, dims, traditional=traditional, base=base, scale=scale, offset=offsets)
+        assert mx.array_equal(ext.rope(x, cos, sin, offsets, dims, traditional), want).item()
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 576), (8, 1, 576), (1, 512, 576), (3, 7, 64)])
+@pytest.mark.parametrize("eps", [1e-5, 1e-6])
+def test_rms_norm_is_mx_fast_rms_norm_bit_for_bit(ext: ModuleType, shape: tuple[int, ...], eps: float) -> None:
+    for scale in (1.0, 1e-3, 100.0):
+        x = mx.random.normal(shape, key=mx.random.key(shape[1])) * scale
+        w = mx.random.normal((shape[-1],), key=mx.random.key(shape[-1]))
+        assert mx.array_equal(ext.rms_norm(x, w, eps), mx.fast.rms_norm(x, w, eps)).item(), scale
+
+
+def test_table_rope_past_its_tables_is_nan_never_a_wrong_angle(ext: ModuleType) -> None:
+    cos, sin = packed.rope_tables(16, 10000.0, 1.0, 8)
+    x = mx.ones((2, 1, 1, 16))
+    got = ext.rope(x, cos, sin, mx.array([7, 8], dtype=mx.int32), 16, True)
+    assert not mx.isnan(got[0]).any().item() and mx.isnan(got[1]).all().item()
+
+
 def test_matvec_keeps_leading_dimensions(ext: ModuleType) -> None:
     q, s, b = _quantized(64, 128, 32, 4, mx.float16)
     x = mx.random.normal((2, 3, 128), key=mx.random.key(7))
@@ -94,6 +170,11 @@ def test_a_build_is_cached_under_a_key_of_its_inputs(monkeypatch: pytest.MonkeyP
     key = kernels.build_key()
     monkeypatch.setattr(kernels, "SOURCE", changed)
     assert kernels.build_key() != key  # edited source: a new build, not the stale binary
+    header = tmp_path / "simd.h"
+    header.write_text(kernels.HEADERS[0].read_text() + "\n// changed\n")
+    key = kernels.build_key()
+    monkeypatch.setattr(kernels, "HEADERS", (header, *kernels.HEADERS[1:]))
+    assert kernels.build_key() != key  # an edited header too
 
 
 def test_a_machine_without_a_compiler_is_told_why(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -39,6 +39,33 @@ def test_packed_float32_reproduces_quantized_tokens(tiny: ResolvedModel) -> None
     assert dtypes == {mx.uint32, mx.float32}
 
 
+def test_packed_float32_decodes_a_batch_of_uneven_prompts_as_the_quantized_model(tiny: ResolvedModel) -> None:
+    """Prompts of three lengths in one BatchGenerator: left padding gives each row its own rope
+    offset (an array), which the packed model's table rope takes at decode."""
+    from mlx_lm.generate import BatchGenerator
+
+    prompts = [[(5 * i + j) % 700 + 3 for j in range(n)] for i, n in enumerate((3, 9, 14))]
+
+    def tokens(model: nn.Module) -> dict[int, list[int]]:
+        gen = BatchGenerator(model, completion_batch_size=3, prefill_batch_size=3)
+        uids = gen.insert(prompts, max_tokens=[12] * 3)
+        out: dict[int, list[int]] = {u: [] for u in uids}
+        while any(len(v) < 12 for v in out.values()):
+            for r in gen.next_generated():
+                out[r.uid].append(r.token)
+        gen.close()
+        return out
+
+    quantized, _ = load_model(tiny.path)
+    packed_model, _ = load_model(tiny.path)
+    apply_weight_dtype(packed_model, "quantized_float32")
+    assert isinstance(packed_model.model.layers[0].self_attn.rope, packed.TableRoPE)
+    assert isinstance(packed_model.model.layers[0].input_layernorm, packed.FusedRMSNorm)
+    attention = packed_model.model.layers[0].self_attn
+    assert attention.q_proj._siblings is attention.v_proj._siblings is not None  # one call for q, k, v
+    assert tokens(packed_model) == tokens(quantized)
+
+
 def test_packed_float32_prefills_through_the_dense_product(tiny: ResolvedModel) -> None:
     """A prompt longer than the matvec's rows takes the dequantize + BLAS path; both paths
     agree with the quantized model's greedy answer."""
@@ -95,11 +122,29 @@ def test_auto_applies_the_fastest_measured_choice(
     tiny: ResolvedModel, monkeypatch: pytest.MonkeyPatch, scores: dict[str, float], expected: str
 ) -> None:
     monkeypatch.setattr(weights, "measure", lambda model, kernel_dir: scores)
+    monkeypatch.setattr(weights, "fixed_choice", lambda model, kernel_dir: None)  # where kernels do not run
     model, _ = load_model(tiny.path)
     assert apply_weight_dtype(model, "auto") == expected
     assert _is_quantized(model) == (expected == "quantized")
     if expected == "float32":
         assert {v.dtype for _, v in tree_flatten(model.parameters())} == {mx.float32}
+
+
+def test_auto_takes_the_packed_kernels_wherever_they_run_without_timing(
+    tiny: ResolvedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rule, not a timing: a busy machine cannot flip auto to float32 on one start in three."""
+
+    def no_timing(model: object, kernel_dir: str) -> dict[str, float]:
+        raise AssertionError("auto timed its candidates")
+
+    monkeypatch.setattr(weights, "measure", no_timing)
+    for _ in range(3):
+        model, _ = load_model(tiny.path)
+        assert apply_weight_dtype(model, "auto") == "quantized_float32"
+    model, _ = load_model(tiny.path)
+    model.model.layers[0].mlp.up_proj.bits = 3  # a quantization the kernels cannot run: measured
+    assert weights.fixed_choice(model, "") is None
 
 
 @pytest.mark.parametrize("dtype", ["quantized", "bfloat16"])

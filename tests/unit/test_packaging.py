@@ -26,8 +26,8 @@ def test_every_data_file_is_package_data() -> None:
     non_python = {p.relative_to(ROOT) for p in (ROOT / "service").rglob("*") if p.is_file()}
     # A README beside the code is for its readers (engine/upstream/README.md), not package data.
     non_python = {p for p in non_python if p.suffix not in (".py", ".pyc") and p.name != "README.md"}
-    # SQL files and the C++ kernels' source (built on the user's machine, so shipped as source).
-    assert {p.suffix for p in non_python} == {".sql", ".cpp"}
+    # SQL files and the C++ kernels' source and header (built on the user's machine, so shipped as source).
+    assert {p.suffix for p in non_python} == {".sql", ".cpp", ".h"}
     for path in non_python:
         package = str(path.parent).replace("service", "lmspd", 1).replace("/", ".")
         assert any(fnmatch(path.name, glob) for glob in data.get(package, [])), path

@@ -35,6 +35,7 @@ from types import ModuleType
 log = logging.getLogger("lmspd.engine.kernels")
 
 SOURCE = Path(__file__).with_name("quantized.cpp")
+HEADERS = tuple(Path(__file__).with_name(h) for h in ("portable.h", "simd.h", "fused.h"))  # SOURCE includes them
 MODULE = "quantized_ext"  # the NB_MODULE name in quantized.cpp
 BUILD_PREFIX = ".build-"  # a build in progress (or one a killed process left behind)
 
@@ -95,6 +96,7 @@ def build_key() -> str:
 
     parts = [
         SOURCE.read_bytes(),
+        *(h.read_bytes() for h in HEADERS),
         # The build links this libmlx by path: another environment's MLX, even the same
         # version, builds its own (two libmlx copies in one process would not interoperate).
         str(Path(mx.__file__).resolve().parent).encode(),

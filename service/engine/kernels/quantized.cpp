@@ -16,13 +16,19 @@
 // again to 16 bits, which these kernels do not (the values differ by at most half a 16-bit
 // ulp, and doing that rounding per weight halves the decode speed).
 //
-// Both split the output rows with one helper thread. Vectors are GCC/Clang vector extensions,
-// so the same source builds for x86-64 and arm64 (the engine builds it on the machine that
-// runs it, see kernels/__init__.py).
+// Both share their output rows with one helper thread (Pool). The matvec runs in explicit SIMD where the
+// build's target has it (simd.h: AVX2 on x86-64, NEON on arm64), otherwise in GCC/Clang vector
+// extensions (qmv_portable, which any target builds); both compute the same bits, and the tests
+// hold them to it. The engine builds this on the machine that runs it (kernels/__init__.py).
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/vector.h>
 
+#include <atomic>
+#include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <mutex>
@@ -38,129 +44,112 @@
 namespace nb = nanobind;
 namespace mx = mlx::core;
 
+#include "portable.h"
+#include "simd.h"
+#include "fused.h"
+
 namespace {
 
-typedef float v8f __attribute__((vector_size(32)));
-typedef uint32_t v8u __attribute__((vector_size(32)));
+using lmspd::group_sums;
+using lmspd::qmv_portable;
+using lmspd::Unpack;
+using lmspd::v8f;
 
-// MLX's packing: element j of a row is bits [BITS * j, BITS * (j + 1)) of the row's words.
-template <int BITS>
-struct Unpack {
-  v8u shift, word, mask;
-  Unpack() {
-    for (int l = 0; l < 8; ++l) {
-      shift[l] = (l * BITS) % 32;
-      word[l] = (l * BITS) / 32;
-      mask[l] = (1u << BITS) - 1u;
-    }
-  }
-  // Elements [8i, 8i + 8) of the group whose words start at wg, as floats.
-  v8f operator()(const uint32_t* wg, int i) const {
-    const uint32_t* wi = wg + i * 8 * BITS / 32;
-    v8u words;
-    for (int l = 0; l < 8; ++l) words[l] = wi[word[l]];
-    const uint32_t offset = (i * 8 * BITS) % 32;  // 2-bit: odd vectors start mid-word
-    return __builtin_convertvector((words >> (shift + offset)) & mask, v8f);
-  }
-};
-
-// One helper thread that takes the second half of the output columns; the MLX stream thread
-// does the first. Kept for the process's life: a thread started per call would cost more than
-// a decode-size product.
-class Helper {
+// Both cores on every product: the MLX stream thread and one helper thread take chunks of the
+// output columns from a shared counter until none are left. The caller never waits for a
+// chunk nobody has started: on a busy machine, where the helper may not be scheduled for a
+// while, the caller does the work alone instead of waiting a scheduler slice for it (a fixed
+// half per thread cost a 192-column product 10x). The helper is kept for the process's life
+// and spins briefly after each job before it sleeps: a decode step runs ~200 products tens of
+// microseconds apart, and waking a sleeping thread costs about as much as one.
+class Pool {
  public:
-  Helper() : thread_([this] { loop(); }) { thread_.detach(); }
-  void run(std::function<void()> mine, std::function<void()> theirs) {
-    std::lock_guard<std::mutex> one_at_a_time(run_mu_);  // one helper: callers take turns
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      job_ = std::move(theirs);
-      done_ = false;
-    }
-    cv_.notify_one();
-    mine();
-    std::unique_lock<std::mutex> lock(mu_);
-    cv_done_.wait(lock, [this] { return done_; });
+  Pool() : thread_([this] { loop(); }) { thread_.detach(); }
+
+  // fn(c0, c1) for chunks [c0, c1) of [0, n), grain wide (the last one narrower).
+  void parallel_for(int n, int grain, const std::function<void(int, int)>& fn) {
+    const int chunks = (n + grain - 1) / grain;
+    if (chunks <= 1 || chunks >= (1 << 16)) return fn(0, n);
+    std::lock_guard<std::mutex> one_at_a_time(run_mu_);
+    fn_ = &fn;
+    n_ = n;
+    grain_ = grain;
+    const uint32_t t = ++ticket_ == 0 ? ++ticket_ : ticket_;  // 0 means "no job"
+    state_.store((uint64_t(t) << 32) | (uint64_t(chunks) << 16));
+    posted_.store(t);
+    posted_.notify_one();  // a futex wake only when the helper sleeps
+    work(t);
+    // Every chunk is taken; the helper may still be in its last one.
+    for (int i = 0; i < SPINS && working_.load() == t; ++i) pause();
+    for (uint32_t w; (w = working_.load()) == t;) working_.wait(w);
   }
 
  private:
-  void loop() {
+  static void pause() {
+#if defined(__x86_64__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    asm volatile("yield");
+#endif
+  }
+  // The next chunk of job t, if t is still the job and a chunk is left. state_ holds the job's
+  // ticket, its chunk count and its next chunk in one word, so a late helper can never take a
+  // chunk of a job that has moved on.
+  bool claim(uint32_t t, int& chunk) {
+    uint64_t s = state_.load();
     for (;;) {
-      std::function<void()> job;
-      {
-        std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [this] { return static_cast<bool>(job_); });
-        job = std::move(job_);
-        job_ = nullptr;
+      if (uint32_t(s >> 32) != t || (s & 0xffff) >= ((s >> 16) & 0xffff)) return false;
+      if (state_.compare_exchange_weak(s, s + 1)) {
+        chunk = int(s & 0xffff);
+        return true;
       }
-      job();
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        done_ = true;
-      }
-      cv_done_.notify_one();
     }
   }
-  std::mutex run_mu_, mu_;
-  std::condition_variable cv_, cv_done_;
-  std::function<void()> job_;
-  bool done_ = true;
+  void work(uint32_t t) {
+    for (int c; claim(t, c);) {
+      const int c0 = c * grain_;
+      (*fn_)(c0, c0 + grain_ < n_ ? c0 + grain_ : n_);
+    }
+  }
+  void loop() {
+    using clock = std::chrono::steady_clock;
+    uint32_t seen = 0;
+    for (;;) {
+      const auto until = clock::now() + std::chrono::microseconds(SPIN_US);
+      while (posted_.load(std::memory_order_relaxed) == seen && clock::now() < until) pause();
+      posted_.wait(seen);  // returns at once when a job came meanwhile
+      seen = posted_.load();
+      working_.store(seen);  // before claiming: the caller waits while the helper is in its job
+      work(seen);
+      working_.store(0);
+      working_.notify_one();
+    }
+  }
+  static inline const int SPIN_US = [] {  // a tuning knob for bench.matvec, not a setting
+    const char* v = std::getenv("LMSPD_KERNEL_SPIN_US");
+    return v ? std::atoi(v) : 50;
+  }();
+  static constexpr int SPINS = 2000;
+  std::mutex run_mu_;
+  const std::function<void(int, int)>* fn_ = nullptr;
+  int n_ = 0, grain_ = 1;
+  uint32_t ticket_ = 0;
+  std::atomic<uint64_t> state_{0};
+  std::atomic<uint32_t> posted_{0}, working_{0};
   std::thread thread_;
 };
 
-Helper& helper() {
-  static Helper* h = new Helper();  // never destroyed: its thread outlives static teardown
-  return *h;
+Pool& pool() {
+  static Pool* p = new Pool();  // never destroyed: its thread outlives static teardown
+  return *p;
 }
 
-template <int BITS, int GS, typename S>
-void qmv_range(const float* x, const uint32_t* w, const S* scales, const S* biases, float* out, int M, int N,
-               int K, int n0, int n1) {
-  constexpr int G_WORDS = GS * BITS / 32;  // packed words per group
-  constexpr int VECS = GS / 8;            // float vectors per group
-  const int G = K / GS;
-  const int W = K * BITS / 32;
-  const Unpack<BITS> unpack;
-  // Each group's sum of x, per row: the biases' share is bias * sum(x), once per group.
-  std::vector<float> xsum((size_t)M * G);
-  for (int m = 0; m < M; ++m)
-    for (int g = 0; g < G; ++g) {
-      float sum = 0;
-      for (int j = 0; j < GS; ++j) sum += x[(size_t)m * K + g * GS + j];
-      xsum[(size_t)m * G + g] = sum;
-    }
-  for (int n = n0; n < n1; ++n) {
-    const uint32_t* wn = w + (size_t)n * W;
-    const S* sn = scales + (size_t)n * G;
-    const S* bn = biases + (size_t)n * G;
-    for (int m0 = 0; m0 < M; m0 += 8) {
-      const int mc = M - m0 < 8 ? M - m0 : 8;
-      v8f res[8];
-      float bsum[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      for (int mm = 0; mm < 8; ++mm) res[mm] = (v8f){0, 0, 0, 0, 0, 0, 0, 0};
-      for (int g = 0; g < G; ++g) {
-        const uint32_t* wg = wn + g * G_WORDS;
-        v8f q[VECS];  // this group's quantized values, unpacked once for all rows
-        for (int i = 0; i < VECS; ++i) q[i] = unpack(wg, i);
-        const float sg = static_cast<float>(sn[g]), bg = static_cast<float>(bn[g]);
-        for (int mm = 0; mm < mc; ++mm) {
-          const float* xg = x + (size_t)(m0 + mm) * K + g * GS;
-          v8f acc = {0, 0, 0, 0, 0, 0, 0, 0};
-          for (int i = 0; i < VECS; ++i) {
-            v8f xv;
-            std::memcpy(&xv, xg + i * 8, sizeof(v8f));
-            acc += xv * q[i];
-          }
-          res[mm] += sg * acc;
-          bsum[mm] += bg * xsum[(size_t)(m0 + mm) * G + g];
-        }
-      }
-      for (int mm = 0; mm < mc; ++mm) {
-        const v8f r = res[mm];
-        out[(size_t)(m0 + mm) * N + n] = (((r[0] + r[4]) + (r[1] + r[5])) + ((r[2] + r[6]) + (r[3] + r[7]))) + bsum[mm];
-      }
-    }
-  }
+// Chunks of about this many weights x rows: a few microseconds each, and enough of them to share.
+constexpr int CHUNK_WORK = 1 << 15;
+int grain_for(int K, int M, int multiple) {
+  int g = CHUNK_WORK / (K * (M < 8 ? M : 8));
+  g = (g + multiple - 1) / multiple * multiple;
+  return g < multiple ? multiple : g;
 }
 
 template <int BITS, int GS, typename S>
@@ -194,7 +183,8 @@ __attribute__((optimize("fp-contract=off"))) void dequantize_range(const uint32_
 
 // The kernels with the scales' type erased, chosen at run time by bits, group size and dtype.
 using Dequantizer = void (*)(const uint32_t*, const void*, const void*, float*, int, int, int);
-using Kernel = void (*)(const float*, const uint32_t*, const void*, const void*, float*, int, int, int, int, int);
+using Kernel = void (*)(const float*, const float*, const uint32_t*, const void*, const void*, float*, int, int, int,
+                        int, int);
 
 template <int BITS, int GS, typename S>
 void dequantize_erased(const uint32_t* w, const void* s, const void* b, float* out, int K, int n0, int n1) {
@@ -202,9 +192,24 @@ void dequantize_erased(const uint32_t* w, const void* s, const void* b, float* o
 }
 
 template <int BITS, int GS, typename S>
-void qmv_erased(const float* x, const uint32_t* w, const void* s, const void* b, float* out, int M, int N, int K,
-                int n0, int n1) {
-  qmv_range<BITS, GS, S>(x, w, static_cast<const S*>(s), static_cast<const S*>(b), out, M, N, K, n0, n1);
+void qmv_erased(const float* x, const float* xsum, const uint32_t* w, const void* s, const void* b, float* out, int M,
+                int N, int K, int n0, int n1) {
+  qmv_portable<BITS, GS, S>(x, xsum, w, static_cast<const S*>(s), static_cast<const S*>(b), out, M, N, K, n0, n1);
+}
+
+#if defined(LMSPD_SIMD)
+template <int BITS, int GS, typename S>
+void qmv_simd_erased(const float* x, const float* xsum, const uint32_t* w, const void* s, const void* b, float* out,
+                     int M, int N, int K, int n0, int n1) {
+  lmspd::qmv_simd<BITS, GS, S>(x, xsum, w, static_cast<const S*>(s), static_cast<const S*>(b), out, M, N, K, n0, n1);
+}
+#endif
+const char* simd_name() {
+#if defined(LMSPD_SIMD)
+  return lmspd::kSimd;
+#else
+  return "portable";
+#endif
 }
 
 #define LMSPD_CASES(S)                                                                  \
@@ -224,7 +229,17 @@ Dequantizer dequantizer_for(int bits, int group_size, mx::Dtype dtype) {
   return nullptr;
 }
 
-Kernel kernel_for(int bits, int group_size, mx::Dtype dtype) {
+// simd: the SIMD kernel where the build has one (else the portable one, the same bits).
+Kernel kernel_for(int bits, int group_size, mx::Dtype dtype, bool simd = true) {
+#if defined(LMSPD_SIMD)
+  if (simd) {
+#define LMSPD_CASE(B, G, S) \
+  if (bits == B && group_size == G) return &qmv_simd_erased<B, G, S>;
+    LMSPD_DTYPES
+#undef LMSPD_CASE
+  }
+#endif
+  (void)simd;
 #define LMSPD_CASE(B, G, S) \
   if (bits == B && group_size == G) return &qmv_erased<B, G, S>;
   LMSPD_DTYPES
@@ -234,8 +249,8 @@ Kernel kernel_for(int bits, int group_size, mx::Dtype dtype) {
 
 class QuantizedMatvec : public mx::UnaryPrimitive {
  public:
-  QuantizedMatvec(mx::Stream s, int bits, int group_size, bool split)
-      : mx::UnaryPrimitive(s), bits_(bits), group_size_(group_size), split_(split) {}
+  QuantizedMatvec(mx::Stream s, int bits, int group_size, bool split, bool simd)
+      : mx::UnaryPrimitive(s), bits_(bits), group_size_(group_size), split_(split), simd_(simd) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     const auto& x = inputs[0];
@@ -249,20 +264,21 @@ class QuantizedMatvec : public mx::UnaryPrimitive {
     const int K = x.shape(-1);
     const int M = static_cast<int>(x.size() / K);
     const int N = out.shape(-1);
-    Kernel kernel = kernel_for(bits_, group_size_, sc.dtype());
-    const bool split = split_ && N >= 64;
+    Kernel kernel = kernel_for(bits_, group_size_, sc.dtype(), simd_);
+    const bool split = split_;
+    const int GS = group_size_;
     enc.dispatch([x = mx::array::unsafe_weak_copy(x), w = mx::array::unsafe_weak_copy(w),
                   sc = mx::array::unsafe_weak_copy(sc), bi = mx::array::unsafe_weak_copy(bi),
-                  out = mx::array::unsafe_weak_copy(out), M, N, K, kernel, split]() mutable {
+                  out = mx::array::unsafe_weak_copy(out), M, N, K, GS, kernel, split]() mutable {
       const float* xp = x.data<float>();
       const uint32_t* wp = w.data<uint32_t>();
       const void* sp = sc.data<uint8_t>();
       const void* bp = bi.data<uint8_t>();
       float* op = out.data<float>();
-      if (!split) return kernel(xp, wp, sp, bp, op, M, N, K, 0, N);
-      const int half = N / 2;
-      helper().run([=] { kernel(xp, wp, sp, bp, op, M, N, K, 0, half); },
-                   [=] { kernel(xp, wp, sp, bp, op, M, N, K, half, N); });
+      const std::vector<float> xsum = group_sums(xp, M, K, GS);  // once, for both threads
+      const float* xs = xsum.data();
+      if (!split) return kernel(xp, xs, wp, sp, bp, op, M, N, K, 0, N);
+      pool().parallel_for(N, grain_for(K, M, 4), [=](int n0, int n1) { kernel(xp, xs, wp, sp, bp, op, M, N, K, n0, n1); });
     });
   }
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
@@ -271,12 +287,74 @@ class QuantizedMatvec : public mx::UnaryPrimitive {
   const char* name() const override { return "LmspdQuantizedMatvec"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const QuantizedMatvec&>(other);
-    return bits_ == o.bits_ && group_size_ == o.group_size_ && split_ == o.split_;
+    return bits_ == o.bits_ && group_size_ == o.group_size_ && split_ == o.split_ && simd_ == o.simd_;
   }
 
  private:
   int bits_, group_size_;
-  bool split_;
+  bool split_, simd_;
+};
+
+// Sibling layers' products of one x (q, k and v; gate and up) as one primitive, their weights
+// stacked: one dispatch, one pass of group sums, and enough columns for both cores (a 192-wide
+// k or v product alone is mostly fixed cost). Each output column is computed as the single
+// product computes it: the same bits.
+class QuantizedMatvecs : public mx::Primitive {
+ public:
+  QuantizedMatvecs(mx::Stream s, int bits, int group_size, std::vector<int> widths)
+      : mx::Primitive(s), bits_(bits), group_size_(group_size), widths_(std::move(widths)) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const auto& x = inputs[0];
+    const auto& sc = inputs[2];
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs) enc.set_input_array(a);
+    std::vector<float*> outs;
+    for (auto& o : outputs) {
+      o.set_data(mx::allocator::malloc(o.nbytes()));
+      enc.set_output_array(o);
+    }
+    const int K = x.shape(-1);
+    const int M = static_cast<int>(x.size() / K);
+    const int W = K * bits_ / 32, G = K / group_size_, GS = group_size_;
+    const size_t item = sc.itemsize();
+    Kernel kernel = kernel_for(bits_, group_size_, sc.dtype(), true);
+    std::vector<int> widths = widths_;
+    std::vector<mx::array> weak;
+    for (const auto& a : inputs) weak.push_back(mx::array::unsafe_weak_copy(a));
+    for (const auto& o : outputs) weak.push_back(mx::array::unsafe_weak_copy(o));
+    enc.dispatch([weak = std::move(weak), widths, M, K, W, G, GS, item, kernel]() mutable {
+      const float* xp = weak[0].data<float>();
+      const uint32_t* wp = weak[1].data<uint32_t>();
+      const uint8_t* sp = weak[2].data<uint8_t>();
+      const uint8_t* bp = weak[3].data<uint8_t>();
+      const std::vector<float> xsum = group_sums(xp, M, K, GS);
+      const float* xs = xsum.data();
+      int total = 0;
+      for (int w : widths) total += w;
+      pool().parallel_for(total, grain_for(K, M, 4), [&](int c0, int c1) {
+        int start = 0;
+        for (size_t j = 0; j < widths.size(); start += widths[j], ++j) {
+          const int lo = c0 > start ? c0 : start, hi = c1 < start + widths[j] ? c1 : start + widths[j];
+          if (lo >= hi) continue;
+          kernel(xp, xs, wp + size_t(start) * W, sp + size_t(start) * G * item, bp + size_t(start) * G * item,
+                 weak[4 + j].data<float>(), M, widths[j], K, lo - start, hi - start);
+        }
+      });
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("lmspd quantized_matvecs runs on the CPU only");
+  }
+  const char* name() const override { return "LmspdQuantizedMatvecs"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const QuantizedMatvecs&>(other);
+    return bits_ == o.bits_ && group_size_ == o.group_size_ && widths_ == o.widths_;
+  }
+
+ private:
+  int bits_, group_size_;
+  std::vector<int> widths_;
 };
 
 class Dequantize : public mx::UnaryPrimitive {
@@ -300,8 +378,7 @@ class Dequantize : public mx::UnaryPrimitive {
       const void* sp = sc.data<uint8_t>();
       const void* bp = bi.data<uint8_t>();
       float* op = out.data<float>();
-      const int half = N / 2;
-      helper().run([=] { dq(wp, sp, bp, op, K, 0, half); }, [=] { dq(wp, sp, bp, op, K, half, N); });
+      pool().parallel_for(N, grain_for(K, 1, 1), [=](int n0, int n1) { dq(wp, sp, bp, op, K, n0, n1); });
     });
   }
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
@@ -327,11 +404,17 @@ void check(const mx::array& w, const mx::array& scales, const mx::array& biases,
     throw std::invalid_argument("w, scales and biases do not match");
 }
 
+// An input as the kernels read it: row-contiguous. A weight already evaluated that way is
+// passed as it is: a Contiguous node per weight per product was ~630 of a decode step's graph.
+mx::array row_contiguous(const mx::array& a, mx::Stream s) {
+  if (a.is_available() && a.flags().row_contiguous) return a;
+  return mx::contiguous(a, false, s);
+}
+
 mx::array dequantize(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits) {
   check(w, scales, biases, group_size, bits);
   auto s = mx::default_stream(mx::Device::cpu);
-  std::vector<mx::array> inputs = {mx::contiguous(w, false, s), mx::contiguous(scales, false, s),
-                                   mx::contiguous(biases, false, s)};
+  std::vector<mx::array> inputs = {row_contiguous(w, s), row_contiguous(scales, s), row_contiguous(biases, s)};
   return mx::array({w.shape(0), w.shape(1) * 32 / bits}, mx::float32,
                    std::make_shared<Dequantize>(s, bits, group_size), inputs);
 }
@@ -339,7 +422,7 @@ mx::array dequantize(const mx::array& w, const mx::array& scales, const mx::arra
 // x @ dequantize(w, scales, biases).T for float32 x (MLX's packing, transposed weights), the
 // products summed in float32.
 mx::array quantized_matvec(const mx::array& x, const mx::array& w, const mx::array& scales,
-                           const mx::array& biases, int group_size, int bits, bool split) {
+                           const mx::array& biases, int group_size, int bits, bool split, bool simd) {
   check(w, scales, biases, group_size, bits);
   if (x.dtype() != mx::float32 || x.ndim() < 1 || x.shape(-1) != w.shape(1) * 32 / bits)
     throw std::invalid_argument("x must be float32 with the weights' input size last");
@@ -347,16 +430,93 @@ mx::array quantized_matvec(const mx::array& x, const mx::array& w, const mx::arr
   auto s = mx::default_stream(mx::Device::cpu);
   auto shape = x.shape();
   shape.back() = N;
-  std::vector<mx::array> inputs = {mx::contiguous(x, false, s), mx::contiguous(w, false, s),
-                                   mx::contiguous(scales, false, s), mx::contiguous(biases, false, s)};
-  return mx::array(shape, mx::float32, std::make_shared<QuantizedMatvec>(s, bits, group_size, split), inputs);
+  std::vector<mx::array> inputs = {row_contiguous(x, s), row_contiguous(w, s), row_contiguous(scales, s),
+                                   row_contiguous(biases, s)};
+  return mx::array(shape, mx::float32, std::make_shared<QuantizedMatvec>(s, bits, group_size, split, simd), inputs);
+}
+
+// x rotated by the tables' angles at positions offset + t (offset: one, or one per batch row).
+mx::array rope(const mx::array& x, const mx::array& cos, const mx::array& sin, const mx::array& offset, int dims,
+               bool traditional) {
+  if (x.dtype() != mx::float32 || x.ndim() < 3 || dims % 2 != 0 || dims > x.shape(-1))
+    throw std::invalid_argument("x must be float32 with at least 3 dimensions, dims even and <= its last");
+  if (cos.dtype() != mx::float32 || cos.ndim() != 2 || cos.shape(1) != dims / 2 || sin.shape() != cos.shape() ||
+      sin.dtype() != mx::float32)
+    throw std::invalid_argument("cos and sin must be float32 tables of (positions, dims / 2)");
+  if (offset.dtype() != mx::int32 || offset.ndim() > 1 || (offset.size() != 1 && offset.size() != x.size() / (x.shape(-1) * x.shape(-2) * x.shape(-3))))
+    throw std::invalid_argument("offset must be int32, one or one per batch row");
+  auto s = mx::default_stream(mx::Device::cpu);
+  std::vector<mx::array> inputs = {row_contiguous(x, s), row_contiguous(cos, s), row_contiguous(sin, s),
+                                   row_contiguous(offset, s)};
+  return mx::array(x.shape(), mx::float32, std::make_shared<TableRope>(s, dims, traditional), inputs);
+}
+
+// x @ dequantize(w).T for stacked weights, as one output per width (the rows of w, in order).
+std::vector<mx::array> quantized_matvecs(const mx::array& x, const mx::array& w, const mx::array& scales,
+                                         const mx::array& biases, int group_size, int bits, std::vector<int> widths) {
+  check(w, scales, biases, group_size, bits);
+  if (x.dtype() != mx::float32 || x.ndim() < 1 || x.shape(-1) != w.shape(1) * 32 / bits)
+    throw std::invalid_argument("x must be float32 with the weights' input size last");
+  int total = 0;
+  for (int n : widths) total += n > 0 ? n : -(1 << 30);
+  if (widths.empty() || total != w.shape(0)) throw std::invalid_argument("the widths must add up to w's rows");
+  auto s = mx::default_stream(mx::Device::cpu);
+  std::vector<mx::Shape> shapes;
+  for (int n : widths) {
+    auto shape = x.shape();
+    shape.back() = n;
+    shapes.push_back(shape);
+  }
+  std::vector<mx::array> inputs = {row_contiguous(x, s), row_contiguous(w, s), row_contiguous(scales, s),
+                                   row_contiguous(biases, s)};
+  return mx::array::make_arrays(std::move(shapes), std::vector<mx::Dtype>(widths.size(), mx::float32),
+                                std::make_shared<QuantizedMatvecs>(s, bits, group_size, widths), inputs);
+}
+
+// mx.fast.rms_norm(x, weight, eps) for float32 x and weight.
+mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps) {
+  if (x.dtype() != mx::float32 || weight.dtype() != mx::float32 || x.ndim() < 1 || weight.ndim() != 1 ||
+      weight.shape(0) != x.shape(-1))
+    throw std::invalid_argument("x and weight must be float32, the weight 1-D and as wide as x");
+  auto s = mx::default_stream(mx::Device::cpu);
+  return mx::array(x.shape(), mx::float32, std::make_shared<RmsNorm>(s, eps),
+                   {row_contiguous(x, s), row_contiguous(weight, s)});
+}
+
+// Seconds to read all of a's bytes once on both threads: the memory bandwidth a matvec's
+// weights stream at, for bench.matvec's bound.
+double read_seconds(const mx::array& a) {
+  mx::eval({a});
+  const auto* p = a.data<uint64_t>();
+  const size_t n = a.nbytes() / sizeof(uint64_t);
+  std::atomic<uint64_t> sink{0};
+  auto part = [&](size_t i0, size_t i1) {
+    typedef uint64_t v4u __attribute__((vector_size(32)));
+    v4u acc = {0, 0, 0, 0};
+    for (size_t i = i0; i + 4 <= i1; i += 4) {
+      v4u v;
+      std::memcpy(&v, p + i, sizeof(v));
+      acc += v;
+    }
+    sink += acc[0] + acc[1] + acc[2] + acc[3];
+  };
+  const auto start = std::chrono::steady_clock::now();
+  pool().parallel_for(int(n >> 16), 1, [&](int c0, int c1) { part(size_t(c0) << 16, size_t(c1) << 16); });
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
 }  // namespace
 
 NB_MODULE(quantized_ext, m) {
   m.def("quantized_matvec", &quantized_matvec, nb::arg("x"), nb::arg("w"), nb::arg("scales"), nb::arg("biases"),
-        nb::arg("group_size"), nb::arg("bits"), nb::arg("split") = true);
+        nb::arg("group_size"), nb::arg("bits"), nb::arg("split") = true, nb::arg("simd") = true);
+  m.def("simd", &simd_name);  // the matvec's instruction set in this build: avx2, neon or portable
+  m.def("read_seconds", &read_seconds, nb::arg("a"));
+  m.def("quantized_matvecs", &quantized_matvecs, nb::arg("x"), nb::arg("w"), nb::arg("scales"), nb::arg("biases"),
+        nb::arg("group_size"), nb::arg("bits"), nb::arg("widths"));
+  m.def("rms_norm", &rms_norm, nb::arg("x"), nb::arg("weight"), nb::arg("eps"));
+  m.def("rope", &rope, nb::arg("x"), nb::arg("cos"), nb::arg("sin"), nb::arg("offset"), nb::arg("dims"),
+        nb::arg("traditional"));
   m.def("dequantize", &dequantize, nb::arg("w"), nb::arg("scales"), nb::arg("biases"), nb::arg("group_size"),
         nb::arg("bits"));
 }

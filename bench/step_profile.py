@@ -1,0 +1,362 @@
+"""Where a decode step, a prefill and a cached-prompt first token spend their time.
+
+    python -m bench.step_profile [--model-dir DIR] [--weight-dtype quantized_float32] [--reps 15]
+
+Loads the model as the engine does (the system BLAS, then MLX, the weight dtype) and times, on
+the model's own layers and shapes, in milliseconds (medians of ``--reps``):
+
+- a decode step at batch 1 and 8 (a ~100-token context): Python graph construction (the forward
+  pass and the sampler called lazily), the graph's evaluation, and the step as the engine runs
+  it (mlx-lm's ``BatchGenerator``, which evaluates step n while it builds step n + 1); then each
+  kernel class alone at the step's shapes and counts (counted from the step's own graph,
+  ``mx.export_to_dot``), and the fixed cost of one MLX primitive times the step's count;
+- sampling, detokenizing one token, the engine's reply over a pipe, the prompt cache's copy;
+- a 512- and a 2,000-token prefill in the engine's 512-token chunks, the dequantize and BLAS
+  shares timed alone;
+- a cached-prompt first token through ``BatchGenerator``: the cache copy, the forward passes.
+
+The machine may be shared: the kernel classes are timed in alternating rounds, so a neighbour's
+load spreads over all of them; read the rows as shares of one run, not as absolute speeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable
+from multiprocessing import Pipe
+from pathlib import Path
+from typing import Any
+
+Fn = Callable[[], Any]
+CONTEXT = 100  # decode-step context, tokens
+CHUNK = 512  # the engine's prefill_step_size
+TEXT = "The quick brown fox jumps over the lazy dog while the city of Rome sleeps under the stars. "
+# Primitives that compute nothing on contiguous inputs (they share their input's buffer).
+VIEWS = ("Broadcast", "Reshape", "ExpandDims", "Slice", "Transpose", "Contiguous", "Squeeze")
+
+
+def median_ms(fn: Fn, reps: int) -> float:
+    return alternating_ms({"": fn}, reps)[""]
+
+
+def alternating_ms(fns: dict[str, Fn], reps: int) -> dict[str, float]:
+    """Each function evaluated once per round, round after round."""
+    import mlx.core as mx
+
+    for fn in fns.values():
+        mx.eval(fn())  # warm-up
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            mx.eval(fn())
+            times[name].append(time.perf_counter() - start)
+    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
+
+
+def primitives(outputs: Any) -> Counter[str]:
+    """The primitives of the graph that computes ``outputs``, by name."""
+    import mlx.core as mx
+
+    with tempfile.NamedTemporaryFile(suffix=".dot") as f:
+        mx.export_to_dot(f.name, outputs)
+        return Counter(re.findall(r'label ="([^"(]+)', Path(f.name).read_text()))
+
+
+def products(model: Any) -> list[tuple[Any, int]]:
+    """Every quantized product of one forward pass with its input size, the output head last."""
+    from lmspd.engine.packed import PackedEmbedding, PackedLinear
+
+    layers: list[tuple[Any, int]] = [
+        (m, m.weight.shape[1] * 32 // m.bits) for _, m in model.named_modules() if type(m) is PackedLinear
+    ]
+    head = getattr(model, "lm_head", None)
+    if not isinstance(head, PackedLinear):
+        embed = model.model.embed_tokens
+        assert isinstance(embed, PackedEmbedding)
+        layers.append((_AsLinear(embed), embed.weight.shape[1] * 32 // embed.bits))
+    return layers
+
+
+class _AsLinear:
+    def __init__(self, embed: Any) -> None:
+        self.embed = embed
+
+    def __call__(self, x: Any) -> Any:
+        return self.embed.as_linear(x)
+
+
+def row(name: str, ms: float, total: float, note: str = "") -> None:
+    print(f"  {name:<48}{ms:>9.2f}{100 * ms / total:>7.0f}%  {note}")
+
+
+def decode_profile(model: Any, batch: int, reps: int) -> None:
+    import mlx.core as mx
+    from mlx_lm.models.activations import swiglu
+    from mlx_lm.models.base import scaled_dot_product_attention
+    from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+    args = model.args
+    heads, kv_heads = args.num_attention_heads, args.num_key_value_heads
+    head_dim = getattr(args, "head_dim", None) or args.hidden_size // heads
+    cache = make_prompt_cache(model)
+    tokens = mx.random.randint(0, 1000, (batch, CONTEXT), key=mx.random.key(batch))
+    mx.eval(model(tokens, cache=cache))
+    mx.eval([c.state for c in cache])
+    y = mx.zeros((batch,), dtype=mx.int32)
+
+    def build() -> tuple[Any, Any]:
+        logits = model(y[:, None], cache=cache)[:, -1, :]
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        return mx.argmax(logprobs, axis=-1), logprobs
+
+    graph = primitives(list(build()))
+    trim_prompt_cache(cache, 1)
+    builds, evals = [], []
+    for _ in range(reps + 1):
+        start = time.perf_counter()
+        out = build()
+        built = time.perf_counter()
+        mx.eval(out)
+        builds.append(built - start)
+        evals.append(time.perf_counter() - built)
+        trim_prompt_cache(cache, 1)
+    build_ms, eval_ms = statistics.median(builds[1:]) * 1e3, statistics.median(evals[1:]) * 1e3
+    engine_ms = batch_generator_step_ms(model, batch, reps)
+
+    # Each class alone: its ops at the step's shapes, as many as the step has, in one graph.
+    def x(shape: tuple[int, ...], seed: int) -> Any:
+        return mx.random.normal(shape, key=mx.random.key(seed))
+
+    prods = [(layer, x((batch, 1, k), i)) for i, (layer, k) in enumerate(products(model))]
+    layers = args.num_hidden_layers
+    block = model.model.layers[0]
+    hidden = x((batch, 1, args.hidden_size), 1)
+    q = x((batch, heads, 1, head_dim), 2)
+    k = x((batch, kv_heads, CONTEXT + 1, head_dim), 3)
+    v = x((batch, kv_heads, CONTEXT + 1, head_dim), 4)
+    gate = x((batch, 1, args.intermediate_size), 5)
+    logits = x((batch, args.vocab_size), 6)
+    tiny = [mx.ones((1, 1)) + i for i in range(64)]
+    mx.eval(tiny)
+    fns: dict[str, Fn] = {
+        "matvec": lambda: [layer(xi) for layer, xi in prods],
+        # On the CPU, MLX's fast norm, rope and attention are its composed fallbacks.
+        "attention": lambda: [
+            scaled_dot_product_attention(q, k, v, cache=None, scale=head_dim**-0.5, mask=None) for _ in range(layers)
+        ],
+        "norms": lambda: [block.input_layernorm(hidden) for _ in range(2 * layers + 1)],
+        "rope": lambda: [block.self_attn.rope(t, offset=CONTEXT) for t in (q, k[:, :, :1]) for _ in range(layers)],
+        "elementwise (swiglu, residual adds)": lambda: (
+            [swiglu(gate, gate) for _ in range(layers)] + [hidden + hidden for _ in range(2 * layers)]
+        ),
+        "sampling": lambda: mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1),
+        "compute": lambda: [t * 2 for t in tiny],
+        "view": lambda: [t.reshape(1, 1, 1) for t in tiny],
+    }
+    t = alternating_ms(fns, reps)
+    compute_us, view_us = t.pop("compute") * 1e3 / 64, t.pop("view") * 1e3 / 64
+    n_prims = sum(graph.values())
+    n_views = sum(graph[n] for n in VIEWS)
+    fixed = (compute_us * (n_prims - n_views) + view_us * n_views) / 1e3
+    print(f"\ndecode step, batch {batch}, {CONTEXT}-token context ({n_prims} primitives in the step's graph)")
+    print(f"  {'':<48}{'ms':>9}{'share':>8}")
+    row("step as the engine runs it (BatchGenerator)", engine_ms, engine_ms, "builds step n+1 while n runs")
+    row("Python graph construction", build_ms, engine_ms)
+    row("graph evaluation", eval_ms, engine_ms)
+    for name, ms in t.items():
+        row(f"  {name}" if name != "matvec" else f"  matvec ({len(prods)} packed products)", ms, engine_ms)
+    row("  the rest (KV cache updates, copies, reshapes)", eval_ms - sum(t.values()), engine_ms, "eval minus above")
+    note = f"{compute_us:.1f} us per op, {view_us:.1f} per view; part of the rows above"
+    row(f"  MLX per-primitive cost x {n_prims}", fixed, engine_ms, note)
+    print("  primitives: " + ", ".join(f"{n} {c}" for n, c in graph.most_common(14)))
+
+
+class _Counting:
+    """A model whose forward passes are counted (BatchGenerator calls it like the model)."""
+
+    def __init__(self, model: Any) -> None:
+        self.model, self.calls = model, 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        return self.model(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+
+def batch_generator_step_ms(model: Any, batch: int, reps: int) -> float:
+    from mlx_lm.generate import BatchGenerator
+
+    gen = BatchGenerator(model, completion_batch_size=batch, prefill_batch_size=batch, prefill_step_size=CHUNK)
+    gen.insert([[(7 * i + j) % 900 + 3 for j in range(CONTEXT)] for i in range(batch)], max_tokens=[reps + 8] * batch)
+    while not gen.next()[1]:
+        pass  # prefill
+    gen.next()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        gen.next()
+        times.append(time.perf_counter() - start)
+    gen.close()
+    return statistics.median(times) * 1e3
+
+
+def host_profile(model_dir: Path, batch: int, reps: int) -> None:
+    from lmspd.engine import protocol as p
+    from lmspd.models.tokenizer import IncrementalDetokenizer, Tokenizer
+
+    tok = Tokenizer(model_dir)
+    ids = tok.encode(TEXT * 4)[:128]
+    detok = IncrementalDetokenizer(tok, [])
+    start = time.perf_counter()
+    for t in ids:
+        detok.add(t)
+    detok_ms = (time.perf_counter() - start) * 1e3 / len(ids)
+    a, b = Pipe()
+    deltas = p.Deltas([p.Delta(f"req-{i}", [ids[i]], "word", None) for i in range(batch)])
+    start = time.perf_counter()
+    for _ in range(reps * 10):
+        a.send_bytes(p.reply_encoder.encode(deltas))
+        p.reply_decoder.decode(b.recv_bytes())
+    ipc_ms = (time.perf_counter() - start) * 1e3 / (reps * 10)
+    print(
+        f"  detokenizing, per token {detok_ms:.3f} ms (x{batch}: {detok_ms * batch:.2f}); "
+        f"one step's reply over a pipe, encoded and decoded: {ipc_ms:.3f} ms"
+    )
+
+
+def prefill_profile(model: Any, tokens: int, reps: int) -> None:
+    import mlx.core as mx
+    from mlx_lm.models.base import scaled_dot_product_attention
+    from mlx_lm.models.cache import make_prompt_cache
+
+    prompt = mx.array([(7 * j) % 900 + 3 for j in range(tokens)])
+
+    def prefill() -> Any:
+        cache = make_prompt_cache(model)
+        for s in range(0, tokens - 1, CHUNK):
+            model(prompt[None, s : min(s + CHUNK, tokens - 1)], cache=cache)
+            mx.eval([c.state for c in cache])
+        return model(prompt[None, -1:], cache=cache)
+
+    reps = max(3, reps // 5)
+    total = median_ms(prefill, reps)
+    chunks = [min(CHUNK, tokens - 1 - s) for s in range(0, tokens - 1, CHUNK)]
+    layers = [(m, k) for m, k in products(model)[:-1]]  # the head runs on the last token only
+    dense = [m._ext.dequantize(m.weight, m.scales, m.biases, m.group_size, m.bits) for m, _ in layers]
+    xs = {n: [mx.random.normal((n, k)) for _, k in layers] for n in set(chunks)}
+    mx.eval(dense, xs)
+    fns: dict[str, Fn] = {
+        "dequantize": lambda: [
+            m._ext.dequantize(m.weight, m.scales, m.biases, m.group_size, m.bits) for m, _ in layers
+        ],
+    }
+    for n in set(chunks):
+        fns[f"blas{n}"] = lambda n=n: [xi @ w.T for xi, w in zip(xs[n], dense, strict=True)]  # type: ignore[misc]
+    a = model.args
+    heads, kv_heads = a.num_attention_heads, a.num_key_value_heads
+    head_dim = getattr(a, "head_dim", None) or a.hidden_size // heads
+    for i, n in enumerate(chunks):  # each chunk's queries against every key so far, causal
+        keys = sum(chunks[: i + 1])
+        q = mx.random.normal((1, heads, n, head_dim))
+        kv = mx.random.normal((1, kv_heads, keys, head_dim))
+        mx.eval(q, kv)
+        fns[f"attention{i}"] = lambda q=q, kv=kv: [  # type: ignore[misc]
+            scaled_dot_product_attention(q, kv, kv, cache=None, scale=head_dim**-0.5, mask="causal")
+            for _ in range(a.num_hidden_layers)
+        ]
+    t = alternating_ms(fns, reps)
+    deq = t["dequantize"] * len(chunks)
+    blas = sum(t[f"blas{n}"] for n in chunks)
+    attention = sum(t[f"attention{i}"] for i in range(len(chunks)))
+    print(f"\nprefill, {tokens} tokens in {len(chunks)} chunks: {total:.0f} ms, {1e3 * tokens / total:.0f} tok/s")
+    row("dequantize to float32 (once per chunk)", deq, total)
+    row("BLAS matmuls", blas, total)
+    row("attention (MLX's CPU fallback: matmuls, mask, softmax)", attention, total)
+    row("norms, rope, elementwise, copies", total - deq - blas - attention, total, "total minus the above")
+
+
+def cached_first_token(model: Any, reps: int) -> None:
+    import mlx.core as mx
+    from mlx_lm.generate import BatchGenerator
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from lmspd.engine.prompt_cache import PromptCache
+
+    prompt = [(7 * j) % 900 + 3 for j in range(40)]
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array(prompt)[None], cache=cache))
+    pc = PromptCache(1 << 30)
+    pc.store(("m", ""), prompt, cache)
+    counting = _Counting(model)
+    fetches, firsts, calls = [], [], []
+    for _ in range(reps):
+        start = time.perf_counter()
+        hit = pc.fetch(("m", ""), prompt)
+        mx.eval([c.state for c in hit.cache or []])
+        fetched = time.perf_counter()
+        gen = BatchGenerator(counting, completion_batch_size=8, prefill_batch_size=8, prefill_step_size=CHUNK)
+        counting.calls = 0
+        gen.insert([prompt[hit.cached :]], max_tokens=[4], caches=[hit.cache], all_tokens=[prompt[: hit.cached]])
+        while not gen.next()[1]:
+            pass
+        firsts.append(time.perf_counter() - fetched)
+        fetches.append(fetched - start)
+        calls.append(counting.calls)
+        gen.close()
+    f, g = statistics.median(fetches) * 1e3, statistics.median(firsts) * 1e3
+    print(f"\ncached-prompt first token (40-token prompt, {hit.cached} cached): {f + g:.1f} ms")
+    row("prompt cache fetch (copy of the KV, trimmed by one)", f, f + g)
+    row(f"insert and steps to the first token ({statistics.median(calls):.0f} forward passes)", g, f + g)
+
+
+def default_model_dir() -> Path:
+    """The configured default model's directory (the bundled SmolLM2 unless configured)."""
+    from lmspd.config import load_config
+    from lmspd.models.registry import ModelRegistry
+
+    config = load_config()
+    return Path(ModelRegistry(config).resolve(config.default_model).path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-dir", type=Path, default=None)
+    parser.add_argument("--weight-dtype", default="quantized_float32")
+    parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--skip-prefill", action="store_true")
+    args = parser.parse_args()
+
+    from lmspd.engine.upstream.blas import load as load_blas
+
+    blas = load_blas("auto")  # before MLX, as the engine does
+    import mlx.core as mx
+    from mlx_lm.utils import load_model
+
+    from lmspd.engine.weights import apply_weight_dtype
+    from lmspd.engine.worker import bound_buffer_cache
+
+    model_dir = args.model_dir or default_model_dir()
+    model, _ = load_model(Path(model_dir))
+    dtype = apply_weight_dtype(model, args.weight_dtype)
+    bound_buffer_cache()
+    mx.eval(model.parameters())
+    print(f"model {model_dir} | weights {dtype} | MLX {getattr(mx, '__version__', '?')} | BLAS {blas or 'bundled'}")
+    for batch in (1, 8):
+        decode_profile(model, batch, args.reps)
+        host_profile(Path(model_dir), batch, args.reps)
+    if not args.skip_prefill:
+        for tokens in (512, 2000):
+            prefill_profile(model, tokens, args.reps)
+    cached_first_token(model, args.reps)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+// Single primitives for what MLX's fast ops build as graphs on the CPU, bit for bit.
+//
+// MLX's CPU backend has no kernels for its fast ops: each builds its fallback graph of plain
+// primitives, and a decode step's many small calls are dispatch-bound (bench/step_profile.py).
+//
+// TableRope. MLX's CPU backend has no RoPE kernel: mx.fast.rope there builds its fallback graph, ~15
+// primitives a call (positions, frequencies, cos, sin, slices, products, concatenation), and a
+// decode step of SmolLM2-135M calls it 60 times (step_profile's "rope" row: 4-5 ms of a step).
+// TableRope takes the fallback's own cos and sin for every position, computed once by MLX's
+// ops (packed.py: the same ops on all positions at once, elementwise, so the same values), and
+// does the rotation with the fallback's arithmetic, each product rounded to float32 before the
+// sum: bit for bit mx.fast.rope (tested), in one primitive.
+#pragma once
+
+// Included by quantized.cpp, after MLX's headers and the mx alias.
+
+#if defined(__clang__)
+#define LMSPD_NO_CONTRACT _Pragma("clang fp contract(off)")
+#define LMSPD_NO_CONTRACT_ATTR
+#else
+#define LMSPD_NO_CONTRACT
+#define LMSPD_NO_CONTRACT_ATTR __attribute__((optimize("fp-contract=off")))
+#endif
+
+namespace {
+
+// x: (B, H, T, D) row-contiguous; cs, sn: (P, dims / 2); offset: B positions, or one for all.
+LMSPD_NO_CONTRACT_ATTR void rope_rows(const float* x, const float* cs, const float* sn, const int32_t* offset,
+                                      int n_offsets, float* out, int B, int H, int T, int D, int dims, int P,
+                                      bool traditional) {
+  LMSPD_NO_CONTRACT
+  const int half = dims / 2;
+  for (int b = 0; b < B; ++b) {
+    const int first = offset[n_offsets == 1 ? 0 : b];
+    for (int h = 0; h < H; ++h)
+      for (int t = 0; t < T; ++t) {
+        const size_t row = ((size_t(b) * H + h) * T + t) * D;
+        const float* xr = x + row;
+        float* o = out + row;
+        const int pos = first + t;
+        if (pos < 0 || pos >= P) {  // past the tables: loudly wrong, never silently (packed.py guards)
+          for (int d = 0; d < D; ++d) o[d] = __builtin_nanf("");
+          continue;
+        }
+        const float* c = cs + size_t(pos) * half;
+        const float* s = sn + size_t(pos) * half;
+        for (int i = 0; i < half; ++i) {
+          const float x1 = traditional ? xr[2 * i] : xr[i];
+          const float x2 = traditional ? xr[2 * i + 1] : xr[i + half];
+          const float a = x1 * c[i], bb = x2 * s[i], e = x1 * s[i], f = x2 * c[i];
+          o[traditional ? 2 * i : i] = a - bb;
+          o[traditional ? 2 * i + 1 : i + half] = e + f;
+        }
+        for (int d = dims; d < D; ++d) o[d] = xr[d];
+      }
+  }
+}
+
+class TableRope : public mx::UnaryPrimitive {
+ public:
+  TableRope(mx::Stream s, int dims, bool traditional) : mx::UnaryPrimitive(s), dims_(dims), traditional_(traditional) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    const auto& x = inputs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs) enc.set_input_array(a);
+    enc.set_output_array(out);
+    const int D = x.shape(-1), T = x.shape(-2), H = x.shape(-3), B = static_cast<int>(x.size() / (D * T * H));
+    const int P = inputs[1].shape(0), n_offsets = static_cast<int>(inputs[3].size());
+    enc.dispatch([x = mx::array::unsafe_weak_copy(x), c = mx::array::unsafe_weak_copy(inputs[1]),
+                  s = mx::array::unsafe_weak_copy(inputs[2]), off = mx::array::unsafe_weak_copy(inputs[3]),
+                  out = mx::array::unsafe_weak_copy(out), B, H, T, D, P, n_offsets, dims = dims_,
+                  trad = traditional_]() mutable {
+      rope_rows(x.data<float>(), c.data<float>(), s.data<float>(), off.data<int32_t>(), n_offsets, out.data<float>(),
+                B, H, T, D, dims, P, trad);
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("lmspd rope runs on the CPU only");
+  }
+  const char* name() const override { return "LmspdTableRope"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const TableRope&>(other);
+    return dims_ == o.dims_ && traditional_ == o.traditional_;
+  }
+
+ private:
+  int dims_;
+  bool traditional_;
+};
+
+// RMSNorm as mx.fast.rms_norm's CPU fallback computes it, for float32 x and weight: per row,
+// the squares x * x summed one after another from 0 (MLX's CPU sum reduction of a contiguous
+// row), times 1 / D as float32, plus eps, then 1 / sqrt of that; each x times it, then times
+// the weight, every product rounded. Two primitives of the fallback's eight per call, 61 calls a
+// SmolLM2 decode step.
+LMSPD_NO_CONTRACT_ATTR void rms_norm_rows(const float* x, const float* w, float* out, size_t rows, int D, float eps) {
+  LMSPD_NO_CONTRACT
+  const float inv_d = static_cast<float>(1.0 / D);
+  for (size_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * D;
+    float* o = out + r * D;
+    float sum = 0.f;
+    for (int i = 0; i < D; ++i) {
+      const float sq = xr[i] * xr[i];
+      sum = sum + sq;
+    }
+    const float mean = sum * inv_d;
+    const float scale = 1.0f / std::sqrt(mean + eps);
+    for (int i = 0; i < D; ++i) {
+      const float normed = xr[i] * scale;
+      o[i] = normed * w[i];
+    }
+  }
+}
+
+class RmsNorm : public mx::UnaryPrimitive {
+ public:
+  RmsNorm(mx::Stream s, float eps) : mx::UnaryPrimitive(s), eps_(eps) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    const auto& x = inputs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs) enc.set_input_array(a);
+    enc.set_output_array(out);
+    const int D = x.shape(-1);
+    enc.dispatch([x = mx::array::unsafe_weak_copy(x), w = mx::array::unsafe_weak_copy(inputs[1]),
+                  out = mx::array::unsafe_weak_copy(out), D, eps = eps_]() mutable {
+      rms_norm_rows(x.data<float>(), w.data<float>(), out.data<float>(), x.size() / D, D, eps);
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("lmspd rms_norm runs on the CPU only");
+  }
+  const char* name() const override { return "LmspdRmsNorm"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return eps_ == static_cast<const RmsNorm&>(other).eps_;
+  }
+
+ private:
+  float eps_;
+};
+
+}  // namespace

@@ -55,7 +55,7 @@ def main() -> None:
     apply_weight_dtype(model, "quantized_float32")
     layers: dict[tuple[int, int, int, int], Any] = {}
     count: Counter[tuple[int, int, int, int]] = Counter()
-    for layer, k in products(model):
+    for layer, k in products(model, grouped=False):
         m = getattr(layer, "embed", layer)
         key = (m.weight.shape[0], k, m.bits, m.group_size)
         layers.setdefault(key, m)

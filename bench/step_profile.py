@@ -68,19 +68,40 @@ def primitives(outputs: Any) -> Counter[str]:
         return Counter(re.findall(r'label ="([^"(]+)', Path(f.name).read_text()))
 
 
-def products(model: Any) -> list[tuple[Any, int]]:
-    """Every quantized product of one forward pass with its input size, the output head last."""
+def products(model: Any, grouped: bool = True) -> list[tuple[Any, int]]:
+    """Every quantized product of one forward pass with its input size, the output head last.
+    grouped: sibling layers that share one call at decode (packed.Siblings) as that one call,
+    as the step runs them (else each layer alone)."""
     from lmspd.engine.packed import PackedEmbedding, PackedLinear
 
-    layers: list[tuple[Any, int]] = [
-        (m, m.weight.shape[1] * 32 // m.bits) for _, m in model.named_modules() if type(m) is PackedLinear
-    ]
+    layers: list[tuple[Any, int]] = []
+    groups: set[int] = set()
+    for _, m in model.named_modules():
+        if type(m) is not PackedLinear:
+            continue
+        k = m.weight.shape[1] * 32 // m.bits
+        siblings = getattr(m, "_siblings", None)
+        if grouped and siblings is not None:
+            if id(siblings) not in groups:
+                groups.add(id(siblings))
+                layers.append((_Siblings(siblings), k))
+            continue
+        layers.append((m, k))
     head = getattr(model, "lm_head", None)
     if not isinstance(head, PackedLinear):
         embed = model.model.embed_tokens
         assert isinstance(embed, PackedEmbedding)
         layers.append((_AsLinear(embed), embed.weight.shape[1] * 32 // embed.bits))
     return layers
+
+
+class _Siblings:
+    def __init__(self, siblings: Any) -> None:
+        self.s = siblings
+
+    def __call__(self, x: Any) -> Any:
+        s = self.s
+        return s._ext.quantized_matvecs(x, s.weight, s.scales, s.biases, s.group_size, s.bits, s.widths)
 
 
 class _AsLinear:
@@ -134,6 +155,7 @@ def decode_profile(model: Any, batch: int, reps: int) -> None:
         return mx.random.normal(shape, key=mx.random.key(seed))
 
     prods = [(layer, x((batch, 1, k), i)) for i, (layer, k) in enumerate(products(model))]
+    n_products = sum(len(layer.s.widths) if isinstance(layer, _Siblings) else 1 for layer, _ in prods)
     layers = args.num_hidden_layers
     block = model.model.layers[0]
     hidden = x((batch, 1, args.hidden_size), 1)
@@ -170,7 +192,8 @@ def decode_profile(model: Any, batch: int, reps: int) -> None:
     row("Python graph construction", build_ms, engine_ms)
     row("graph evaluation", eval_ms, engine_ms)
     for name, ms in t.items():
-        row(f"  {name}" if name != "matvec" else f"  matvec ({len(prods)} packed products)", ms, engine_ms)
+        label = f"  matvec ({n_products} packed products, {len(prods)} calls)" if name == "matvec" else f"  {name}"
+        row(label, ms, engine_ms)
     row("  the rest (KV cache updates, copies, reshapes)", eval_ms - sum(t.values()), engine_ms, "eval minus above")
     note = f"{compute_us:.1f} us per op, {view_us:.1f} per view; part of the rows above"
     row(f"  MLX per-primitive cost x {n_prims}", fixed, engine_ms, note)
@@ -249,7 +272,7 @@ def prefill_profile(model: Any, tokens: int, reps: int) -> None:
     reps = max(3, reps // 5)
     total = median_ms(prefill, reps)
     chunks = [min(CHUNK, tokens - 1 - s) for s in range(0, tokens - 1, CHUNK)]
-    layers = [(m, k) for m, k in products(model)[:-1]]  # the head runs on the last token only
+    layers = [(m, k) for m, k in products(model, grouped=False)[:-1]]  # the head: the last token only
     dense = [m._ext.dequantize(m.weight, m.scales, m.biases, m.group_size, m.bits) for m, _ in layers]
     xs = {n: [mx.random.normal((n, k)) for _, k in layers] for n in set(chunks)}
     mx.eval(dense, xs)

@@ -16,7 +16,7 @@ from typing import Any, Literal
 import msgspec
 
 from lmspd.errors import InvalidRequestError
-from lmspd.responses.tools import NAMESPACE_SEPARATOR
+from lmspd.responses.tools import qualified
 
 
 class TextPart(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -52,7 +52,7 @@ class FunctionCallItem(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     @property
     def offered_name(self) -> str:
         """The name the model called it by (a namespaced function's is qualified)."""
-        return f"{self.namespace}{NAMESPACE_SEPARATOR}{self.name}" if self.namespace else self.name
+        return qualified(self.name, self.namespace)
 
 
 class FunctionCallOutputItem(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -76,7 +76,7 @@ class CustomToolCallItem(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
 
     @property
     def offered_name(self) -> str:
-        return f"{self.namespace}{NAMESPACE_SEPARATOR}{self.name}" if self.namespace else self.name
+        return qualified(self.name, self.namespace)
 
 
 class CustomToolCallOutputItem(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -26,7 +26,7 @@ from lmspd.responses.parsing.output_parser import (
     ReasoningDelta,
     TextDelta,
 )
-from lmspd.responses.tools import NAMESPACE_SEPARATOR
+from lmspd.responses.tools import origin
 
 EventFactory = Callable[[int], s._Event]
 Seal = Callable[[str, str], str]  # (item id, reasoning text) -> encrypted_content
@@ -174,8 +174,7 @@ class OutputItems:
         item = Item(kind, f"{prefix}_{ulid.new()}", name=name, calls=calls)
         if kind in CALLS:
             item.call_id = f"call_{ulid.new()}"
-            if namespace := self._namespaces.get(name):  # the client knows it by its own name
-                item.name, item.namespace = name[len(namespace) + len(NAMESPACE_SEPARATOR) :], namespace
+            item.name, item.namespace = origin(name, self._namespaces)  # the client knows it by its own name
         self.items.append(item)
         index, added = len(self.items) - 1, item.wire()
         out.append(lambda seq: s.OutputItemAdded(sequence_number=seq, output_index=index, item=added))

@@ -10,6 +10,7 @@ budget, is :func:`lmspd.responses.enforce.check_directives`, run in a worker thr
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import msgspec
@@ -188,12 +189,18 @@ class ToolOptions(msgspec.Struct, frozen=True, kw_only=True):
 
     def origin(self, offered: str) -> tuple[str, str | None]:
         """A called tool's name as the client declared it, and its namespace (None: top level)."""
-        namespace = self.namespaces.get(offered)
-        return (offered[len(namespace) + len(NAMESPACE_SEPARATOR) :], namespace) if namespace else (offered, None)
+        return origin(offered, self.namespaces)
 
-    def offered_name(self, name: str, namespace: str | None) -> str:
-        """The inverse of :meth:`origin`: how the model knows a (namespaced) tool."""
-        return f"{namespace}{NAMESPACE_SEPARATOR}{name}" if namespace else name
+
+def qualified(name: str, namespace: str | None) -> str:
+    """How the model knows a tool: a namespaced one as ``<namespace>.<name>``."""
+    return f"{namespace}{NAMESPACE_SEPARATOR}{name}" if namespace else name
+
+
+def origin(offered: str, namespaces: Mapping[str, str]) -> tuple[str, str | None]:
+    """The inverse of :func:`qualified`, by the namespace map of the request's tools."""
+    namespace = namespaces.get(offered)
+    return (offered[len(namespace) + len(NAMESPACE_SEPARATOR) :], namespace) if namespace else (offered, None)
 
 
 def functions(tools: list[OfferedTool]) -> list[FunctionTool]:
@@ -275,10 +282,10 @@ def parse_tools(raw: list[dict[str, Any]] | None) -> ParsedTools:
                 raise InvalidRequestError("a namespace needs at least one tool", param=f"{where}.tools")
             for j, inner in enumerate(tool.tools):
                 _offered(inner, f"{where}.tools[{j}]")
-                qualified = f"{tool.name}{NAMESPACE_SEPARATOR}{inner.name}"
-                offered.append(msgspec.structs.replace(inner, name=qualified))
+                offered_as = qualified(inner.name, tool.name)
+                offered.append(msgspec.structs.replace(inner, name=offered_as))
                 params.append(f"{where}.tools[{j}]")
-                namespaces[qualified] = tool.name
+                namespaces[offered_as] = tool.name
         else:
             _offered(tool, where)
             offered.append(tool)
@@ -303,7 +310,9 @@ def tool_options(
     if isinstance(choice, NamedFunction | NamedCustom):
         kind = FunctionTool if isinstance(choice, NamedFunction) else CustomTool
         # A namespaced tool may be named by its qualified name or, when that is unambiguous, its own.
-        matches = [t for t in tools if isinstance(t, kind) and choice.name in (t.name, parsed_name(t.name, parsed))]
+        matches = [
+            t for t in tools if isinstance(t, kind) and choice.name in (t.name, origin(t.name, parsed.namespaces)[0])
+        ]
         if len(matches) != 1:
             what = "is not in tools" if not matches else "names more than one tool: use '<namespace>.<name>'"
             raise InvalidRequestError(f"tool_choice names {choice.name!r}, which {what}", param="tool_choice")
@@ -321,11 +330,6 @@ def tool_options(
         params=parsed.params,
         namespaces=parsed.namespaces,
     )
-
-
-def parsed_name(offered: str, parsed: ParsedTools) -> str:
-    namespace = parsed.namespaces.get(offered)
-    return offered[len(namespace) + len(NAMESPACE_SEPARATOR) :] if namespace else offered
 
 
 def text_param(raw: dict[str, Any] | None) -> TextParam:

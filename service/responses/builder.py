@@ -94,6 +94,7 @@ class ResponseState:
         self._unsaved: list[int] = []
         # Input tokens when this attempt's compaction started (its event is in the log).
         self.compaction_started: int | None = None
+        self.reasoning_tokens = 0  # of ``tokens``, those that were reasoning
 
     @classmethod
     def from_events(cls, events: Sequence[Event]) -> ResponseState:
@@ -106,6 +107,7 @@ class ResponseState:
         first = s.event_decoder.decode(events[0].data)
         assert isinstance(first, s.ResponseCreated)
         state = cls(first.response)
+        pending = 0  # tokens of a batch whose kind is not known yet (see _events)
         for row in events[1:]:
             ev = s.event_decoder.decode(row.data)
             if isinstance(
@@ -121,12 +123,17 @@ class ResponseState:
                 state.outputs.reset()
                 state.tokens = []
                 state.compaction_started = None
+                state.reasoning_tokens, pending = 0, 0
             elif isinstance(ev, s.CompactionStarted):
                 state.compaction_started = ev.input_tokens
             else:
                 state.outputs.replay(ev)
             if row.tokens:
                 state.tokens.extend(row.tokens)
+                pending = len(row.tokens)  # the batch they came with starts here
+            if pending and not _closing(ev):
+                state.reasoning_tokens += pending if _reasoning(ev) else 0
+                pending = 0
         return state
 
     def _snapshot(self, **changes: object) -> s.Response:
@@ -134,10 +141,16 @@ class ResponseState:
         return self.response
 
     def _events(self, factories: list[EventFactory]) -> list[EventBuilder]:
-        """Builders for ``factories``; the first carries the tokens not stored yet."""
+        """Builders for ``factories``; the first carries the tokens not stored yet. They are
+        reasoning tokens when the batch's first event that closes nothing is reasoning's: a rule
+        the event log alone can apply again (:meth:`from_events`)."""
         if not factories:
             return []
         tokens, self._unsaved = self._unsaved, []
+        if tokens:
+            kinds = (factory(0) for factory in factories)  # pure: built again at commit
+            first = next((ev for ev in kinds if not _closing(ev)), None)
+            self.reasoning_tokens += len(tokens) if first is not None and _reasoning(first) else 0
         return [to_builder(f, tokens if i == 0 and tokens else None) for i, f in enumerate(factories)]
 
     def created(self) -> list[EventBuilder]:
@@ -186,6 +199,7 @@ class ResponseState:
             output_tokens=len(self.tokens),
             total_tokens=prompt_tokens + len(self.tokens),
             input_tokens_details=s.InputTokensDetails(cached_tokens),
+            output_tokens_details=s.OutputTokensDetails(self.reasoning_tokens),
         )
         response = self._snapshot(
             status=status,
@@ -216,5 +230,27 @@ class ResponseState:
         self.outputs.reset()
         self.tokens, self._unsaved = [], []
         self.compaction_started = None
+        self.reasoning_tokens = 0
         self._snapshot(status="queued", output=[], usage=None)
         return [to_builder(lambda seq: s.AttemptRestarted(sequence_number=seq, attempt=attempt, reason=reason))]
+
+
+_CLOSING = (
+    s.OutputItemDone,
+    s.OutputTextDone,
+    s.ContentPartDone,
+    s.ReasoningTextDone,
+    s.FunctionCallArgumentsDone,
+    s.CustomToolCallInputDone,
+)
+
+
+def _closing(event: s._Event) -> bool:
+    """An event that ends the item before (a batch's first event may close the last item)."""
+    return isinstance(event, _CLOSING)
+
+
+def _reasoning(event: s._Event) -> bool:
+    if isinstance(event, s.ReasoningTextDelta):
+        return True
+    return isinstance(event, s.OutputItemAdded) and isinstance(event.item, s.Reasoning)

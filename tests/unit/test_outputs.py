@@ -107,6 +107,7 @@ def test_reasoning_then_message_then_call_with_streamed_arguments() -> None:
     assert opened == closed == [0, 1, 2]
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     assert final["usage"]["output_tokens"] == len(DELTAS)
+    assert final["usage"]["output_tokens_details"]["reasoning_tokens"] == 3  # "Let me", " think.", "</think>"
 
 
 @pytest.mark.parametrize("cut", range(1, len(DELTAS)))
@@ -131,6 +132,7 @@ def test_a_state_rebuilt_from_its_log_continues_the_same_items(cut: int) -> None
     assert [(i["type"], i.get("arguments"), i.get("content")) for i in final["output"]] == [
         (i["type"], i.get("arguments"), i.get("content")) for i in reference["output"]
     ]
+    assert final["usage"] == reference["usage"]  # reasoning tokens counted again from the log
     # Items opened before the cut keep their ids.
     before = {e["item"]["id"] for e in ours[: len(log.rows)] if e["type"] == "response.output_item.added"}
     assert before <= {item["id"] for item in final["output"]}

@@ -153,6 +153,24 @@ class UnauthorizedError(LmspdError):
     openai_code = "invalid_api_key"
 
 
+class ForbiddenError(LmspdError):
+    """A valid token without the role the call needs (an operator's, for model control)."""
+
+    code = "forbidden"
+    status = 403
+    title = "Forbidden"
+    openai_code = "forbidden"
+
+
+class ModelBusyError(LmspdError):
+    """An unload of a model that tasks are running on (``?force=true`` cancels them)."""
+
+    code = "model_busy"
+    status = 409
+    title = "Model busy"
+    openai_code = "model_busy"
+
+
 class NotFoundError(LmspdError):
     code = "not_found"
     status = 404

@@ -23,6 +23,7 @@ from lmspd.config import Config
 from lmspd.core import compactor
 from lmspd.core.hub import Hub
 from lmspd.core.inputs import resolve
+from lmspd.core.lifecycle import ModelView
 from lmspd.core.supervisor import Supervisor
 from lmspd.errors import (
     ContextLengthExceededError,
@@ -235,8 +236,25 @@ class Core:
     def models(self) -> list[ModelInfo]:
         return self.registry.list()
 
+    # --- models over a long life (lmspd.core.lifecycle) ------------------------------------------
+
+    async def model_views(self) -> list[ModelView]:
+        return await self.supervisor.lifecycle.views()
+
+    async def load_model(self, name: str) -> ModelView:
+        return await self.supervisor.lifecycle.load(name, self.supervisor.slots)
+
+    async def unload_model(self, name: str, *, force: bool) -> ModelView:
+        """Refused (409, nothing changed) while tasks run on it, unless ``force`` cancels them."""
+        lifecycle, slots = self.supervisor.lifecycle, self.supervisor.slots
+        return await lifecycle.unload(name, slots, force=force, cancel=lambda task_id: self.cancel(task_id, None))
+
+    async def pin_model(self, name: str, pinned: bool) -> ModelView:
+        return await self.supervisor.lifecycle.pin(name, pinned)
+
     async def metrics_text(self) -> bytes:
         """``/metrics``: the Prometheus text exposition."""
+        await self.supervisor.lifecycle.observe()
         return await self.metrics.render(self.store, engine_alive=self.supervisor.engine.alive)
 
     # --- compaction -----------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from lmspd.core import compactor
 from lmspd.core.compactor import summary_id
 from lmspd.core.hub import Hub
 from lmspd.core.inputs import item_ids
+from lmspd.core.lifecycle import ModelLifecycle
 from lmspd.core.storage_backoff import StorageBackoff
 from lmspd.core.token_timer import TokenTimer
 from lmspd.engine import protocol as p
@@ -82,28 +83,39 @@ class Supervisor:
         self.slots = ModelSlots(config.engine.max_loaded_models)
         self._resolved: dict[str, ResolvedModel] = {}  # requested model name -> what it resolved to
         self.storage = StorageBackoff(config.server.database_path)
+        self.lifecycle = ModelLifecycle(config, engine, registry, self.metrics)
 
     # --- lifecycle ------------------------------------------------------------------------------
 
     async def start(self) -> None:
         await self.recover()
         await self.engine.start()
+        self.engine.listeners.append(self.lifecycle.heard)
+        await self.lifecycle.configure()
         await self._preload()
         self._loop_task = asyncio.create_task(self._loop(), name="supervisor")
 
     async def _preload(self) -> None:
-        """Load the default model now, so the first task does not wait for it."""
+        """Load the default model now, so the first task does not wait for it; then [engine]
+        preload's, each warmed by one short prefill (the server is ready only after this)."""
         try:
             model = await asyncio.to_thread(self.registry.resolve_local, self.config.default_model)
             if model is not None:
                 await self.engine.load(model.name, str(model.path))
         except LmspdError as exc:  # tasks naming it will fail with the reason; others still run
             log.error("default model %s did not load: %s", self.config.default_model, exc.message)
+        for name in self.config.engine.preload:
+            try:
+                await self.lifecycle.preload(name)
+            except LmspdError as exc:
+                log.error("preloading model %s failed: %s", name, exc.message)
 
     async def stop(self, *, close_engine: bool = True) -> None:
         """Leave in-flight tasks as their policies can recover them, then stop the engine
         (unless it was handed in by the caller, who then owns it)."""
         self._stopping = True
+        with contextlib.suppress(ValueError):  # a shared engine outlives this supervisor
+            self.engine.listeners.remove(self.lifecycle.heard)
         if self._loop_task:
             self._loop_task.cancel()
         for task in list(self.running.values()):
@@ -140,6 +152,7 @@ class Supervisor:
             await self.engine.start()
             self._backoff = 0.5
             self.metrics.engine_restarts.inc()
+            await self.lifecycle.configure()  # a new engine knows no pins yet
         except Exception:
             log.exception("engine restart failed")
             self._backoff = min(self._backoff * 2, 30.0)

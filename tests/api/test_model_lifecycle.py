@@ -7,12 +7,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 from support.engine_host import Host
 from support.wait import wait_until
 
+from lmspd.cli.main import COMMANDS, build_parser
 from lmspd.config import Config, EngineConfig, ModelEntry, ServerConfig
 from lmspd.models.registry import ResolvedModel
 
@@ -142,3 +144,29 @@ def test_unloading_a_busy_model_is_refused_unless_forced(client: TestClient) -> 
     assert not models(client)["tiny"]["loaded"]
     # The next task loads it again.
     assert wait_status(client, run_task(client, "tiny"), ("succeeded", "failed")) == "succeeded"
+
+
+def cli(client: TestClient, argv: list[str]) -> int:
+    """Run an ``lmspd models`` command against this app (through the TestClient's transport)."""
+
+    def forward(request: httpx.Request) -> httpx.Response:
+        r = client.request(request.method, str(request.url), headers=request.headers, content=request.content)
+        return httpx.Response(r.status_code, headers=r.headers, content=r.content)
+
+    args = build_parser().parse_args(argv)
+    args.transport = httpx.MockTransport(forward)
+    args.url = "http://testserver"
+    return COMMANDS[(args.command, args.models_command)](args)
+
+
+def test_the_command_line_shows_and_controls_models(client: TestClient, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli(client, ["models", "ps", "--token", TOKENS["alice"]]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("MODEL\tSTATE") and any(line.startswith("tiny\tloaded\t") for line in lines)
+    assert cli(client, ["models", "pin", "tiny2", "--token", TOKENS["alice"]]) == 1
+    assert "operator" in capsys.readouterr().err
+    assert not models(client)["tiny2"]["pinned"]
+    assert cli(client, ["models", "load", "tiny2", "--token", ADMINS["ops"]]) == 0
+    assert capsys.readouterr().out.startswith("tiny2\tloaded\t")
+    assert cli(client, ["models", "unload", "tiny2", "--force", "--token", ADMINS["ops"]]) == 0
+    assert capsys.readouterr().out.startswith("tiny2\tready\t")

@@ -45,8 +45,13 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     keep_alive_secs: float = 1800.0
     # Models loaded and warmed (one short prefill) before the server says it is ready.
     preload: list[str] = msgspec.field(default_factory=list)
+    # What the engine's models (weights + KV budgeted for max_concurrency streams) and prompt
+    # caches may hold together; None: 60% of physical memory (lmspd.models.footprint).
+    max_memory_bytes: int | None = None
 
     def __post_init__(self) -> None:
+        if self.max_memory_bytes is not None:
+            _positive("engine.max_memory_bytes", self.max_memory_bytes)
         if self.keep_alive_secs < 0:
             raise ConfigError("engine.keep_alive_secs must be >= 0", param="engine.keep_alive_secs")
         for key in ("prompt_cache_max_bytes", "prompt_cache_disk_max_bytes", "prompt_cache_disk_min_free_bytes"):
@@ -217,6 +222,7 @@ ENV_VARS = {
     "LMSPD_PROMPT_CACHE_DISK_MAX_BYTES": "engine.prompt_cache_disk_max_bytes",
     "LMSPD_PROMPT_CACHE_DISK_MIN_FREE_BYTES": "engine.prompt_cache_disk_min_free_bytes",
     "LMSPD_KEEP_ALIVE_SECS": "engine.keep_alive_secs",
+    "LMSPD_MAX_MEMORY_BYTES": "engine.max_memory_bytes",
     "LMSPD_HOST": "server.host",
     "LMSPD_PORT": "server.port",
     "LMSPD_DATA_DIR": "server.data_dir",

@@ -112,6 +112,14 @@ class InvalidRequestError(LmspdError):
     openai_code: ClassVar[str | None] = None
 
 
+class ModelTooLargeError(InvalidRequestError):
+    """A model whose estimated memory exceeds [engine] max_memory_bytes even loaded alone."""
+
+    code = "model_too_large"
+    title = "Model too large"
+    openai_code = "model_too_large"
+
+
 class ContextLengthExceededError(InvalidRequestError):
     code = "context_length_exceeded"
     title = "Context length exceeded"

@@ -35,6 +35,7 @@ from lmspd.errors import (
     TaskNotCancelableError,
 )
 from lmspd.metrics import Metrics
+from lmspd.models.footprint import refuse_oversized
 from lmspd.models.registry import ModelInfo, ModelRegistry
 from lmspd.prompting.generation import (
     cache_key,
@@ -212,6 +213,7 @@ class Core:
         else:
             # With context_management, a prompt too long is compacted (or the task fails).
             check = request.compact_threshold() is None
+            refuse_oversized(model.name, model.path, self.config.engine)
             if check:
                 refuse_by_size(model, user_text_bytes(request))
             check_request(model, prompt_for(model, request, turns), sampling, check_length=check)

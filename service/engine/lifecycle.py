@@ -14,9 +14,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
+from lmspd.config import EngineConfig
 from lmspd.engine import protocol as p
+from lmspd.errors import LmspdError, ModelTooLargeError
+from lmspd.models.footprint import Footprint, estimate_or_zero, memory_budget, refuse_oversized
 
 
 class Lifecycle:
@@ -106,3 +110,41 @@ def _malloc_trim() -> None:
 
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+class MemoryBudget:
+    """What the engine's models and prompt caches may hold together (``max_memory_bytes``).
+
+    A model not yet loaded counts as its estimate (lmspd.models.footprint); a loaded one as
+    its weights' real bytes plus its estimated KV. The prompt cache gets what is left, up to
+    its own bound: it is trimmed before any model is evicted to make room.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.limit = memory_budget(config.max_memory_bytes)
+        self._estimates: dict[str, Footprint] = {}
+
+    def estimate(self, path: str) -> Footprint:
+        if path not in self._estimates:
+            self._estimates[path] = estimate_or_zero(Path(path), self.config)
+        return self._estimates[path]
+
+    def fits_alone(self, path: str) -> bool:
+        return self.estimate(path).total <= self.limit
+
+    def refusal(self, name: str, path: str) -> LmspdError | None:
+        """The error for a model that cannot fit even alone (None: it can)."""
+        try:
+            refuse_oversized(name, Path(path), self.config)
+        except ModelTooLargeError as exc:
+            return exc
+        return None
+
+    def held(self, path: str, resident: int) -> int:
+        """What a loaded model counts for: its weights as loaded and its KV's estimate."""
+        return resident + self.estimate(path).kv
+
+    def cache_room(self, used: int) -> int:
+        """The prompt cache's bound when the models count ``used`` bytes."""
+        return max(0, min(self.config.prompt_cache_max_bytes, self.limit - used))

@@ -23,7 +23,7 @@ import msgspec
 from lmspd.config import EngineConfig
 from lmspd.engine import protocol as p
 from lmspd.engine.constraint import GrammarError, GrammarMask, Grammars
-from lmspd.engine.lifecycle import Lifecycle, release_memory, resident_bytes, rss_bytes
+from lmspd.engine.lifecycle import Lifecycle, MemoryBudget, release_memory, resident_bytes, rss_bytes
 from lmspd.engine.logprobs import TokenPieces, top_logprobs
 from lmspd.engine.pacing import PrefillPacer
 from lmspd.engine.sampling import SeededSampler
@@ -129,6 +129,7 @@ class Engine:
         )
         self.models: OrderedDict[str, LoadedModel] = OrderedDict()  # least recently used first
         self.waiting: deque[p.Generate] = deque()  # requests for a model that cannot load yet
+        self.pending_loads: deque[p.LoadModel] = deque()  # loads waiting for a busy model's room
         # Requests whose grammar compiles in the grammar thread (a large one takes a while:
         # the batch decodes on meanwhile), by request id.
         self.compiling: dict[str, tuple[p.Generate, Future[Any]]] = {}
@@ -137,6 +138,7 @@ class Engine:
         self.running = True
         self.finished: list[p.Finished] = []
         self.lifecycle = Lifecycle(config.keep_alive_secs)
+        self.budget = MemoryBudget(config)
 
     def send(self, reply: p.Reply) -> None:
         self.conn.send_bytes(p.reply_encoder.encode(reply))
@@ -156,7 +158,7 @@ class Engine:
             )
         )
         while self.running:
-            busy = bool(self.by_id) or bool(self.waiting)
+            busy = bool(self.by_id) or bool(self.waiting) or bool(self.pending_loads)
             # Idle with entries the disk writer has yet to take: come back for them soon.
             timeout: float | None = 0 if busy else (0.1 if self.prompt_cache.unflushed else None)
             if self.compiling and not busy:
@@ -214,6 +216,9 @@ class Engine:
         elif isinstance(cmd, p.LoadModel):
             if cmd.keep_alive_secs is not None:
                 self.lifecycle.keep_alive[cmd.model] = cmd.keep_alive_secs
+            if self.budget.fits_alone(cmd.path) and not self._can_load(cmd.model, cmd.path):
+                self.pending_loads.append(cmd)  # busy models hold the memory: loaded once they are done
+                return
             was_loaded = cmd.model in self.models
             lm = self._load_or_fail(cmd.model, cmd.path)
             if lm is not None and was_loaded:  # a caller is waiting for this answer
@@ -259,7 +264,9 @@ class Engine:
         from lmspd.engine.prompt_cache import model_fingerprint
         from lmspd.engine.weights import apply_weight_dtype
 
-        self._evict_for_one()
+        if (refused := self.budget.refusal(name, path)) is not None:
+            raise refused
+        self._evict_for_one(path)
         self.send(p.ModelLoading(name))
         start = time.perf_counter()
         model, config = load_model(Path(path))
@@ -281,21 +288,44 @@ class Engine:
         lm.resident_bytes = resident_bytes(model)
         self.models[name] = lm
         self.lifecycle.touch(name)
+        self._fit_memory(name)  # its real size may differ from the estimate (auto's choice)
         self.prompt_cache.load(fingerprint)
         seconds = time.perf_counter() - start
         self.send(p.ModelLoaded(model=name, weight_dtype=dtype, seconds=seconds, resident_bytes=lm.resident_bytes))
         return lm
 
-    def _evict_for_one(self) -> None:
-        idle = [n for n, m in self.models.items() if not m.requests]
-        while len(self.models) >= self.max_loaded_models and idle:
+    def _evict_for_one(self, path: str = "") -> None:
+        """Room for one more model: idle ones go, least recently used first, past
+        max_loaded_models or the memory budget (the prompt cache is trimmed before that)."""
+        idle = self._idle()
+        need = self.budget.estimate(path).total if path else 0
+        self._fit_cache(need)
+        while idle and (len(self.models) >= self.max_loaded_models or self._held() + need > self.budget.limit):
             lm = self.models.pop(idle.pop(0))
             lm.batch.close()
             log.info("evicted model %s", lm.name)
             self.send(p.ModelEvicted(lm.name, "budget"))
+        self._fit_cache(need)
         import mlx.core as mx
 
         mx.clear_cache()
+
+    def _held(self) -> int:
+        return sum(self.budget.held(m.path, m.resident_bytes) for m in self.models.values())
+
+    def _fit_cache(self, extra: int = 0) -> None:
+        """The prompt cache keeps what the models (and ``extra`` bytes about to load) leave."""
+        if self.prompt_cache.enabled:
+            room = self.budget.cache_room(self._held() + extra)
+            self.prompt_cache.lru.max_bytes = room
+            self.prompt_cache.lru.trim_to(n_bytes=room)
+
+    def _fit_memory(self, loaded: str) -> None:
+        idle = [n for n in self._idle() if n != loaded]
+        while idle and self._held() > self.budget.limit:
+            self.models.pop(idle[0]).batch.close()
+            self.send(p.ModelEvicted(idle.pop(0), "budget"))
+        self._fit_cache()
 
     # --- lifecycle (idle unload, operator calls, status) ---------------------------------------
 
@@ -318,6 +348,7 @@ class Engine:
         del lm
         release_memory()
         log.info("unloaded model %s (%s); engine RSS now %d bytes", name, reason, rss_bytes())
+        self._fit_cache()  # the prompt cache may take the room back, up to its own bound
         self.send(p.ModelEvicted(name, reason))
 
     def _unload(self, name: str, force: bool) -> None:
@@ -359,17 +390,25 @@ class Engine:
             query=query, rss_bytes=rss_bytes(), models=states, prompt_cache_bytes=self.prompt_cache.nbytes
         )
 
-    def _can_load(self, name: str) -> bool:
-        return (
-            name in self.models
-            or len(self.models) < self.max_loaded_models
-            or any(not m.requests for m in self.models.values())
-        )
+    def _can_load(self, name: str, path: str) -> bool:
+        """Loaded, or loadable once idle models are evicted (busy ones are waited for)."""
+        if name in self.models:
+            return True
+        idle = set(self._idle())
+        busy = sum(self.budget.held(m.path, m.resident_bytes) for n, m in self.models.items() if n not in idle)
+        room = len(self.models) < self.max_loaded_models or bool(idle)
+        return room and busy + self.budget.estimate(path).total <= self.budget.limit
 
     def _admit_waiting(self) -> None:
+        for _ in range(len(self.pending_loads)):
+            load = self.pending_loads.popleft()
+            if self._can_load(load.model, load.path):
+                self.handle(load)
+            else:
+                self.pending_loads.append(load)
         for _ in range(len(self.waiting)):
             cmd = self.waiting.popleft()
-            if self._can_load(cmd.model):
+            if self._can_load(cmd.model, cmd.path):
                 self._submit(cmd)
             else:
                 self.waiting.append(cmd)
@@ -401,7 +440,9 @@ class Engine:
     def _submit(self, cmd: p.Generate) -> None:
         if cmd.request_id in self.by_id or cmd.request_id in self.compiling:
             return self._fail(cmd, "invalid_request", f"request id {cmd.request_id} is already running")
-        if not self._can_load(cmd.model):
+        if cmd.model not in self.models and (refused := self.budget.refusal(cmd.model, cmd.path)) is not None:
+            return self._fail(cmd, refused.code, refused.message, "model")  # it would wait forever
+        if not self._can_load(cmd.model, cmd.path):
             self.waiting.append(cmd)
             return None
         lm = self._load_or_fail(cmd.model, cmd.path)

@@ -48,10 +48,19 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # What the engine's models (weights + KV budgeted for max_concurrency streams) and prompt
     # caches may hold together; None: 60% of physical memory (lmspd.models.footprint).
     max_memory_bytes: int | None = None
+    # The engine is replaced while serving once it is this old (0: never), or once its RSS is
+    # above this many bytes (0: never); its running generations get recycle_drain_secs to
+    # finish, then resume on the next engine (lmspd.core.recycle).
+    recycle_after_secs: float = 0.0
+    recycle_above_rss_bytes: int = 0
+    recycle_drain_secs: float = 60.0
 
     def __post_init__(self) -> None:
         if self.max_memory_bytes is not None:
             _positive("engine.max_memory_bytes", self.max_memory_bytes)
+        for key in ("recycle_after_secs", "recycle_above_rss_bytes", "recycle_drain_secs"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"engine.{key} must be >= 0", param=f"engine.{key}")
         if self.keep_alive_secs < 0:
             raise ConfigError("engine.keep_alive_secs must be >= 0", param="engine.keep_alive_secs")
         for key in ("prompt_cache_max_bytes", "prompt_cache_disk_max_bytes", "prompt_cache_disk_min_free_bytes"):
@@ -223,6 +232,8 @@ ENV_VARS = {
     "LMSPD_PROMPT_CACHE_DISK_MIN_FREE_BYTES": "engine.prompt_cache_disk_min_free_bytes",
     "LMSPD_KEEP_ALIVE_SECS": "engine.keep_alive_secs",
     "LMSPD_MAX_MEMORY_BYTES": "engine.max_memory_bytes",
+    "LMSPD_RECYCLE_AFTER_SECS": "engine.recycle_after_secs",
+    "LMSPD_RECYCLE_ABOVE_RSS_BYTES": "engine.recycle_above_rss_bytes",
     "LMSPD_HOST": "server.host",
     "LMSPD_PORT": "server.port",
     "LMSPD_DATA_DIR": "server.data_dir",

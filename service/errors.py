@@ -278,6 +278,12 @@ class EngineCrashedError(EngineError):
     title = "Engine crashed"
 
 
+class EngineRecycledError(EngineCrashedError):
+    """The engine a generation ran on was replaced while serving: its task resumes on the next."""
+
+    code = "engine_recycled"
+
+
 class SequenceConflictError(LmspdError):
     """An event append raced another writer of the same task (a bug, never a client error)."""
 

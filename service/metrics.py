@@ -144,6 +144,12 @@ class Metrics:
             registry=r,
         )
         self.engine_restarts = Counter("lmspd_engine_restarts", "Engine processes restarted after dying", registry=r)
+        self.engine_recycles = Counter(
+            "lmspd_engine_recycles",
+            "Engines replaced while serving, by reason (age, rss, operator)",
+            ["reason"],
+            registry=r,
+        )
         self.engine_up = Gauge(
             "lmspd_engine_up", "1 when the engine process is running (read at scrape time)", registry=r
         )
@@ -183,6 +189,8 @@ class Metrics:
             self.tasks_finished.labels(outcome)
         for reason in ("stop", "length", "cancelled"):
             self.generations_finished.labels(reason)
+        for why in ("age", "rss", "operator"):
+            self.engine_recycles.labels(why)
         for why in ("idle", "budget", "operator", "failed"):
             self.model_unloads.labels(why)
         for source in ("task", "endpoint"):

@@ -61,6 +61,12 @@ async def unload(request: Request) -> Response:
     return _json(_lmsp(await app.core.unload_model(request.path_params["name"], force=force)))
 
 
+async def recycle(request: Request) -> Response:
+    app = state_of(request)
+    app.auth.operator(request)
+    return _json(wire.Recycle(started=app.core.recycle_engine()), 202)
+
+
 async def pin(request: Request) -> Response:
     app = state_of(request)
     app.auth.operator(request)
@@ -137,4 +143,19 @@ ROUTES = [
         "POST",
     ),
 ]
+ROUTES.append(
+    Operation(
+        "/lmsp/v1/engine/recycle",
+        recycle,
+        Op(
+            "Replace the engine while serving: running generations finish or resume on the next one",
+            "lmsp",
+            wire.Recycle,
+            status=202,
+            errors=(*AUTH, e.ForbiddenError),
+            description=_OPERATOR,
+        ),
+        "POST",
+    )
+)
 MODELS = Operation("/v1/models", list_openai_models, Op("Models", "models", wire.ModelList, errors=AUTH))

@@ -132,6 +132,13 @@ class Model(msgspec.Struct, kw_only=True):
     pinned: bool = False
 
 
+class Recycle(msgspec.Struct, kw_only=True):
+    """``POST /lmsp/v1/engine/recycle``: whether this call started a recycle (false: one was
+    under way already)."""
+
+    started: bool
+
+
 class ModelList(msgspec.Struct, kw_only=True):
     """``GET /v1/models``."""
 

@@ -45,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     listing = models.add_parser("list", help="show configured and cached models")
     _common(listing)
     models_ctl.add_parsers(models)
+    models_ctl.add_engine_parser(sub)
 
     srv = sub.add_parser("serve", help="run the HTTP server")
     srv.add_argument("--host", help="bind address (default 127.0.0.1)")

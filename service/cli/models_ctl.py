@@ -1,5 +1,6 @@
-"""``lmspd models ps|load|unload|pin|unpin``: a running server's models and their control
-(load, unload and pin need an operator token, ``[server] admin_tokens``)."""
+"""``lmspd models ps|load|unload|pin|unpin`` and ``lmspd engine recycle``: a running server's
+models and engine, and their control (all but ``ps`` need an operator token,
+``[server] admin_tokens``)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,24 @@ from typing import Any
 from lmspd.cli.tasks import _print_json, _run
 
 
-def add_parsers(models: Any) -> None:
-    """Add the server-side commands to ``lmspd models``' subcommands."""
+def _connection() -> argparse.ArgumentParser:
     conn = argparse.ArgumentParser(add_help=False)
     conn.add_argument("--url", help="the server (env LMSPD_URL, default http://127.0.0.1:8080)")
-    conn.add_argument("--token", help="bearer token (env LMSPD_TOKEN); an operator's for load, unload, pin")
+    conn.add_argument("--token", help="bearer token (env LMSPD_TOKEN); an operator's to control")
+    return conn
+
+
+def add_engine_parser(sub: Any) -> None:
+    """Add ``lmspd engine recycle``."""
+    engine = sub.add_parser("engine", help="a running server's engine").add_subparsers(
+        dest="engine_command", required=True
+    )
+    engine.add_parser("recycle", parents=[_connection()], help="replace the engine while serving (no task fails)")
+
+
+def add_parsers(models: Any) -> None:
+    """Add the server-side commands to ``lmspd models``' subcommands."""
+    conn = _connection()
     ps = models.add_parser("ps", parents=[conn], help="a running server's models: loaded, size, unload due")
     ps.add_argument("--json", action="store_true", help="print the server's JSON")
     for action, help_text in (
@@ -79,7 +93,17 @@ def _control(action: str) -> Callable[[argparse.Namespace], int]:
     return command
 
 
+def cmd_recycle(args: argparse.Namespace) -> int:
+    def body(client: Any) -> int:
+        started = client.recycle_engine()["started"]
+        print("recycling the engine" if started else "a recycle is already under way")
+        return 0
+
+    return _run(args, body)
+
+
 COMMANDS: dict[tuple[str, str | None], Callable[[argparse.Namespace], int]] = {
+    ("engine", "recycle"): cmd_recycle,
     ("models", "ps"): cmd_ps,
     **{("models", action): _control(action) for action in ("load", "unload", "pin", "unpin")},
 }

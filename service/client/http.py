@@ -112,6 +112,10 @@ class TaskClient:
         """``GET /lmsp/v1/models``: ``data`` holds each model with its state (loaded, bytes...)."""
         return self._request("GET", "/lmsp/v1/models")
 
+    def recycle_engine(self) -> Json:
+        """``POST /lmsp/v1/engine/recycle``: replace the engine while serving (an operator's call)."""
+        return self._request("POST", "/lmsp/v1/engine/recycle")
+
     def control_model(self, name: str, action: str, *, force: bool = False) -> Json:
         """``POST /lmsp/v1/models/{name}/{action}`` (load, unload, pin, unpin): an operator's call."""
         params = {"force": "true"} if force else {}

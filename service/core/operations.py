@@ -254,6 +254,10 @@ class Core:
     async def pin_model(self, name: str, pinned: bool) -> ModelView:
         return await self.supervisor.lifecycle.pin(name, pinned)
 
+    def recycle_engine(self) -> bool:
+        """An operator's engine recycle (lmspd.core.recycle); False: one is under way already."""
+        return self.supervisor.recycle("operator")
+
     async def metrics_text(self) -> bytes:
         """``/metrics``: the Prometheus text exposition."""
         await self.supervisor.lifecycle.observe()

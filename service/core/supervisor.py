@@ -23,12 +23,14 @@ from lmspd.core.compactor import summary_id
 from lmspd.core.hub import Hub
 from lmspd.core.inputs import item_ids
 from lmspd.core.lifecycle import ModelLifecycle
+from lmspd.core.recycle import Recycler
 from lmspd.core.storage_backoff import StorageBackoff
 from lmspd.core.token_timer import TokenTimer
 from lmspd.engine import protocol as p
 from lmspd.engine.process import EngineClient
 from lmspd.errors import (
     EngineCrashedError,
+    EngineRecycledError,
     LmspdError,
     StorageFullError,
     error_for,
@@ -84,6 +86,7 @@ class Supervisor:
         self._resolved: dict[str, ResolvedModel] = {}  # requested model name -> what it resolved to
         self.storage = StorageBackoff(config.server.database_path)
         self.lifecycle = ModelLifecycle(config, engine, registry, self.metrics)
+        self.recycler = Recycler(self)
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -92,10 +95,19 @@ class Supervisor:
         await self.engine.start()
         self.engine.listeners.append(self.lifecycle.heard)
         await self.lifecycle.configure()
-        await self._preload()
+        await self.preload()
         self._loop_task = asyncio.create_task(self._loop(), name="supervisor")
 
-    async def _preload(self) -> None:
+    def use_engine(self, engine: EngineClient) -> None:
+        """New generations go to ``engine`` from now on (an engine recycle)."""
+        self.engine = engine
+        self.lifecycle.engine = engine
+
+    def recycle(self, reason: str = "operator") -> bool:
+        """Replace the engine while serving (lmspd.core.recycle); False: one is under way."""
+        return self.recycler.start(reason)
+
+    async def preload(self) -> None:
         """Load the default model now, so the first task does not wait for it; then [engine]
         preload's, each warmed by one short prefill (the server is ready only after this)."""
         try:
@@ -121,7 +133,8 @@ class Supervisor:
         for task in list(self.running.values()):
             task.cancel()
         await asyncio.gather(*self.running.values(), return_exceptions=True)
-        if close_engine:
+        await self.recycler.close()
+        if close_engine or self.recycler.replaced:  # an engine the recycler started is ours
             await self.engine.close()
 
     def wake(self) -> None:
@@ -135,6 +148,8 @@ class Supervisor:
             if not self.engine.alive:
                 await self._restart_engine()
                 continue
+            if (why := await self.recycler.due()) is not None:
+                self.recycler.start(why)
             if self.storage.active and not await self._settle_stalled():
                 continue
             room = 2 * self.config.engine.max_concurrency - len(self.running)
@@ -252,6 +267,10 @@ class Supervisor:
         """The task went to ``cancelling``: stop its generation (it then becomes ``cancelled``)."""
         await self.engine.cancel(task_id)
         await self.engine.cancel(summary_id(task_id))
+        for old in self.recycler.draining:  # still generating on an engine being replaced
+            for request_id in (task_id, summary_id(task_id)):
+                if old.running(request_id):
+                    await old.cancel(request_id)
         if task_id not in self.running:
             self.wake()
 
@@ -413,6 +432,9 @@ class Supervisor:
             task = await self.store.get(task_id)
             if task.status == "cancelling":
                 return await self._settle_cancel(task_id, state)
+            if isinstance(exc, EngineRecycledError):  # the server did not restart: resume, whatever the policy
+                await self.store.requeue(task_id, new_attempt=False)
+                return None
             return await self._interrupted(task, state, "engine_crashed", exc.message)
         except StorageFullError:
             raise  # not the task's fault: it is settled by its policy once there is room

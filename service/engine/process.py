@@ -67,6 +67,7 @@ class EngineClient:
         self._next_query = 0
         # Told of every load and unload (the supervisor counts them): (event, model, reason).
         self.listeners: list[Callable[[str, str, str], None]] = []
+        self._drained = asyncio.Event()  # set whenever no generation is streaming
         # Keep-alives of models configured with their own (by name), sent with each load.
         self.keep_alive: dict[str, float] = {}
 
@@ -259,6 +260,8 @@ class EngineClient:
                     return
         finally:
             self._streams.pop(cmd.request_id, None)
+            if not self._streams:
+                self._drained.set()
             if not finished and self.alive:
                 await asyncio.shield(self._send_quietly(p.Cancel(cmd.request_id)))
 
@@ -281,6 +284,21 @@ class EngineClient:
         self._early_cancels.move_to_end(request_id)
         while len(self._early_cancels) > EARLY_CANCELS_KEPT:
             self._early_cancels.popitem(last=False)
+
+    def running(self, request_id: str) -> bool:
+        """A generation of this id is streaming from this engine."""
+        return request_id in self._streams
+
+    async def drained(self) -> None:
+        """Return once no generation is streaming (an engine being replaced)."""
+        while self._streams:
+            self._drained.clear()
+            await self._drained.wait()
+
+    def interrupt(self, err: LmspdError) -> None:
+        """End every streaming generation with ``err`` (each cancels itself in the engine)."""
+        for q in self._streams.values():
+            q.put_nowait(err)
 
     def forget(self, request_id: str) -> None:
         """Drop a remembered cancel (for a request that ended without generating)."""

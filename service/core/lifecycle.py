@@ -105,7 +105,9 @@ class ModelLifecycle:
         return (model.name if model is not None else name), model
 
     async def views(self) -> list[ModelView]:
-        status = await self.engine.status() if self.engine.alive else None
+        status: p.EngineStatus | None = None
+        with contextlib.suppress(LmspdError):  # an engine down (or dying now): nothing is loaded
+            status = await self.engine.status() if self.engine.alive else None
         states = {m.model: m for m in status.models} if status is not None else {}
         views: list[ModelView] = []
         seen: set[str] = set()

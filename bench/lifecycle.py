@@ -17,7 +17,9 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import signal
 import statistics
+import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -131,6 +133,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="quantized")
     parser.add_argument("--model-dir", type=Path, default=None)
     args = parser.parse_args()
+    # A SIGTERM (timeout(1), Ctrl-C's cousin) runs the finally blocks: no server is left behind.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     config = load_config()
     model_dir = (args.model_dir or ModelRegistry(config).resolve(config.default_model).path).resolve()
     print(f"model {model_dir}, {args.dtype} weights, {os.cpu_count()} CPUs")

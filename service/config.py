@@ -40,8 +40,29 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # ...never using the last this many bytes of the disk they share with the database: a
     # cache file is not written where it would leave less free (the tier waits for room).
     prompt_cache_disk_min_free_bytes: int = 512 * 1024**2
+    # A model idle (no request) this long is unloaded and its memory returned; the next
+    # request loads it again (0: never; per model: [models.<alias>] keep_alive_secs).
+    keep_alive_secs: float = 1800.0
+    # Models loaded and warmed (one short prefill) before the server says it is ready.
+    preload: list[str] = msgspec.field(default_factory=list)
+    # What the engine's models (weights + KV budgeted for max_concurrency streams) and prompt
+    # caches may hold together; None: 60% of physical memory (lmspd.models.footprint).
+    max_memory_bytes: int | None = None
+    # The engine is replaced while serving once it is this old (0: never), or once its RSS is
+    # above this many bytes (0: never); its running generations get recycle_drain_secs to
+    # finish, then resume on the next engine (lmspd.core.recycle).
+    recycle_after_secs: float = 0.0
+    recycle_above_rss_bytes: int = 0
+    recycle_drain_secs: float = 60.0
 
     def __post_init__(self) -> None:
+        if self.max_memory_bytes is not None:
+            _positive("engine.max_memory_bytes", self.max_memory_bytes)
+        for key in ("recycle_after_secs", "recycle_above_rss_bytes", "recycle_drain_secs"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"engine.{key} must be >= 0", param=f"engine.{key}")
+        if self.keep_alive_secs < 0:
+            raise ConfigError("engine.keep_alive_secs must be >= 0", param="engine.keep_alive_secs")
         for key in ("prompt_cache_max_bytes", "prompt_cache_disk_max_bytes", "prompt_cache_disk_min_free_bytes"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"engine.{key} must be >= 0", param=f"engine.{key}")
@@ -58,6 +79,9 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     data_dir: str | None = None
     # name -> bearer token. Empty: no auth, and the server only binds to loopback.
     tokens: dict[str, str] = msgspec.field(default_factory=dict)
+    # name -> bearer token of operators: they may also load, unload and pin models
+    # (/lmsp/v1/models/{name}/...); an ordinary token there is refused with 403.
+    admin_tokens: dict[str, str] = msgspec.field(default_factory=dict)
     allow_unauthenticated_remote: bool = False
     max_body_bytes: int = 8 * 1024 * 1024
     max_queued_tasks: int = 1000
@@ -158,6 +182,12 @@ RESPONSES_FLAGS = {
 class ModelEntry(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # A local mlx-lm directory, a Hugging Face repo id, or a built-in model name.
     path: str
+    # Overrides [engine] keep_alive_secs for this model (0: never unloaded for being idle).
+    keep_alive_secs: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.keep_alive_secs is not None and self.keep_alive_secs < 0:
+            raise ConfigError("models.<alias>.keep_alive_secs must be >= 0", param="keep_alive_secs")
 
 
 class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -200,6 +230,10 @@ ENV_VARS = {
     "LMSPD_PROMPT_CACHE_MAX_BYTES": "engine.prompt_cache_max_bytes",
     "LMSPD_PROMPT_CACHE_DISK_MAX_BYTES": "engine.prompt_cache_disk_max_bytes",
     "LMSPD_PROMPT_CACHE_DISK_MIN_FREE_BYTES": "engine.prompt_cache_disk_min_free_bytes",
+    "LMSPD_KEEP_ALIVE_SECS": "engine.keep_alive_secs",
+    "LMSPD_MAX_MEMORY_BYTES": "engine.max_memory_bytes",
+    "LMSPD_RECYCLE_AFTER_SECS": "engine.recycle_after_secs",
+    "LMSPD_RECYCLE_ABOVE_RSS_BYTES": "engine.recycle_above_rss_bytes",
     "LMSPD_HOST": "server.host",
     "LMSPD_PORT": "server.port",
     "LMSPD_DATA_DIR": "server.data_dir",

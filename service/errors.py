@@ -112,6 +112,14 @@ class InvalidRequestError(LmspdError):
     openai_code: ClassVar[str | None] = None
 
 
+class ModelTooLargeError(InvalidRequestError):
+    """A model whose estimated memory exceeds [engine] max_memory_bytes even loaded alone."""
+
+    code = "model_too_large"
+    title = "Model too large"
+    openai_code = "model_too_large"
+
+
 class ContextLengthExceededError(InvalidRequestError):
     code = "context_length_exceeded"
     title = "Context length exceeded"
@@ -151,6 +159,24 @@ class UnauthorizedError(LmspdError):
     status = 401
     title = "Unauthorized"
     openai_code = "invalid_api_key"
+
+
+class ForbiddenError(LmspdError):
+    """A valid token without the role the call needs (an operator's, for model control)."""
+
+    code = "forbidden"
+    status = 403
+    title = "Forbidden"
+    openai_code = "forbidden"
+
+
+class ModelBusyError(LmspdError):
+    """An unload of a model that tasks are running on (``?force=true`` cancels them)."""
+
+    code = "model_busy"
+    status = 409
+    title = "Model busy"
+    openai_code = "model_busy"
 
 
 class NotFoundError(LmspdError):
@@ -250,6 +276,12 @@ class EngineError(LmspdError):
 class EngineCrashedError(EngineError):
     code = "engine_crashed"
     title = "Engine crashed"
+
+
+class EngineRecycledError(EngineCrashedError):
+    """The engine a generation ran on was replaced while serving: its task resumes on the next."""
+
+    code = "engine_recycled"
 
 
 class SequenceConflictError(LmspdError):

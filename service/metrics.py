@@ -144,8 +144,33 @@ class Metrics:
             registry=r,
         )
         self.engine_restarts = Counter("lmspd_engine_restarts", "Engine processes restarted after dying", registry=r)
+        self.engine_recycles = Counter(
+            "lmspd_engine_recycles",
+            "Engines replaced while serving, by reason (age, rss, operator)",
+            ["reason"],
+            registry=r,
+        )
         self.engine_up = Gauge(
             "lmspd_engine_up", "1 when the engine process is running (read at scrape time)", registry=r
+        )
+        self.model_loads = Counter(
+            "lmspd_model_loads", "Models loaded into the engine, by model", ["model"], registry=r
+        )
+        self.model_unloads = Counter(
+            "lmspd_model_unloads",
+            "Models unloaded, by reason (idle: past keep_alive_secs; budget: room for another; "
+            "operator: an unload call; failed: a failed decode step)",
+            ["reason"],
+            registry=r,
+        )
+        self.model_resident_bytes = Gauge(
+            "lmspd_model_resident_bytes",
+            "Bytes of a loaded model's weights (read at scrape time)",
+            ["model"],
+            registry=r,
+        )
+        self.engine_rss_bytes = Gauge(
+            "lmspd_engine_rss_bytes", "The engine process's resident set size (read at scrape time)", registry=r
         )
         self.sse_streams = Gauge("lmspd_sse_streams_open", "Event streams open, by API", ["api"], registry=r)
         self.store_commit = Histogram(
@@ -164,6 +189,10 @@ class Metrics:
             self.tasks_finished.labels(outcome)
         for reason in ("stop", "length", "cancelled"):
             self.generations_finished.labels(reason)
+        for why in ("age", "rss", "operator"):
+            self.engine_recycles.labels(why)
+        for why in ("idle", "budget", "operator", "failed"):
+            self.model_unloads.labels(why)
         for source in ("task", "endpoint"):
             self.compactions.labels(source)
         for api in ("lmsp", "openai"):
@@ -175,6 +204,13 @@ class Metrics:
         """The store writer's hook: one group commit of ``jobs`` jobs took ``seconds``."""
         self.store_commit.observe(seconds)
         self.store_batch.observe(jobs)
+
+    def observe_engine(self, rss_bytes: int, resident: dict[str, int]) -> None:
+        """The engine's memory as its status says: RSS, and each loaded model's weights."""
+        self.engine_rss_bytes.set(rss_bytes)
+        self.model_resident_bytes.clear()  # an unloaded model's series ends
+        for model, nbytes in resident.items():
+            self.model_resident_bytes.labels(model).set(nbytes)
 
     async def render(self, store: StatusCounts, *, engine_alive: bool) -> bytes:
         """The text exposition, with the scrape-time gauges read first."""

@@ -28,13 +28,13 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 
-from lmspd.api import chat, events, openapi, responses, tasks, wire
+from lmspd.api import chat, events, models, openapi, responses, tasks, wire
 from lmspd.api.access_log import AccessLog
 from lmspd.api.auth import Authenticator
 from lmspd.api.problems import is_openai_path, openai_response, problem_response
 from lmspd.api.routing import AUTH, Op, Operation
 from lmspd.api.state import AppState, state_of
-from lmspd.api.wire import Capabilities, CapabilityFlags, Health, Limits, LmspModel, LmspModelList
+from lmspd.api.wire import Capabilities, CapabilityFlags, Health, Limits
 from lmspd.config import Config
 from lmspd.core import runtime
 from lmspd.engine.process import EngineClient
@@ -78,12 +78,6 @@ async def capabilities(request: Request) -> Response:
             ),
         )
     )
-
-
-async def models(request: Request) -> Response:
-    app = state_of(request)
-    app.auth.owner(request)
-    return _json(LmspModelList(data=[LmspModel(id=m.name, ready=m.pulled) for m in app.core.models()]))
 
 
 async def openapi_json(request: Request) -> Response:
@@ -151,11 +145,7 @@ ROUTES = [
         capabilities,
         Op("LMSP capabilities and limits (LMSP 10)", "lmsp", wire.Capabilities, errors=AUTH),
     ),
-    Operation(
-        "/lmsp/v1/models",
-        models,
-        Op("Models, each saying whether it is ready", "lmsp", wire.LmspModelList, errors=AUTH),
-    ),
+    *models.ROUTES,
     *tasks.ROUTES,
     *responses.LMSP_ROUTES,
     # OpenAI Responses API, with and without /v1 (errors in OpenAI's envelope)
@@ -163,7 +153,7 @@ ROUTES = [
     chat.route("/v1"),
     *responses.routes(""),
     chat.route(""),
-    responses.MODELS,
+    models.MODELS,
 ]
 
 
@@ -179,7 +169,7 @@ def create_app(config: Config, engine: EngineClient | None = None, shutdown: asy
             except Exception as exc:
                 app.state.startup_error = exc  # for `lmspd serve`, which says why in one line
                 raise
-            app.state.lmsp = AppState(config, core, Authenticator(config.server.tokens))
+            app.state.lmsp = AppState(config, core, Authenticator(config.server.tokens, config.server.admin_tokens))
             yield
 
     return Starlette(

@@ -1,4 +1,8 @@
-"""Bearer tokens (docs/lmsp.md §9.1): constant-time comparison, one owner name per token."""
+"""Bearer tokens (docs/lmsp.md §9.1): constant-time comparison, one owner name per token.
+
+Operators' tokens (``[server] admin_tokens``) work everywhere an ordinary token does, and
+they alone may call the model-control routes (load, unload, pin).
+"""
 
 from __future__ import annotations
 
@@ -6,30 +10,45 @@ import hmac
 
 from starlette.requests import Request
 
-from lmspd.errors import UnauthorizedError
+from lmspd.errors import ForbiddenError, UnauthorizedError
 
 
 class Authenticator:
-    def __init__(self, tokens: dict[str, str]) -> None:
-        self._tokens = [(name, token.encode()) for name, token in tokens.items()]
+    def __init__(self, tokens: dict[str, str], admin_tokens: dict[str, str] | None = None) -> None:
+        admins = admin_tokens or {}
+        self._tokens = [(name, token.encode(), False) for name, token in tokens.items()]
+        self._tokens += [(name, token.encode(), True) for name, token in admins.items()]
 
     @property
     def enabled(self) -> bool:
         return bool(self._tokens)
 
-    def owner(self, request: Request) -> str:
-        """The token's name; '' when auth is off (loopback only)."""
-        if not self._tokens:
-            return ""
+    def _match(self, request: Request) -> tuple[str, bool]:
         header = request.headers.get("authorization", "")
         scheme, _, presented = header.partition(" ")
         if scheme.lower() != "bearer" or not presented:
             raise UnauthorizedError("missing bearer token")
         candidate = presented.strip().encode()
-        owner = None
-        for name, token in self._tokens:  # compare against all, so timing does not tell which matched
+        found: tuple[str, bool] | None = None
+        for name, token, admin in self._tokens:  # compare against all, so timing does not tell which matched
             if hmac.compare_digest(candidate, token):
-                owner = name
-        if owner is None:
+                found = (name, admin)
+        if found is None:
             raise UnauthorizedError("invalid bearer token")
-        return owner
+        return found
+
+    def owner(self, request: Request) -> str:
+        """The token's name; '' when auth is off (loopback only)."""
+        if not self._tokens:
+            return ""
+        return self._match(request)[0]
+
+    def operator(self, request: Request) -> str:
+        """The operator's token name ('' when auth is off: loopback only, anyone local may);
+        ForbiddenError for an ordinary token."""
+        if not self._tokens:
+            return ""
+        name, admin = self._match(request)
+        if not admin:
+            raise ForbiddenError("this call needs an operator token (server.admin_tokens)")
+        return name

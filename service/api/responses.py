@@ -22,8 +22,6 @@ from lmspd.api.state import state_of
 from lmspd.api.wire import (
     DeletedResponse,
     InputTokens,
-    Model,
-    ModelList,
     ascii_int,
     decode,
     fingerprint,
@@ -163,12 +161,6 @@ async def list_input_items(request: Request) -> Response:
     return _json(page)
 
 
-async def list_models(request: Request) -> Response:
-    app = state_of(request)
-    app.auth.owner(request)
-    return _json(ModelList(data=[Model(id=m.name) for m in app.core.models()]))
-
-
 _CREATE = Op(
     "Create a response: synchronous, streamed (`stream: true`) or in the background",
     "responses",
@@ -272,4 +264,3 @@ LMSP_ROUTES = [  # the same operations, errors as problem objects
     Operation("/lmsp/v1/responses", create_response, _CREATE, "POST"),
     Operation("/lmsp/v1/responses/compact", compact, _COMPACT, "POST"),
 ]
-MODELS = Operation("/v1/models", list_models, Op("Models", "models", wire.ModelList, errors=AUTH))

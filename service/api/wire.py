@@ -79,12 +79,34 @@ class Capabilities(msgspec.Struct, kw_only=True):
     limits: Limits
 
 
+# What each model entry says of its state beside OpenAI's fields (docs/operations.md, "Models
+# over a long life").
+STATE_FIELDS = (
+    "loaded",
+    "resident_bytes",
+    "weight_dtype",
+    "running",
+    "last_used_at",
+    "unload_at",
+    "keep_alive_secs",
+    "pinned",
+)
+
+
 class LmspModel(msgspec.Struct, kw_only=True):
     id: str
     object: Literal["model"] = "model"
     created: int = 0
     owned_by: str = "lmspd"
     ready: bool
+    loaded: bool = False
+    resident_bytes: int = 0  # its weights as the engine holds them (per weight_dtype)
+    weight_dtype: str | None = None
+    running: int = 0  # requests generating on it
+    last_used_at: int | None = None  # unix seconds its last request ended (now while in use)
+    unload_at: int | None = None  # unix seconds it is unloaded if still idle (None: not due)
+    keep_alive_secs: float = 0.0
+    pinned: bool = False  # never unloaded for being idle
 
 
 class LmspModelList(msgspec.Struct, kw_only=True):
@@ -99,6 +121,22 @@ class Model(msgspec.Struct, kw_only=True):
     object: Literal["model"] = "model"
     created: int = 0
     owned_by: str = "lmspd"
+    # lmspd's state of it, as on /lmsp/v1/models (OpenAI's clients ignore extra fields).
+    loaded: bool = False
+    resident_bytes: int = 0
+    weight_dtype: str | None = None
+    running: int = 0
+    last_used_at: int | None = None
+    unload_at: int | None = None
+    keep_alive_secs: float = 0.0
+    pinned: bool = False
+
+
+class Recycle(msgspec.Struct, kw_only=True):
+    """``POST /lmsp/v1/engine/recycle``: whether this call started a recycle (false: one was
+    under way already)."""
+
+    started: bool
 
 
 class ModelList(msgspec.Struct, kw_only=True):

@@ -1,5 +1,5 @@
-"""The ``lmspd`` command: ``models pull|list``, ``generate``, ``serve``, ``tasks ...``,
-``service print``, ``openapi`` and ``doctor``."""
+"""The ``lmspd`` command: ``models pull|list|ps|load|unload|pin|unpin``, ``generate``, ``serve``,
+``tasks ...``, ``service print``, ``openapi`` and ``doctor``."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, get_args
 
+from lmspd.cli import models_ctl, units
 from lmspd.cli import tasks as tasks_cli
-from lmspd.cli import units
 from lmspd.config import RESPONSES_FLAGS, Config, WeightDtype, load_config
 from lmspd.errors import LmspdError
 from lmspd.logs import ENV as LOG_FORMAT_ENV
@@ -44,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     _common(pull)
     listing = models.add_parser("list", help="show configured and cached models")
     _common(listing)
+    models_ctl.add_parsers(models)
+    models_ctl.add_engine_parser(sub)
 
     srv = sub.add_parser("serve", help="run the HTTP server")
     srv.add_argument("--host", help="bind address (default 127.0.0.1)")
@@ -243,6 +245,7 @@ COMMANDS = {
     ("openapi", None): cmd_openapi,
     ("doctor", None): cmd_doctor,
     **tasks_cli.COMMANDS,
+    **models_ctl.COMMANDS,
 }
 
 

@@ -63,7 +63,7 @@ def cannot_listen(config: Config, exc: OSError) -> StartupError:
 
 def check_bind(config: Config) -> None:
     s = config.server
-    if not s.tokens and not is_loopback(s.host) and not s.allow_unauthenticated_remote:
+    if not (s.tokens or s.admin_tokens) and not is_loopback(s.host) and not s.allow_unauthenticated_remote:
         raise ConfigError(
             f"refusing to listen on {s.host} without API tokens: configure server.tokens or LMSP_API_KEYS, "
             "or set server.allow_unauthenticated_remote = true",

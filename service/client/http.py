@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import msgspec
@@ -106,6 +107,19 @@ class TaskClient:
 
     def cancel(self, task_id: str) -> Json:
         return self._request("POST", f"/lmsp/v1/tasks/{task_id}/cancel")
+
+    def models(self) -> Json:
+        """``GET /lmsp/v1/models``: ``data`` holds each model with its state (loaded, bytes...)."""
+        return self._request("GET", "/lmsp/v1/models")
+
+    def recycle_engine(self) -> Json:
+        """``POST /lmsp/v1/engine/recycle``: replace the engine while serving (an operator's call)."""
+        return self._request("POST", "/lmsp/v1/engine/recycle")
+
+    def control_model(self, name: str, action: str, *, force: bool = False) -> Json:
+        """``POST /lmsp/v1/models/{name}/{action}`` (load, unload, pin, unpin): an operator's call."""
+        params = {"force": "true"} if force else {}
+        return self._request("POST", f"/lmsp/v1/models/{quote(name, safe='')}/{action}", params=params)
 
     # --- events ------------------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ from lmspd.config import Config
 from lmspd.core import compactor
 from lmspd.core.hub import Hub
 from lmspd.core.inputs import resolve
+from lmspd.core.lifecycle import ModelView
 from lmspd.core.supervisor import Supervisor
 from lmspd.errors import (
     ContextLengthExceededError,
@@ -34,6 +35,7 @@ from lmspd.errors import (
     TaskNotCancelableError,
 )
 from lmspd.metrics import Metrics
+from lmspd.models.footprint import refuse_oversized
 from lmspd.models.registry import ModelInfo, ModelRegistry
 from lmspd.prompting.generation import (
     cache_key,
@@ -211,6 +213,7 @@ class Core:
         else:
             # With context_management, a prompt too long is compacted (or the task fails).
             check = request.compact_threshold() is None
+            refuse_oversized(model.name, model.path, self.config.engine)
             if check:
                 refuse_by_size(model, user_text_bytes(request))
             check_request(model, prompt_for(model, request, turns), sampling, check_length=check)
@@ -235,8 +238,29 @@ class Core:
     def models(self) -> list[ModelInfo]:
         return self.registry.list()
 
+    # --- models over a long life (lmspd.core.lifecycle) ------------------------------------------
+
+    async def model_views(self) -> list[ModelView]:
+        return await self.supervisor.lifecycle.views()
+
+    async def load_model(self, name: str) -> ModelView:
+        return await self.supervisor.lifecycle.load(name, self.supervisor.slots)
+
+    async def unload_model(self, name: str, *, force: bool) -> ModelView:
+        """Refused (409, nothing changed) while tasks run on it, unless ``force`` cancels them."""
+        lifecycle, slots = self.supervisor.lifecycle, self.supervisor.slots
+        return await lifecycle.unload(name, slots, force=force, cancel=lambda task_id: self.cancel(task_id, None))
+
+    async def pin_model(self, name: str, pinned: bool) -> ModelView:
+        return await self.supervisor.lifecycle.pin(name, pinned)
+
+    def recycle_engine(self) -> bool:
+        """An operator's engine recycle (lmspd.core.recycle); False: one is under way already."""
+        return self.supervisor.recycle("operator")
+
     async def metrics_text(self) -> bytes:
         """``/metrics``: the Prometheus text exposition."""
+        await self.supervisor.lifecycle.observe()
         return await self.metrics.render(self.store, engine_alive=self.supervisor.engine.alive)
 
     # --- compaction -----------------------------------------------------------------------------

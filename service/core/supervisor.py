@@ -22,12 +22,15 @@ from lmspd.core import compactor
 from lmspd.core.compactor import summary_id
 from lmspd.core.hub import Hub
 from lmspd.core.inputs import item_ids
+from lmspd.core.lifecycle import ModelLifecycle
+from lmspd.core.recycle import Recycler
 from lmspd.core.storage_backoff import StorageBackoff
 from lmspd.core.token_timer import TokenTimer
 from lmspd.engine import protocol as p
 from lmspd.engine.process import EngineClient
 from lmspd.errors import (
     EngineCrashedError,
+    EngineRecycledError,
     LmspdError,
     StorageFullError,
     error_for,
@@ -82,34 +85,56 @@ class Supervisor:
         self.slots = ModelSlots(config.engine.max_loaded_models)
         self._resolved: dict[str, ResolvedModel] = {}  # requested model name -> what it resolved to
         self.storage = StorageBackoff(config.server.database_path)
+        self.lifecycle = ModelLifecycle(config, engine, registry, self.metrics)
+        self.recycler = Recycler(self)
 
     # --- lifecycle ------------------------------------------------------------------------------
 
     async def start(self) -> None:
         await self.recover()
         await self.engine.start()
-        await self._preload()
+        self.engine.listeners.append(self.lifecycle.heard)
+        await self.lifecycle.configure()
+        await self.preload()
         self._loop_task = asyncio.create_task(self._loop(), name="supervisor")
 
-    async def _preload(self) -> None:
-        """Load the default model now, so the first task does not wait for it."""
+    def use_engine(self, engine: EngineClient) -> None:
+        """New generations go to ``engine`` from now on (an engine recycle)."""
+        self.engine = engine
+        self.lifecycle.engine = engine
+
+    def recycle(self, reason: str = "operator") -> bool:
+        """Replace the engine while serving (lmspd.core.recycle); False: one is under way."""
+        return self.recycler.start(reason)
+
+    async def preload(self) -> None:
+        """Load the default model now, so the first task does not wait for it; then [engine]
+        preload's, each warmed by one short prefill (the server is ready only after this)."""
         try:
             model = await asyncio.to_thread(self.registry.resolve_local, self.config.default_model)
             if model is not None:
                 await self.engine.load(model.name, str(model.path))
         except LmspdError as exc:  # tasks naming it will fail with the reason; others still run
             log.error("default model %s did not load: %s", self.config.default_model, exc.message)
+        for name in self.config.engine.preload:
+            try:
+                await self.lifecycle.preload(name)
+            except LmspdError as exc:
+                log.error("preloading model %s failed: %s", name, exc.message)
 
     async def stop(self, *, close_engine: bool = True) -> None:
         """Leave in-flight tasks as their policies can recover them, then stop the engine
         (unless it was handed in by the caller, who then owns it)."""
         self._stopping = True
+        with contextlib.suppress(ValueError):  # a shared engine outlives this supervisor
+            self.engine.listeners.remove(self.lifecycle.heard)
         if self._loop_task:
             self._loop_task.cancel()
         for task in list(self.running.values()):
             task.cancel()
         await asyncio.gather(*self.running.values(), return_exceptions=True)
-        if close_engine:
+        await self.recycler.close()
+        if close_engine or self.recycler.replaced:  # an engine the recycler started is ours
             await self.engine.close()
 
     def wake(self) -> None:
@@ -123,6 +148,8 @@ class Supervisor:
             if not self.engine.alive:
                 await self._restart_engine()
                 continue
+            if (why := await self.recycler.due()) is not None:
+                self.recycler.start(why)
             if self.storage.active and not await self._settle_stalled():
                 continue
             room = 2 * self.config.engine.max_concurrency - len(self.running)
@@ -140,6 +167,7 @@ class Supervisor:
             await self.engine.start()
             self._backoff = 0.5
             self.metrics.engine_restarts.inc()
+            await self.lifecycle.configure()  # a new engine knows no pins yet
         except Exception:
             log.exception("engine restart failed")
             self._backoff = min(self._backoff * 2, 30.0)
@@ -239,6 +267,10 @@ class Supervisor:
         """The task went to ``cancelling``: stop its generation (it then becomes ``cancelled``)."""
         await self.engine.cancel(task_id)
         await self.engine.cancel(summary_id(task_id))
+        for old in self.recycler.draining:  # still generating on an engine being replaced
+            for request_id in (task_id, summary_id(task_id)):
+                if old.running(request_id):
+                    await old.cancel(request_id)
         if task_id not in self.running:
             self.wake()
 
@@ -400,6 +432,9 @@ class Supervisor:
             task = await self.store.get(task_id)
             if task.status == "cancelling":
                 return await self._settle_cancel(task_id, state)
+            if isinstance(exc, EngineRecycledError):  # the server did not restart: resume, whatever the policy
+                await self.store.requeue(task_id, new_attempt=False)
+                return None
             return await self._interrupted(task, state, "engine_crashed", exc.message)
         except StorageFullError:
             raise  # not the task's fault: it is settled by its policy once there is room

@@ -15,7 +15,7 @@ import logging
 import multiprocessing as mp
 import threading
 from collections import OrderedDict
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as mp_wait
@@ -62,6 +62,14 @@ class EngineClient:
         self._ready: asyncio.Future[p.Ready] | None = None
         self.loaded: dict[str, p.ModelLoaded] = {}
         self._closing = False
+        # Status queries in flight, by number (answered in the order they were sent).
+        self._queries: dict[int, asyncio.Future[p.EngineStatus]] = {}
+        self._next_query = 0
+        # Told of every load and unload (the supervisor counts them): (event, model, reason).
+        self.listeners: list[Callable[[str, str, str], None]] = []
+        self._drained = asyncio.Event()  # set whenever no generation is streaming
+        # Keep-alives of models configured with their own (by name), sent with each load.
+        self.keep_alive: dict[str, float] = {}
 
     @property
     def alive(self) -> bool:
@@ -108,7 +116,8 @@ class EngineClient:
             pass
         # Wait for the process to be gone without reaping it here: close() may be joining it.
         mp_wait([process.sentinel], timeout=5)
-        loop.call_soon_threadsafe(self._on_exit, process)
+        with contextlib.suppress(RuntimeError):  # the loop closed first: nobody is left to tell
+            loop.call_soon_threadsafe(self._on_exit, process)
 
     def _dispatch(self, reply: p.Reply) -> None:
         if isinstance(reply, p.Deltas):
@@ -127,12 +136,19 @@ class EngineClient:
                     if not fut.done():
                         fut.set_exception(error_from(reply))
         elif isinstance(reply, p.ModelLoaded):
+            if reply.model not in self.loaded:
+                self._tell("loaded", reply.model, "")
             self.loaded[reply.model] = reply
             for fut in self._loads.pop(reply.model, []):
                 if not fut.done():
                     fut.set_result(reply)
         elif isinstance(reply, p.ModelEvicted):
-            self.loaded.pop(reply.model, None)
+            log.info("engine unloaded model %s (%s)", reply.model, reply.reason)
+            if self.loaded.pop(reply.model, None) is not None:
+                self._tell("unloaded", reply.model, reply.reason)
+        elif isinstance(reply, p.EngineStatus):
+            if (query := self._queries.pop(reply.query, None)) is not None and not query.done():
+                query.set_result(reply)
         elif isinstance(reply, p.ModelLoading):
             log.info("engine loading model %s", reply.model)
         elif isinstance(reply, p.Ready) and self._ready and not self._ready.done():
@@ -154,6 +170,10 @@ class EngineClient:
                 if not fut.done():
                     fut.set_exception(err)
         self._loads.clear()
+        for query in self._queries.values():
+            if not query.done():
+                query.set_exception(err)
+        self._queries.clear()
         if self._ready and not self._ready.done():
             self._ready.set_exception(err)
         self.info = None
@@ -173,11 +193,40 @@ class EngineClient:
         """The model is in the engine's memory, as far as its replies have said."""
         return self.alive and model in self.loaded
 
-    async def load(self, model: str, path: str) -> p.ModelLoaded:
+    def _tell(self, event: str, model: str, reason: str) -> None:
+        for listener in list(self.listeners):
+            try:
+                listener(event, model, reason)
+            except Exception:  # a listener's bug must not stop the replies
+                log.exception("engine listener failed")
+
+    async def load(self, model: str, path: str, keep_alive_secs: float | None = None) -> p.ModelLoaded:
         fut: asyncio.Future[p.ModelLoaded] = asyncio.get_running_loop().create_future()
         self._loads.setdefault(model, []).append(fut)
-        await self._send(p.LoadModel(model, path))
+        if keep_alive_secs is None:
+            keep_alive_secs = self.keep_alive.get(model)
+        await self._send(p.LoadModel(model, path, keep_alive_secs))
         return await fut
+
+    async def status(self) -> p.EngineStatus:
+        """What the engine holds now (after every command sent before this one)."""
+        self._next_query += 1
+        query = self._next_query
+        fut: asyncio.Future[p.EngineStatus] = asyncio.get_running_loop().create_future()
+        self._queries[query] = fut
+        try:
+            await self._send(p.Status(query))
+            return await fut
+        finally:
+            self._queries.pop(query, None)
+
+    async def unload(self, model: str, *, force: bool = False) -> p.EngineStatus:
+        """Unload ``model`` now (``force``: cancelling its running requests); the status after."""
+        await self._send(p.UnloadModel(model=model, force=force))
+        return await self.status()
+
+    async def pin(self, model: str, pinned: bool) -> None:
+        await self._send(p.PinModel(model=model, pinned=pinned))
 
     async def generate(self, cmd: p.Generate) -> AsyncGenerator[Event, None]:
         """Yield the request's deltas, then its Finished; raise on failure.
@@ -211,6 +260,8 @@ class EngineClient:
                     return
         finally:
             self._streams.pop(cmd.request_id, None)
+            if not self._streams:
+                self._drained.set()
             if not finished and self.alive:
                 await asyncio.shield(self._send_quietly(p.Cancel(cmd.request_id)))
 
@@ -233,6 +284,21 @@ class EngineClient:
         self._early_cancels.move_to_end(request_id)
         while len(self._early_cancels) > EARLY_CANCELS_KEPT:
             self._early_cancels.popitem(last=False)
+
+    def running(self, request_id: str) -> bool:
+        """A generation of this id is streaming from this engine."""
+        return request_id in self._streams
+
+    async def drained(self) -> None:
+        """Return once no generation is streaming (an engine being replaced)."""
+        while self._streams:
+            self._drained.clear()
+            await self._drained.wait()
+
+    def interrupt(self, err: LmspdError) -> None:
+        """End every streaming generation with ``err`` (each cancels itself in the engine)."""
+        for q in self._streams.values():
+            q.put_nowait(err)
 
     def forget(self, request_id: str) -> None:
         """Drop a remembered cancel (for a request that ended without generating)."""

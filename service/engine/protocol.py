@@ -58,6 +58,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 class LoadModel(msgspec.Struct, tag=True, frozen=True):
     model: str  # the name clients use
     path: str  # the resolved mlx-lm directory
+    # Seconds the model may stay idle before it is unloaded (0: never); None: the engine's
+    # keep_alive_secs. Remembered by name, so a reload after an idle unload keeps it.
+    keep_alive_secs: float | None = None
 
 
 class Generate(msgspec.Struct, tag=True, frozen=True, kw_only=True):
@@ -91,7 +94,28 @@ class Shutdown(msgspec.Struct, tag=True, frozen=True):
     pass
 
 
-Command = LoadModel | Generate | Cancel | Shutdown
+class UnloadModel(msgspec.Struct, tag=True, frozen=True, kw_only=True):
+    """Unload a model now (an operator's call). Its running requests are cancelled when
+    ``force``; without it a busy model stays (the server checked it was idle)."""
+
+    model: str
+    force: bool = False
+
+
+class PinModel(msgspec.Struct, tag=True, frozen=True, kw_only=True):
+    """A pinned model is never unloaded for being idle (loaded or not: remembered by name)."""
+
+    model: str
+    pinned: bool
+
+
+class Status(msgspec.Struct, tag=True, frozen=True):
+    """Ask for an :class:`EngineStatus`; answered in order with the commands before it."""
+
+    query: int
+
+
+Command = LoadModel | Generate | Cancel | Shutdown | UnloadModel | PinModel | Status
 
 
 # --- replies --------------------------------------------------------------------------------
@@ -108,16 +132,43 @@ class ModelLoading(msgspec.Struct, tag=True, frozen=True):
     model: str
 
 
+UnloadReason = Literal["idle", "budget", "operator", "failed"]
+
+
 class ModelEvicted(msgspec.Struct, tag=True, frozen=True):
-    """The model left memory (to make room for another, or after a failed step)."""
+    """The model left memory: idle past its keep-alive, to make room for another (budget),
+    by an operator's call, or after a failed step."""
 
     model: str
+    reason: UnloadReason = "budget"
 
 
 class ModelLoaded(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     model: str
     weight_dtype: str
     seconds: float
+    resident_bytes: int = 0  # its weights as held in memory
+
+
+class ModelState(msgspec.Struct, frozen=True, kw_only=True):
+    """One model the engine holds or has been told about (pinned, or a keep-alive)."""
+
+    model: str
+    loaded: bool
+    resident_bytes: int = 0
+    weight_dtype: str = ""
+    running: int = 0  # requests in its batch
+    idle_secs: float | None = None  # since its last request ended (None: busy, or not loaded)
+    unload_in_secs: float | None = None  # None: not loaded, busy, pinned or keep-alive 0
+    keep_alive_secs: float = 0.0
+    pinned: bool = False
+
+
+class EngineStatus(msgspec.Struct, tag=True, frozen=True, kw_only=True):
+    query: int
+    rss_bytes: int  # the engine process's resident set
+    models: list[ModelState]
+    prompt_cache_bytes: int = 0
 
 
 class TopLogprob(msgspec.Struct, array_like=True, frozen=True):
@@ -176,7 +227,7 @@ class Failed(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     model: str | None = None
 
 
-Reply = Ready | ModelLoading | ModelLoaded | ModelEvicted | Deltas | Finished | Failed
+Reply = Ready | ModelLoading | ModelLoaded | ModelEvicted | Deltas | Finished | Failed | EngineStatus
 
 command_encoder = msgspec.msgpack.Encoder()
 command_decoder = msgspec.msgpack.Decoder(Command)

@@ -23,6 +23,7 @@ import msgspec
 from lmspd.config import EngineConfig
 from lmspd.engine import protocol as p
 from lmspd.engine.constraint import GrammarError, GrammarMask, Grammars
+from lmspd.engine.lifecycle import Lifecycle, MemoryBudget, release_memory, resident_bytes, rss_bytes
 from lmspd.engine.logprobs import TokenPieces, top_logprobs
 from lmspd.engine.pacing import PrefillPacer
 from lmspd.engine.sampling import SeededSampler
@@ -88,6 +89,7 @@ class LoadedModel:
     weight_dtype: str
     fingerprint: str  # the prompt cache's namespace for these weights
     pacer: PrefillPacer
+    resident_bytes: int = 0
     requests: dict[int, Request] = field(default_factory=dict)
     pieces: TokenPieces | None = None  # built on the first request that asks for logprobs
     grammars: Grammars | None = None  # built on the first constrained request
@@ -127,6 +129,7 @@ class Engine:
         )
         self.models: OrderedDict[str, LoadedModel] = OrderedDict()  # least recently used first
         self.waiting: deque[p.Generate] = deque()  # requests for a model that cannot load yet
+        self.pending_loads: deque[p.LoadModel] = deque()  # loads waiting for a busy model's room
         # Requests whose grammar compiles in the grammar thread (a large one takes a while:
         # the batch decodes on meanwhile), by request id.
         self.compiling: dict[str, tuple[p.Generate, Future[Any]]] = {}
@@ -134,6 +137,8 @@ class Engine:
         self.by_id: dict[str, tuple[LoadedModel, Request]] = {}
         self.running = True
         self.finished: list[p.Finished] = []
+        self.lifecycle = Lifecycle(config.keep_alive_secs)
+        self.budget = MemoryBudget(config)
 
     def send(self, reply: p.Reply) -> None:
         self.conn.send_bytes(p.reply_encoder.encode(reply))
@@ -153,11 +158,13 @@ class Engine:
             )
         )
         while self.running:
-            busy = bool(self.by_id) or bool(self.waiting)
+            busy = bool(self.by_id) or bool(self.waiting) or bool(self.pending_loads)
             # Idle with entries the disk writer has yet to take: come back for them soon.
             timeout: float | None = 0 if busy else (0.1 if self.prompt_cache.unflushed else None)
             if self.compiling and not busy:
                 timeout = COMPILE_POLL_SECS
+            if not busy and (due := self.lifecycle.wait(self._idle(), time.monotonic())) is not None:
+                timeout = due if timeout is None else min(timeout, due)
             try:
                 while self.running and self.conn.poll(timeout):
                     self._handle_safely(self.conn.recv_bytes())
@@ -166,6 +173,7 @@ class Engine:
                 log.warning("the server went away; engine exiting")
                 break
             self._admit_compiled()
+            self._unload_idle()
             self._admit_waiting()
             deltas: list[p.Delta] = []
             for lm in list(self.models.values()):
@@ -206,12 +214,28 @@ class Engine:
         elif isinstance(cmd, p.Cancel):
             self._cancel(cmd.request_id)
         elif isinstance(cmd, p.LoadModel):
+            if cmd.keep_alive_secs is not None:
+                self.lifecycle.keep_alive[cmd.model] = cmd.keep_alive_secs
+            if self.budget.fits_alone(cmd.path) and not self._can_load(cmd.model, cmd.path):
+                self.pending_loads.append(cmd)  # busy models hold the memory: loaded once they are done
+                return
             was_loaded = cmd.model in self.models
             lm = self._load_or_fail(cmd.model, cmd.path)
             if lm is not None and was_loaded:  # a caller is waiting for this answer
-                self.send(p.ModelLoaded(model=cmd.model, weight_dtype=lm.weight_dtype, seconds=0.0))
+                self.lifecycle.touch(lm.name)  # loaded for a request on its way: not idle now
+                self.send(
+                    p.ModelLoaded(
+                        model=cmd.model, weight_dtype=lm.weight_dtype, seconds=0.0, resident_bytes=lm.resident_bytes
+                    )
+                )
         elif isinstance(cmd, p.Shutdown):
             self.running = False
+        elif isinstance(cmd, p.UnloadModel):
+            self._unload(cmd.model, cmd.force)
+        elif isinstance(cmd, p.PinModel):
+            (self.lifecycle.pinned.add if cmd.pinned else self.lifecycle.pinned.discard)(cmd.model)
+        elif isinstance(cmd, p.Status):
+            self.send(self._status(cmd.query))
 
     # --- models -----------------------------------------------------------------------------
 
@@ -240,7 +264,9 @@ class Engine:
         from lmspd.engine.prompt_cache import model_fingerprint
         from lmspd.engine.weights import apply_weight_dtype
 
-        self._evict_for_one()
+        if (refused := self.budget.refusal(name, path)) is not None:
+            raise refused
+        self._evict_for_one(path)
         self.send(p.ModelLoading(name))
         start = time.perf_counter()
         model, config = load_model(Path(path))
@@ -259,33 +285,130 @@ class Engine:
         fingerprint = model_fingerprint(Path(path))
         pacer = PrefillPacer(self.prefill_step_size, self.prefill_interleave_s)
         lm = LoadedModel(name, path, model, Tokenizer(Path(path)), batch, ctx, vocab, dtype, fingerprint, pacer)
+        lm.resident_bytes = resident_bytes(model)
         self.models[name] = lm
+        self.lifecycle.touch(name)
+        self._fit_memory(name)  # its real size may differ from the estimate (auto's choice)
         self.prompt_cache.load(fingerprint)
-        self.send(p.ModelLoaded(model=name, weight_dtype=dtype, seconds=time.perf_counter() - start))
+        seconds = time.perf_counter() - start
+        self.send(p.ModelLoaded(model=name, weight_dtype=dtype, seconds=seconds, resident_bytes=lm.resident_bytes))
         return lm
 
-    def _evict_for_one(self) -> None:
-        idle = [n for n, m in self.models.items() if not m.requests]
-        while len(self.models) >= self.max_loaded_models and idle:
+    def _evict_for_one(self, path: str = "") -> None:
+        """Room for one more model: idle ones go, least recently used first, past
+        max_loaded_models or the memory budget (the prompt cache is trimmed before that)."""
+        idle = self._idle()
+        need = self.budget.estimate(path).total if path else 0
+        self._fit_cache(need)
+        while idle and (len(self.models) >= self.max_loaded_models or self._held() + need > self.budget.limit):
             lm = self.models.pop(idle.pop(0))
             lm.batch.close()
             log.info("evicted model %s", lm.name)
-            self.send(p.ModelEvicted(lm.name))
+            self.send(p.ModelEvicted(lm.name, "budget"))
+        self._fit_cache(need)
         import mlx.core as mx
 
         mx.clear_cache()
 
-    def _can_load(self, name: str) -> bool:
-        return (
-            name in self.models
-            or len(self.models) < self.max_loaded_models
-            or any(not m.requests for m in self.models.values())
+    def _held(self) -> int:
+        return sum(self.budget.held(m.path, m.resident_bytes) for m in self.models.values())
+
+    def _fit_cache(self, extra: int = 0) -> None:
+        """The prompt cache keeps what the models (and ``extra`` bytes about to load) leave."""
+        if self.prompt_cache.enabled:
+            room = self.budget.cache_room(self._held() + extra)
+            self.prompt_cache.lru.max_bytes = room
+            self.prompt_cache.lru.trim_to(n_bytes=room)
+
+    def _fit_memory(self, loaded: str) -> None:
+        idle = [n for n in self._idle() if n != loaded]
+        while idle and self._held() > self.budget.limit:
+            self.models.pop(idle[0]).batch.close()
+            self.send(p.ModelEvicted(idle.pop(0), "budget"))
+        self._fit_cache()
+
+    # --- lifecycle (idle unload, operator calls, status) ---------------------------------------
+
+    def _idle(self) -> list[str]:
+        """Loaded models with nothing running or about to run (a grammar compiling for one)."""
+        compiling = {cmd.model for cmd, _ in self.compiling.values()}
+        return [n for n, m in self.models.items() if not m.requests and n not in compiling]
+
+    def _unload_idle(self) -> None:
+        now = time.monotonic()
+        for name, lm in self.models.items():
+            if lm.requests:  # in use up to now: its keep-alive counts from its last request
+                self.lifecycle.touch(name, now)
+        for name in self.lifecycle.due(self._idle(), now):
+            self._drop_model(name, "idle")
+
+    def _drop_model(self, name: str, reason: p.UnloadReason) -> None:
+        lm = self.models.pop(name)
+        lm.batch.close()
+        del lm
+        release_memory()
+        log.info("unloaded model %s (%s); engine RSS now %d bytes", name, reason, rss_bytes())
+        self._fit_cache()  # the prompt cache may take the room back, up to its own bound
+        self.send(p.ModelEvicted(name, reason))
+
+    def _unload(self, name: str, force: bool) -> None:
+        lm = self.models.get(name)
+        if lm is None:
+            return
+        if lm.requests and not force:
+            log.warning("model %s not unloaded: %d requests running", name, len(lm.requests))
+            return
+        for req in list(lm.requests.values()):
+            lm.batch.remove([req.uid])
+            self._finish(lm, req, "cancelled")
+        for reply in self.finished:  # their ends go before the model's
+            self.send(reply)
+        self.finished.clear()
+        self._drop_model(name, "operator")
+
+    def _status(self, query: int) -> p.EngineStatus:
+        now = time.monotonic()
+        states: list[p.ModelState] = []
+        for name, lm in self.models.items():
+            idle, due = self.lifecycle.state(name, len(lm.requests), now)
+            states.append(
+                p.ModelState(
+                    model=name,
+                    loaded=True,
+                    resident_bytes=lm.resident_bytes,
+                    weight_dtype=lm.weight_dtype,
+                    running=len(lm.requests),
+                    idle_secs=idle,
+                    unload_in_secs=due,
+                    keep_alive_secs=self.lifecycle.keep_alive_of(name),
+                    pinned=name in self.lifecycle.pinned,
+                )
+            )
+        for name in sorted((self.lifecycle.pinned | set(self.lifecycle.keep_alive)) - set(self.models)):
+            states.append(self.lifecycle.unloaded(name))
+        return p.EngineStatus(
+            query=query, rss_bytes=rss_bytes(), models=states, prompt_cache_bytes=self.prompt_cache.nbytes
         )
 
+    def _can_load(self, name: str, path: str) -> bool:
+        """Loaded, or loadable once idle models are evicted (busy ones are waited for)."""
+        if name in self.models:
+            return True
+        idle = set(self._idle())
+        busy = sum(self.budget.held(m.path, m.resident_bytes) for n, m in self.models.items() if n not in idle)
+        room = len(self.models) < self.max_loaded_models or bool(idle)
+        return room and busy + self.budget.estimate(path).total <= self.budget.limit
+
     def _admit_waiting(self) -> None:
+        for _ in range(len(self.pending_loads)):
+            load = self.pending_loads.popleft()
+            if self._can_load(load.model, load.path):
+                self.handle(load)
+            else:
+                self.pending_loads.append(load)
         for _ in range(len(self.waiting)):
             cmd = self.waiting.popleft()
-            if self._can_load(cmd.model):
+            if self._can_load(cmd.model, cmd.path):
                 self._submit(cmd)
             else:
                 self.waiting.append(cmd)
@@ -317,7 +440,9 @@ class Engine:
     def _submit(self, cmd: p.Generate) -> None:
         if cmd.request_id in self.by_id or cmd.request_id in self.compiling:
             return self._fail(cmd, "invalid_request", f"request id {cmd.request_id} is already running")
-        if not self._can_load(cmd.model):
+        if cmd.model not in self.models and (refused := self.budget.refusal(cmd.model, cmd.path)) is not None:
+            return self._fail(cmd, refused.code, refused.message, "model")  # it would wait forever
+        if not self._can_load(cmd.model, cmd.path):
             self.waiting.append(cmd)
             return None
         lm = self._load_or_fail(cmd.model, cmd.path)
@@ -579,7 +704,7 @@ class Engine:
             del self.by_id[req.cmd.request_id]
             self._fail(req.cmd, "server_error", message)
         if self.models.pop(lm.name, None) is not None:
-            self.send(p.ModelEvicted(lm.name))
+            self.send(p.ModelEvicted(lm.name, "failed"))
         lm.batch.close()
 
 

@@ -22,6 +22,10 @@ class ModelSlots:
     def in_use(self) -> set[str]:
         return set(self._holders.values())
 
+    def holders_of(self, model: str) -> list[str]:
+        """Who holds ``model`` now (task ids, or a compaction's or an operator's holder)."""
+        return sorted(h for h, m in self._holders.items() if m == model)
+
     async def acquire(self, holder: str, model: str) -> None:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._queue.append((holder, model, fut))

@@ -1,0 +1,161 @@
+"""Models: the list with each one's state (LMSP and OpenAI shapes), and operators' control
+calls (load, unload, pin) on ``/lmsp/v1/models/{name}/...`` (translation only: see
+lmspd.core.lifecycle)."""
+
+from __future__ import annotations
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from lmspd import errors as e
+from lmspd.api import wire
+from lmspd.api.routing import AUTH, Op, Operation, query
+from lmspd.api.state import state_of
+from lmspd.core.lifecycle import ModelView
+
+CONTROL_ERRORS = (*AUTH, e.ForbiddenError, e.ModelNotFoundError)
+
+
+def _json(obj: object, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(obj), status_code=status, media_type="application/json")
+
+
+def _lmsp(v: ModelView) -> wire.LmspModel:
+    return wire.LmspModel(id=v.id, ready=v.ready, **{k: getattr(v, k) for k in wire.STATE_FIELDS})
+
+
+async def list_models(request: Request) -> Response:
+    app = state_of(request)
+    app.auth.owner(request)
+    return _json(wire.LmspModelList(data=[_lmsp(v) for v in await app.core.model_views()]))
+
+
+async def list_openai_models(request: Request) -> Response:
+    app = state_of(request)
+    app.auth.owner(request)
+    views = await app.core.model_views()
+    # OpenAI's Model has id, object, created, owned_by; clients ignore the state beside them.
+    return _json(
+        wire.ModelList(data=[wire.Model(id=v.id, **{k: getattr(v, k) for k in wire.STATE_FIELDS}) for v in views])
+    )
+
+
+def _force(request: Request) -> bool:
+    raw = request.query_params.get("force", "false")
+    if raw not in ("true", "false"):
+        raise e.InvalidRequestError(f"force must be true or false, got {raw[:20]!r}", param="force")
+    return raw == "true"
+
+
+async def load(request: Request) -> Response:
+    app = state_of(request)
+    app.auth.operator(request)
+    return _json(_lmsp(await app.core.load_model(request.path_params["name"])))
+
+
+async def unload(request: Request) -> Response:
+    app = state_of(request)
+    app.auth.operator(request)
+    force = _force(request)
+    return _json(_lmsp(await app.core.unload_model(request.path_params["name"], force=force)))
+
+
+async def recycle(request: Request) -> Response:
+    app = state_of(request)
+    app.auth.operator(request)
+    return _json(wire.Recycle(started=app.core.recycle_engine()), 202)
+
+
+async def pin(request: Request) -> Response:
+    app = state_of(request)
+    app.auth.operator(request)
+    return _json(_lmsp(await app.core.pin_model(request.path_params["name"], True)))
+
+
+async def unpin(request: Request) -> Response:
+    app = state_of(request)
+    app.auth.operator(request)
+    return _json(_lmsp(await app.core.pin_model(request.path_params["name"], False)))
+
+
+_OPERATOR = "Needs an operator token (`server.admin_tokens`): an ordinary token gets 403."
+ROUTES = [
+    Operation(
+        "/lmsp/v1/models",
+        list_models,
+        Op(
+            "Models, each saying whether it is ready, loaded, how big and until when",
+            "lmsp",
+            wire.LmspModelList,
+            errors=AUTH,
+        ),
+    ),
+    Operation(
+        "/lmsp/v1/models/{name}/load",
+        load,
+        Op(
+            "Load a model now (it waits, as tasks do, for room)",
+            "lmsp",
+            wire.LmspModel,
+            errors=CONTROL_ERRORS,
+            description=_OPERATOR,
+        ),
+        "POST",
+    ),
+    Operation(
+        "/lmsp/v1/models/{name}/unload",
+        unload,
+        Op(
+            "Unload a model now",
+            "lmsp",
+            wire.LmspModel,
+            errors=(*CONTROL_ERRORS, e.ModelBusyError, e.InvalidRequestError),
+            params=(
+                query("force", {"type": "boolean", "default": False}, "cancel the tasks running on it (else 409)"),
+            ),
+            description=_OPERATOR,
+        ),
+        "POST",
+    ),
+    Operation(
+        "/lmsp/v1/models/{name}/pin",
+        pin,
+        Op(
+            "Pin a model: it is never unloaded for being idle",
+            "lmsp",
+            wire.LmspModel,
+            errors=CONTROL_ERRORS,
+            description=_OPERATOR,
+        ),
+        "POST",
+    ),
+    Operation(
+        "/lmsp/v1/models/{name}/unpin",
+        unpin,
+        Op(
+            "Unpin a model: its keep-alive applies again",
+            "lmsp",
+            wire.LmspModel,
+            errors=CONTROL_ERRORS,
+            description=_OPERATOR,
+        ),
+        "POST",
+    ),
+]
+ROUTES.append(
+    Operation(
+        "/lmsp/v1/engine/recycle",
+        recycle,
+        Op(
+            "Replace the engine while serving: running generations finish or resume on the next one",
+            "lmsp",
+            wire.Recycle,
+            status=202,
+            errors=(*AUTH, e.ForbiddenError),
+            description=_OPERATOR,
+        ),
+        "POST",
+    )
+)
+MODELS = Operation("/v1/models", list_openai_models, Op("Models", "models", wire.ModelList, errors=AUTH))

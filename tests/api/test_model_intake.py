@@ -1,0 +1,70 @@
+"""A model before its first request: [engine] preload loads and warms it before the app serves
+(so before /readyz says ready, and so before systemd hears READY=1), and its first task loads
+nothing; [engine] max_memory_bytes refuses at intake a model that cannot fit even alone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from support.engine_host import Host
+from support.wait import wait_until
+
+from lmspd.config import Config, EngineConfig, ModelEntry, ServerConfig
+from lmspd.models.footprint import estimate_or_zero
+from lmspd.models.registry import ResolvedModel
+
+# Room for the tiny models (a few MB each), not for the bundled one (about 100 MB).
+BUDGET = 40 * 1024**2
+ENGINE = EngineConfig(
+    weight_dtype="quantized", max_loaded_models=2, max_concurrency=2, preload=["tiny2"], max_memory_bytes=BUDGET
+)
+
+
+def config_for(data: Path, model_cache: Path, tiny: ResolvedModel, tiny2: ResolvedModel) -> Config:
+    return Config(
+        default_model="tiny",
+        cache_dir=str(model_cache),
+        models={"tiny": ModelEntry(path=str(tiny.path)), "tiny2": ModelEntry(path=str(tiny2.path))},
+        engine=ENGINE,
+        server=ServerConfig(data_dir=str(data)),
+    )
+
+
+def test_preloaded_models_are_resident_before_ready_and_their_first_task_loads_nothing(
+    host: Host, tmp_path: Path, model_cache: Path, tiny: ResolvedModel, tiny2: ResolvedModel
+) -> None:
+    with host.serve(config_for(tmp_path / "data", model_cache, tiny, tiny2)) as client:
+        # The app serves only once its lifespan (preload included) is done: the first answer
+        # already finds the model loaded.
+        assert client.get("/readyz").status_code == 200
+        listed = {m["id"]: m for m in client.get("/lmsp/v1/models").json()["data"]}
+        assert listed["tiny2"]["loaded"] and listed["tiny2"]["resident_bytes"] > 0
+        body = {"type": "response", "input": {"model": "tiny2", "input": "Hi", "max_output_tokens": 4}}
+        task_id = client.post("/lmsp/v1/tasks", json=body).json()["id"]
+
+        def finished() -> str | None:
+            status: str = client.get(f"/lmsp/v1/tasks/{task_id}").json()["status"]
+            return status if status in ("succeeded", "failed", "cancelled") else None
+
+        assert wait_until(finished, "the task to finish") == "succeeded"
+        metrics = client.get("/metrics").text
+        # Loaded once, by the preload (the shared engine had not loaded it before): the task loaded nothing.
+        assert 'lmspd_model_loads_total{model="tiny2"} 1.0' in metrics
+
+
+def test_a_model_that_cannot_fit_alone_is_refused_at_intake_and_nothing_is_queued(
+    host: Host, tmp_path: Path, model_cache: Path, tiny: ResolvedModel, tiny2: ResolvedModel, smol: ResolvedModel
+) -> None:
+    needs = estimate_or_zero(smol.path, ENGINE).total
+    assert needs > BUDGET
+    with host.serve(config_for(tmp_path / "data", model_cache, tiny, tiny2)) as client:
+        for path, body in (
+            ("/lmsp/v1/tasks", {"type": "response", "input": {"model": smol.name, "input": "Hi"}}),
+            ("/v1/responses", {"model": smol.name, "input": "Hi"}),
+        ):
+            r = client.post(path, json=body)
+            assert r.status_code == 400, r.text
+            detail = r.json()["detail"] if path.startswith("/lmsp") else r.json()["error"]["message"]
+            assert smol.name in detail and str(needs) in detail and str(BUDGET) in detail
+        assert client.get("/lmsp/v1/tasks").json()["data"] == []
+        assert not {m["id"]: m for m in client.get("/lmsp/v1/models").json()["data"]}[smol.name]["loaded"]

@@ -4,6 +4,9 @@ lmspd.core.lifecycle)."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+from typing import Any
+
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
@@ -14,6 +17,7 @@ from lmspd.api.routing import AUTH, Op, Operation, query
 from lmspd.api.state import state_of
 from lmspd.core.lifecycle import ModelView
 
+Endpoint = Callable[[Request], Awaitable[Response]]
 CONTROL_ERRORS = (*AUTH, e.ForbiddenError, e.ModelNotFoundError)
 
 
@@ -80,6 +84,19 @@ async def unpin(request: Request) -> Response:
 
 
 _OPERATOR = "Needs an operator token (`server.admin_tokens`): an ordinary token gets 403."
+
+
+def _control(action: str, handler: Endpoint, summary: str, **op: Any) -> Operation:
+    """An operator's ``POST /lmsp/v1/models/{name}/<action>``, answering the model's state."""
+    op.setdefault("errors", CONTROL_ERRORS)
+    return Operation(
+        f"/lmsp/v1/models/{{name}}/{action}",
+        handler,
+        Op(summary, "lmsp", wire.LmspModel, description=_OPERATOR, **op),
+        "POST",
+    )
+
+
 ROUTES = [
     Operation(
         "/lmsp/v1/models",
@@ -91,59 +108,16 @@ ROUTES = [
             errors=AUTH,
         ),
     ),
-    Operation(
-        "/lmsp/v1/models/{name}/load",
-        load,
-        Op(
-            "Load a model now (it waits, as tasks do, for room)",
-            "lmsp",
-            wire.LmspModel,
-            errors=CONTROL_ERRORS,
-            description=_OPERATOR,
-        ),
-        "POST",
-    ),
-    Operation(
-        "/lmsp/v1/models/{name}/unload",
+    _control("load", load, "Load a model now (it waits, as tasks do, for room)"),
+    _control(
+        "unload",
         unload,
-        Op(
-            "Unload a model now",
-            "lmsp",
-            wire.LmspModel,
-            errors=(*CONTROL_ERRORS, e.ModelBusyError, e.InvalidRequestError),
-            params=(
-                query("force", {"type": "boolean", "default": False}, "cancel the tasks running on it (else 409)"),
-            ),
-            description=_OPERATOR,
-        ),
-        "POST",
+        "Unload a model now",
+        errors=(*CONTROL_ERRORS, e.ModelBusyError, e.InvalidRequestError),
+        params=(query("force", {"type": "boolean", "default": False}, "cancel the tasks running on it (else 409)"),),
     ),
-    Operation(
-        "/lmsp/v1/models/{name}/pin",
-        pin,
-        Op(
-            "Pin a model: it is never unloaded for being idle",
-            "lmsp",
-            wire.LmspModel,
-            errors=CONTROL_ERRORS,
-            description=_OPERATOR,
-        ),
-        "POST",
-    ),
-    Operation(
-        "/lmsp/v1/models/{name}/unpin",
-        unpin,
-        Op(
-            "Unpin a model: its keep-alive applies again",
-            "lmsp",
-            wire.LmspModel,
-            errors=CONTROL_ERRORS,
-            description=_OPERATOR,
-        ),
-        "POST",
-    ),
-]
-ROUTES.append(
+    _control("pin", pin, "Pin a model: it is never unloaded for being idle"),
+    _control("unpin", unpin, "Unpin a model: its keep-alive applies again"),
     Operation(
         "/lmsp/v1/engine/recycle",
         recycle,
@@ -156,6 +130,6 @@ ROUTES.append(
             description=_OPERATOR,
         ),
         "POST",
-    )
-)
+    ),
+]
 MODELS = Operation("/v1/models", list_openai_models, Op("Models", "models", wire.ModelList, errors=AUTH))

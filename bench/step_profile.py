@@ -307,37 +307,56 @@ def prefill_profile(model: Any, tokens: int, reps: int) -> None:
 
 
 def cached_first_token(model: Any, reps: int) -> None:
+    """The first token of a cached prompt, with mlx-lm's own decode steps and with lmspd's
+    (engine/upstream/stepping.py), alternating."""
+    import importlib
+
     import mlx.core as mx
-    from mlx_lm.generate import BatchGenerator
     from mlx_lm.models.cache import make_prompt_cache
 
     from lmspd.engine.prompt_cache import PromptCache
+    from lmspd.engine.upstream.stepping import StepNow
 
+    generate: Any = importlib.import_module("mlx_lm.generate")
+    upstream = generate.GenerationBatch
     prompt = [(7 * j) % 900 + 3 for j in range(40)]
     cache = make_prompt_cache(model)
     mx.eval(model(mx.array(prompt)[None], cache=cache))
     pc = PromptCache(1 << 30)
     pc.store(("m", ""), prompt, cache)
     counting = _Counting(model)
-    fetches, firsts, calls = [], [], []
-    for _ in range(reps):
-        start = time.perf_counter()
-        hit = pc.fetch(("m", ""), prompt)
-        mx.eval([c.state for c in hit.cache or []])
-        fetched = time.perf_counter()
-        gen = BatchGenerator(counting, completion_batch_size=8, prefill_batch_size=8, prefill_step_size=CHUNK)
-        counting.calls = 0
-        gen.insert([prompt[hit.cached :]], max_tokens=[4], caches=[hit.cache], all_tokens=[prompt[: hit.cached]])
-        while not gen.next()[1]:
-            pass
-        firsts.append(time.perf_counter() - fetched)
-        fetches.append(fetched - start)
-        calls.append(counting.calls)
-        gen.close()
-    f, g = statistics.median(fetches) * 1e3, statistics.median(firsts) * 1e3
-    print(f"\ncached-prompt first token (40-token prompt, {hit.cached} cached): {f + g:.1f} ms")
-    row("prompt cache fetch (copy of the KV, trimmed by one)", f, f + g)
-    row(f"insert and steps to the first token ({statistics.median(calls):.0f} forward passes)", g, f + g)
+    kinds = {"mlx-lm's steps": upstream, "lmspd's steps (StepNow)": StepNow}
+    fetches: list[float] = []
+    firsts: dict[str, list[float]] = {k: [] for k in kinds}
+    calls: dict[str, list[int]] = {k: [] for k in kinds}
+    try:
+        for _ in range(reps):
+            for name, batch_class in kinds.items():
+                generate.GenerationBatch = batch_class
+                start = time.perf_counter()
+                hit = pc.fetch(("m", ""), prompt)
+                mx.eval([c.state for c in hit.cache or []])
+                fetched = time.perf_counter()
+                gen = generate.BatchGenerator(
+                    counting, completion_batch_size=8, prefill_batch_size=8, prefill_step_size=CHUNK
+                )
+                counting.calls = 0
+                gen.insert(
+                    [prompt[hit.cached :]], max_tokens=[4], caches=[hit.cache], all_tokens=[prompt[: hit.cached]]
+                )
+                while not gen.next()[1]:
+                    pass
+                firsts[name].append(time.perf_counter() - fetched)
+                fetches.append(fetched - start)
+                calls[name].append(counting.calls)
+                gen.close()
+    finally:
+        generate.GenerationBatch = upstream
+    f = statistics.median(fetches) * 1e3
+    print(f"\ncached-prompt first token (40-token prompt, {hit.cached} cached), prompt cache fetch {f:.2f} ms")
+    for name in kinds:
+        g = statistics.median(firsts[name]) * 1e3
+        print(f"  {name}: {f + g:.1f} ms, {statistics.median(calls[name]):.0f} forward passes to the first token")
 
 
 def default_model_dir() -> Path:

@@ -68,7 +68,7 @@ export function mount(main) {
   const send = h("button", { type: "submit", id: "chat-send" }, "Send");
   const stop = h("button", { type: "button", id: "chat-stop", class: "danger", disabled: true }, "Stop");
   const status = h("p", { class: "status", id: "chat-status", role: "status" });
-  const composer = h("form", { class: "composer", "aria-label": "Message" }, field("Message", prompt), h("div", { class: "actions" }, send, stop));
+  const composer = h("form", { class: "composer", "aria-label": "Send a message" }, field("Message", prompt), h("div", { class: "actions" }, fresh, send, stop));
 
   system.value = state.instructions;
   maxTokens.value = state.max;
@@ -77,8 +77,7 @@ export function mount(main) {
       h("h1", { id: "chat-title", class: "visually-hidden" }, "Chat"),
       h("details", { class: "card settings", open: !state.turns.length },
         h("summary", {}, "Settings"),
-        h("div", { class: "settings-grid" }, field("Model", model), field("Max output tokens", maxTokens), field("System prompt", system)),
-        fresh),
+        h("div", { class: "settings-grid" }, field("Model", model), field("Max output tokens", maxTokens), field("System prompt", system))),
       transcript, status, composer),
   );
 
@@ -137,7 +136,8 @@ export function mount(main) {
 
   async function models() {
     const list = await api("/lmsp/v1/models", { signal: controller.signal });
-    const ready = list.data.filter((m) => m.ready);
+    // Loaded first (the default model is loaded at start), then the others ready to load.
+    const ready = list.data.filter((m) => m.ready).sort((a, b) => Number(b.loaded) - Number(a.loaded));
     model.replaceChildren(...ready.map((m) => h("option", { value: m.id }, m.loaded ? `${m.id} (loaded)` : m.id)));
     if (state.model && ready.some((m) => m.id === state.model)) model.value = state.model;
   }

@@ -94,7 +94,7 @@ function mountList(main) {
   });
 
   api("/lmsp/v1/models", { signal: controller.signal })
-    .then((list) => model.replaceChildren(...list.data.filter((m) => m.ready).map((m) => h("option", { value: m.id }, m.id))))
+    .then((list) => model.replaceChildren(...list.data.filter((m) => m.ready).sort((a, b) => Number(b.loaded) - Number(a.loaded)).map((m) => h("option", { value: m.id }, m.id))))
     .catch((err) => { if (err.name !== "AbortError") submitStatus.textContent = errorText(err); });
   page(true);
   return () => controller.abort();

@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
-from playwright.sync_api import Browser, Page, expect
+from playwright.sync_api import Browser, Page, ViewportSize, expect
 from support.browser import LAPTOP, PHONE, Console, shot
 from support.server import Server, tiny_server
 
@@ -173,7 +173,7 @@ def keyboard_check(page: Page) -> None:
 @pytest.mark.parametrize("viewport", [LAPTOP, PHONE], ids=["laptop", "phone"])
 @pytest.mark.parametrize("where", ["/#/chat", "/#/tasks", "/#/server"])
 def test_every_control_is_labelled_reachable_and_fits(
-    browser: Browser, server: Server, console: Console, viewport: dict[str, int], where: str
+    browser: Browser, server: Server, console: Console, viewport: ViewportSize, where: str
 ) -> None:
     context = browser.new_context(viewport=viewport, base_url=server.url)
     page = console.watch(context.new_page())

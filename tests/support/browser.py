@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from playwright.sync_api import ConsoleMessage, Page
+from playwright.sync_api import ConsoleMessage, Page, ViewportSize
 
 CHROMIUM = os.environ.get("LMSPD_CHROMIUM", "/usr/bin/chromium")
 # This machine's network is closed and the profile must start empty: nothing reaches out.
@@ -21,8 +21,8 @@ FLAGS = [
     "--disable-component-update",
     "--disable-sync",
 ]
-LAPTOP = {"width": 1280, "height": 800}
-PHONE = {"width": 390, "height": 844}
+LAPTOP: ViewportSize = {"width": 1280, "height": 800}
+PHONE: ViewportSize = {"width": 390, "height": 844}
 # Where the tests' screenshots go: the docs' own pictures when asked (docs/console.md says how).
 SHOTS = Path(os.environ["LMSPD_CONSOLE_SHOTS"]) if os.environ.get("LMSPD_CONSOLE_SHOTS") else None
 

@@ -11,9 +11,9 @@ const KEY = "lmspd.chat";
 function load() {
   try {
     const saved = JSON.parse(localStorage.getItem(KEY) || "{}");
-    return { model: saved.model || "", instructions: saved.instructions || "", max: saved.max || "", turns: Array.isArray(saved.turns) ? saved.turns : [] };
+    return { model: saved.model || "", instructions: saved.instructions || "", max: saved.max || "", temperature: saved.temperature ?? "", turns: Array.isArray(saved.turns) ? saved.turns : [] };
   } catch {
-    return { model: "", instructions: "", max: "", turns: [] };
+    return { model: "", instructions: "", max: "", temperature: "", turns: [] };
   }
 }
 
@@ -62,6 +62,7 @@ export function mount(main) {
   const model = h("select", { id: "chat-model", name: "model" });
   const system = h("textarea", { id: "chat-system", name: "instructions", rows: 2, placeholder: "Optional" });
   const maxTokens = h("input", { id: "chat-max", name: "max_output_tokens", type: "number", min: 1, inputmode: "numeric", placeholder: "server default" });
+  const temperature = h("input", { id: "chat-temperature", name: "temperature", type: "number", min: 0, max: 2, step: 0.1, inputmode: "decimal", placeholder: "model default" });
   const fresh = h("button", { type: "button", class: "secondary", id: "chat-new" }, "New chat");
   const transcript = h("ol", { class: "transcript", id: "transcript", "aria-label": "Conversation", "aria-live": "polite" });
   const prompt = h("textarea", { id: "chat-prompt", name: "prompt", rows: 3, required: true, placeholder: "Ask something… (Enter sends, Shift+Enter: new line)" });
@@ -72,12 +73,13 @@ export function mount(main) {
 
   system.value = state.instructions;
   maxTokens.value = state.max;
+  temperature.value = state.temperature;
   main.append(
     h("section", { class: "chat", "aria-labelledby": "chat-title" },
       h("h1", { id: "chat-title", class: "visually-hidden" }, "Chat"),
       h("details", { class: "card settings", open: !state.turns.length },
         h("summary", {}, "Settings"),
-        h("div", { class: "settings-grid" }, field("Model", model), field("Max output tokens", maxTokens), field("System prompt", system))),
+        h("div", { class: "settings-grid" }, field("Model", model), field("Temperature", temperature), field("Max output tokens", maxTokens), field("System prompt", system))),
       transcript, status, composer),
   );
 
@@ -85,11 +87,13 @@ export function mount(main) {
     state.model = model.value;
     state.instructions = system.value;
     state.max = maxTokens.value;
+    state.temperature = temperature.value;
     save(state);
   }
   model.addEventListener("change", remember);
   system.addEventListener("change", remember);
   maxTokens.addEventListener("change", remember);
+  temperature.addEventListener("change", remember);
 
   function userTurn(text) {
     const li = h("li", { class: "turn user" }, h("div", { class: "who" }, "You"), h("div", { class: "user-text" }, text));
@@ -147,6 +151,7 @@ export function mount(main) {
     const body = { model: model.value, input: text, stream: true, store: true };
     if (system.value.trim()) body.instructions = system.value;
     if (maxTokens.value) body.max_output_tokens = Number(maxTokens.value);
+    if (temperature.value !== "") body.temperature = Number(temperature.value);
     const last = state.turns[state.turns.length - 1];
     if (last) body.previous_response_id = last.id;
     userTurn(text);

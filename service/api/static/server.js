@@ -50,9 +50,9 @@ export function mount(main) {
     facts(queue, STATUSES.map((k) => [k, String(s.tasks[k])]));
     facts(engine, [["State", s.engine.state], ["PID", s.engine.pid ?? "–"], ["Memory (RSS)", bytes(s.engine.rss_bytes)], ["Generating", String(s.engine.in_flight)], ["Up for", duration(s.engine.uptime_secs)]]);
     facts(speed, [
-      ["Time to first token", s.speed.ttft_ms === null ? "–" : `${s.speed.ttft_ms} ms (median)`],
+      ["TTFT (median)", s.speed.ttft_ms === null ? "–" : `${s.speed.ttft_ms} ms`],
       ["Tokens/s", s.speed.tokens_per_sec === null ? "–" : String(s.speed.tokens_per_sec)],
-      ["Over", `the last ${s.speed.generations} generations`],
+      ["Generations", `the last ${s.speed.generations}`],
     ]);
     models.replaceChildren(...s.models.map((m) => h("tr", {},
       h("th", { scope: "row" }, m.id),

@@ -19,6 +19,7 @@ export function h(tag, attrs = {}, ...children) {
 
 export function field(label, control, hint) {
   const id = control.id;
+  if (hint) control.setAttribute("aria-describedby", `${id}-hint`);
   return h("div", { class: "field" }, h("label", { for: id }, label), control, hint ? h("small", { id: `${id}-hint` }, hint) : null);
 }
 

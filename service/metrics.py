@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
@@ -29,7 +29,7 @@ from prometheus_client import (
 
 log = logging.getLogger("lmspd.metrics")
 
-__all__ = ["CONTENT_TYPE", "FirstTokenStages", "Metrics", "StatusCounts"]
+__all__ = ["CONTENT_TYPE", "FirstTokenStages", "Metrics", "RecentSpeed", "StatusCounts"]
 
 # No ``*_created`` series (each counter's creation time): they double the output and say nothing
 # a scraper does not know from the process start. A process-wide switch; lmspd is the process.
@@ -80,6 +80,33 @@ class FirstTokenStages:
             del self._open[task_id]
         else:
             self._open[task_id] = (entry[0] + 1, now)
+
+
+# Generations the console's summary speaks of (GET /lmsp/v1/summary, docs/console.md).
+RECENT_GENERATIONS = 32
+
+
+class RecentSpeed:
+    """The last :data:`RECENT_GENERATIONS` generations' speed, for ``GET /lmsp/v1/summary``: a
+    figure a person reads on the console, where a histogram's buckets since the start say little."""
+
+    def __init__(self, size: int = RECENT_GENERATIONS) -> None:
+        self._seen: deque[tuple[float, int, float]] = deque(maxlen=size)  # (ttft, later tokens, their seconds)
+
+    def add(self, ttft_secs: float, later_tokens: int, later_secs: float) -> None:
+        self._seen.append((ttft_secs, later_tokens, later_secs))
+
+    def figures(self) -> tuple[int, float | None, float | None]:
+        """(generations, median time to first token in seconds, tokens/s after the first token);
+        None where there is nothing to say yet."""
+        seen = list(self._seen)
+        if not seen:
+            return 0, None, None
+        ttfts = sorted(t for t, _, _ in seen)
+        mid = len(ttfts) // 2
+        median = ttfts[mid] if len(ttfts) % 2 else (ttfts[mid - 1] + ttfts[mid]) / 2
+        tokens, secs = sum(n for _, n, _ in seen), sum(d for _, _, d in seen)
+        return len(seen), median, (tokens / secs if secs > 0 and tokens else None)
 
 
 class StatusCounts(Protocol):
@@ -137,6 +164,7 @@ class Metrics:
             buckets=TOKEN_BUCKETS,
             registry=r,
         )
+        self.recent = RecentSpeed()
         self.compactions = Counter(
             "lmspd_compactions",
             "Compactions done, by source (task: context_management; endpoint: /responses/compact)",

@@ -8,6 +8,8 @@
 /lmsp/v1/tasks/{id}/events                event stream (docs/lmsp.md §6.4) -> lmspd.api.events
 /v1/responses[...], /lmsp/v1/responses[/compact]  OpenAI Responses API -> lmspd.api.responses
 /v1/chat/completions                      Chat Completions view   -> lmspd.api.chat
+/lmsp/v1/summary                          the server at a glance (the console) -> lmspd.api.summary
+/, /console/*                             the web console (no token) -> lmspd.api.console
 Each route carries its OpenAPI contract (lmspd.api.routing); the service behind the app is
 built by lmspd.core.runtime. Every handler translates HTTP to one call of lmspd.core.Core.
 Every request is logged, once, by lmspd.api.access_log.
@@ -28,7 +30,7 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 
-from lmspd.api import chat, events, models, openapi, responses, tasks, wire
+from lmspd.api import chat, console, events, models, openapi, responses, summary, tasks, wire
 from lmspd.api.access_log import AccessLog
 from lmspd.api.auth import Authenticator
 from lmspd.api.problems import is_openai_path, openai_response, problem_response
@@ -146,6 +148,7 @@ ROUTES = [
         Op("LMSP capabilities and limits (LMSP 10)", "lmsp", wire.Capabilities, errors=AUTH),
     ),
     *models.ROUTES,
+    summary.ROUTE,
     *tasks.ROUTES,
     *responses.LMSP_ROUTES,
     # OpenAI Responses API, with and without /v1 (errors in OpenAI's envelope)
@@ -154,6 +157,7 @@ ROUTES = [
     *responses.routes(""),
     chat.route(""),
     models.MODELS,
+    *console.ROUTES,
 ]
 
 

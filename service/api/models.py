@@ -25,14 +25,14 @@ def _json(obj: object, status: int = 200) -> Response:
     return Response(msgspec.json.encode(obj), status_code=status, media_type="application/json")
 
 
-def _lmsp(v: ModelView) -> wire.LmspModel:
+def lmsp_model(v: ModelView) -> wire.LmspModel:
     return wire.LmspModel(id=v.id, ready=v.ready, **{k: getattr(v, k) for k in wire.STATE_FIELDS})
 
 
 async def list_models(request: Request) -> Response:
     app = state_of(request)
     app.auth.owner(request)
-    return _json(wire.LmspModelList(data=[_lmsp(v) for v in await app.core.model_views()]))
+    return _json(wire.LmspModelList(data=[lmsp_model(v) for v in await app.core.model_views()]))
 
 
 async def list_openai_models(request: Request) -> Response:
@@ -55,14 +55,14 @@ def _force(request: Request) -> bool:
 async def load(request: Request) -> Response:
     app = state_of(request)
     app.auth.operator(request)
-    return _json(_lmsp(await app.core.load_model(request.path_params["name"])))
+    return _json(lmsp_model(await app.core.load_model(request.path_params["name"])))
 
 
 async def unload(request: Request) -> Response:
     app = state_of(request)
     app.auth.operator(request)
     force = _force(request)
-    return _json(_lmsp(await app.core.unload_model(request.path_params["name"], force=force)))
+    return _json(lmsp_model(await app.core.unload_model(request.path_params["name"], force=force)))
 
 
 async def recycle(request: Request) -> Response:
@@ -74,13 +74,13 @@ async def recycle(request: Request) -> Response:
 async def pin(request: Request) -> Response:
     app = state_of(request)
     app.auth.operator(request)
-    return _json(_lmsp(await app.core.pin_model(request.path_params["name"], True)))
+    return _json(lmsp_model(await app.core.pin_model(request.path_params["name"], True)))
 
 
 async def unpin(request: Request) -> Response:
     app = state_of(request)
     app.auth.operator(request)
-    return _json(_lmsp(await app.core.pin_model(request.path_params["name"], False)))
+    return _json(lmsp_model(await app.core.pin_model(request.path_params["name"], False)))
 
 
 _OPERATOR = "Needs an operator token (`server.admin_tokens`): an ordinary token gets 403."

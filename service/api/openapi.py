@@ -187,6 +187,7 @@ def document(routes: Sequence[BaseRoute]) -> dict[str, Any]:
             {"name": "models", "description": "OpenAI model list"},
             {"name": "health", "description": "Liveness and readiness, no token"},
             {"name": "meta", "description": "This document"},
+            {"name": "console", "description": "The web console's page and assets (docs/console.md), no token"},
         ],
         "paths": paths,
         "components": {

@@ -139,6 +139,47 @@ class Recycle(msgspec.Struct, kw_only=True):
     started: bool
 
 
+class TaskCounts(msgspec.Struct, kw_only=True):
+    """The caller's tasks by status (every status, zeros included)."""
+
+    queued: int = 0
+    loading: int = 0
+    running: int = 0
+    cancelling: int = 0
+    succeeded: int = 0
+    failed: int = 0
+    cancelled: int = 0
+
+
+class EngineSummary(msgspec.Struct, kw_only=True):
+    state: Literal["up", "down", "recycling"]
+    pid: int | None = None
+    rss_bytes: int | None = None  # the engine process's resident set (None while it is down)
+    in_flight: int = 0  # generations running on it
+    uptime_secs: float = 0.0  # since the current engine started
+
+
+class Speed(msgspec.Struct, kw_only=True):
+    """The last generations' speed (the server's, whoever asked for them)."""
+
+    generations: int  # how many the figures describe (at most 32)
+    ttft_ms: float | None = None  # their median time to first token (prefill; not the queue)
+    tokens_per_sec: float | None = None  # tokens after the first, over the time they took
+
+
+class Summary(msgspec.Struct, kw_only=True):
+    """``GET /lmsp/v1/summary``: what the console's server page shows, in one read."""
+
+    object: Literal["summary"] = "summary"
+    version: str
+    now: int  # unix seconds on the server: models' ``unload_at`` count down from it
+    ready: bool  # as /readyz: accepting work and the engine is up
+    tasks: TaskCounts  # the caller's own tasks only
+    models: list[LmspModel]
+    engine: EngineSummary
+    speed: Speed
+
+
 class ModelList(msgspec.Struct, kw_only=True):
     """``GET /v1/models``."""
 

@@ -24,6 +24,7 @@ from lmspd.core import compactor
 from lmspd.core.hub import Hub
 from lmspd.core.inputs import resolve
 from lmspd.core.lifecycle import ModelView
+from lmspd.core.summary import ServerState, server_state
 from lmspd.core.supervisor import Supervisor
 from lmspd.errors import (
     ContextLengthExceededError,
@@ -257,6 +258,13 @@ class Core:
     def recycle_engine(self) -> bool:
         """An operator's engine recycle (lmspd.core.recycle); False: one is under way already."""
         return self.supervisor.recycle("operator")
+
+    async def summary(self, owner: str) -> ServerState:
+        """``GET /lmsp/v1/summary`` (the console's server page): ``owner``'s task counts, the
+        models, the engine and the recent speed (lmspd.core.summary)."""
+        return await server_state(
+            owner, store=self.store, supervisor=self.supervisor, metrics=self.metrics, accepting=self.accepting
+        )
 
     async def metrics_text(self) -> bytes:
         """``/metrics``: the Prometheus text exposition."""

@@ -18,11 +18,16 @@ class TokenTimer:
         self.task_id = task_id
         self.last = time.perf_counter()  # the Generate is sent when the stream is first read
         self.first = True
+        self.ttft = 0.0
+        self.later_tokens = 0  # tokens after the first delta, and the seconds they took
+        self.later_secs = 0.0
 
     def saw(self, ev: p.Delta | p.Finished) -> None:
         m = self.metrics
         if isinstance(ev, p.Finished):
             m.generations_finished.labels(ev.reason).inc()
+            if not self.first:  # it produced tokens: the console's recent speed counts it
+                m.recent.add(self.ttft, self.later_tokens, self.later_secs)
             if ev.reason != "cancelled":  # an early cancel never reached the engine
                 m.prompt_tokens.inc(ev.prompt_tokens)
                 if ev.cached_tokens:
@@ -35,9 +40,12 @@ class TokenTimer:
         m.output_tokens.inc(n)
         if self.first:
             self.first = False
-            m.time_to_first_token.observe(now - self.last)
+            self.ttft = now - self.last
+            m.time_to_first_token.observe(self.ttft)
             m.first_token_stages.mark(self.task_id, "engine")
         else:
             for _ in range(n):
                 m.token_latency.observe((now - self.last) / n)
+            self.later_tokens += n
+            self.later_secs += now - self.last
         self.last = now

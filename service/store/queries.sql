@@ -6,6 +6,9 @@ SELECT coalesce((SELECT n FROM task_counts WHERE status = 'queued'), 0);
 -- name: status_counts
 SELECT status, n FROM task_counts;
 
+-- name: owner_status_counts
+SELECT status, count(*) AS n FROM tasks WHERE owner = :owner GROUP BY status;
+
 -- name: count_active
 SELECT coalesce(sum(n), 0) FROM task_counts WHERE status IN {ACTIVE};
 

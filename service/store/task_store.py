@@ -361,6 +361,13 @@ class TaskStore:
         counts = {r["status"]: int(r["n"]) for r in await self.db.fetchall(q("status_counts"))}
         return {status: counts.get(status, 0) for status in STATUSES}
 
+    async def owner_status_counts(self, owner: str) -> dict[str, int]:
+        """How many of ``owner``'s tasks are in each status, every status named (the console's
+        summary: one token sees its own queue, never another's)."""
+        rows = await self.db.fetchall(q("owner_status_counts"), {"owner": owner})
+        counts = {r["status"]: int(r["n"]) for r in rows}
+        return {status: counts.get(status, 0) for status in STATUSES}
+
     async def queued_ids(self, limit: int) -> list[str]:
         return [r["id"] for r in await self.db.fetchall(q("queued_ids"), {"limit": limit})]
 

@@ -27,6 +27,7 @@ from starlette.testclient import TestClient
 from support.engine_host import Host
 from support.wait import wait_until
 
+from lmspd.api import console
 from lmspd.api.app import ROUTES
 from lmspd.api.openapi import documented
 from lmspd.config import Config, EngineConfig, ModelEntry, ServerConfig
@@ -35,6 +36,7 @@ from lmspd.models.registry import ResolvedModel
 ENGINE = EngineConfig(weight_dtype="quantized")
 TOKENS = {"alice": "tenancy-alice-token", "bob": "tenancy-bob-token"}
 PUBLIC = {("/healthz", "get"), ("/lmsp/v1/healthz", "get"), ("/readyz", "get"), ("/openapi.json", "get")}
+PUBLIC |= {(route.path, "get") for route in console.ROUTES}  # the page and its assets hold no data
 SECRET = "Alice's secret prompt: the vault code is 7741."
 CONVERSATION = "conv_tenancy_alice"  # Alice's; each call naming one gets a new one (see _fresh_conversation)
 ROUTE_LIST = documented(ROUTES)

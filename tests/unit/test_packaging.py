@@ -26,9 +26,18 @@ def test_every_data_file_is_package_data() -> None:
     non_python = {p.relative_to(ROOT) for p in (ROOT / "service").rglob("*") if p.is_file()}
     # A README beside the code is for its readers (engine/upstream/README.md), not package data.
     non_python = {p for p in non_python if p.suffix not in (".py", ".pyc") and p.name != "README.md"}
-    # SQL files and the C++ kernels' source and header (built on the user's machine, so shipped as source).
-    assert {p.suffix for p in non_python} == {".sql", ".cpp", ".h"}
+    # SQL files, the C++ kernels' source and header (built on the user's machine, so shipped as
+    # source) and the web console's assets (lmspd/api/static, docs/console.md).
+    assert {p.suffix for p in non_python} == {".sql", ".cpp", ".h", ".html", ".js", ".css", ".svg"}
     for path in non_python:
-        package = str(path.parent).replace("service", "lmspd", 1).replace("/", ".")
-        assert any(fnmatch(path.name, glob) for glob in data.get(package, [])), path
+        # Declared by the nearest package above it, as a glob relative to that package's folder.
+        parts = path.relative_to("service").parts
+        declared = False
+        for cut in range(len(parts) - 1, -1, -1):
+            package = ".".join(("lmspd", *parts[:cut]))
+            if package in data or cut == 0:
+                relative = "/".join(parts[cut:])
+                declared = any(fnmatch(relative, glob) for glob in data.get(package, []))
+                break
+        assert declared, path
     assert data["lmspd.migrations"] == ["*.sql"]

@@ -253,6 +253,14 @@ class StorageFullError(ServerOverloadedError):
     title = "Storage full"
 
 
+class StoreUnavailableError(ServerOverloadedError):
+    """The database server (PostgreSQL) cannot be reached: nothing was written, and the same
+    request succeeds once it is back (docs/operations.md, "Several nodes")."""
+
+    code = "store_unavailable"
+    title = "Store unavailable"
+
+
 # --- failures of accepted work (a failed task's error) --------------------------------------
 
 

@@ -22,8 +22,9 @@ from lmspd.errors import LmspdError, StorageFullError
 from lmspd.metrics import Metrics
 from lmspd.models.registry import ModelRegistry
 from lmspd.prompting.generation import check_request
-from lmspd.store.db import Database
+from lmspd.store.opening import open_database
 from lmspd.store.task_store import TaskStore
+from lmspd.store.url import StoreUrl
 
 log = logging.getLogger("lmspd.server")
 
@@ -38,7 +39,8 @@ async def started(
     # open database or engine left behind keeps a failed server alive, never serving.
     async with contextlib.AsyncExitStack() as stack:
         metrics = Metrics()  # this service's own registry: many apps may share a process
-        db = await Database.open(config.server.database_path, on_commit=metrics.observe_commit)
+        where = StoreUrl.parse(config.store.url, config.server.database_path)
+        db = await open_database(where, on_commit=metrics.observe_commit)
         stack.push_async_callback(db.close)
         store = TaskStore(db, max_queued=config.server.max_queued_tasks, metrics=metrics)
         hub = Hub()

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import sqlite3
 from collections.abc import Callable
 
 import msgspec
@@ -46,7 +45,7 @@ from lmspd.responses.inputs import Item
 from lmspd.responses.reasoning_echo import ReasoningEcho
 from lmspd.responses.schema import TaskRequest
 from lmspd.responses.sealing import Sealer
-from lmspd.store.db import Job
+from lmspd.store.conn import Conn, Job
 from lmspd.store.items import ItemIndex
 from lmspd.store.status import TERMINAL, TaskStatus
 from lmspd.store.task_store import Event, EventBuilder, TaskRecord, TaskStore
@@ -501,13 +500,13 @@ class Supervisor:
                 await producer
 
 
-def _all(jobs: list[Callable[[sqlite3.Connection], None] | None]) -> Callable[[sqlite3.Connection], None] | None:
+def _all(jobs: list[Callable[[Conn], None] | None]) -> Callable[[Conn], None] | None:
     """One job running ``jobs`` (None ones left out) in the transaction that finishes a task."""
     todo = [job for job in jobs if job is not None]
     if not todo:
         return None
 
-    def run(conn: sqlite3.Connection) -> None:
+    def run(conn: Conn) -> None:
         for job in todo:
             job(conn)
 

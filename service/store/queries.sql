@@ -44,8 +44,10 @@ DELETE FROM tasks WHERE id = :id;
 SELECT * FROM tasks WHERE id = :id;
 
 -- name: insert_idempotency_key
+-- A key already there (another request with it committed first) inserts nothing: rowcount 0.
 INSERT INTO idempotency_keys (owner, key, fingerprint, task_id, created_at)
-VALUES (:owner, :key, :fingerprint, :task_id, :now);
+VALUES (:owner, :key, :fingerprint, :task_id, :now)
+ON CONFLICT (owner, key) DO NOTHING;
 
 -- name: get_idempotency_key
 SELECT fingerprint, task_id FROM idempotency_keys WHERE owner = :owner AND key = :key;

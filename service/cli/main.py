@@ -109,10 +109,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_bind(config)
     try:
         # First, and read-only: a damaged file or a taken port is refused before any model is fetched.
-        # (PostgreSQL is reached when the service starts: down, it is refused there in one line.)
         store = StoreUrl.parse(config.store.url, config.server.database_path)
         if store.path is not None:
             check_database(store.path)
+        else:  # PostgreSQL: reachable, and a schema this lmspd knows (or none yet)
+            from lmspd.store.pg import probe
+
+            probe(store)
         check_port(config)
     except LmspdError as exc:
         return _start_failed(StartupError(exc.message))

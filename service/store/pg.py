@@ -125,7 +125,7 @@ def unusable(url: StoreUrl, cause: str) -> DatabaseUnusableError:
     # libpq's messages name the host and port, never the password.
     first = cause.strip().splitlines()[0] if cause.strip() else "unknown error"
     return DatabaseUnusableError(
-        f"the PostgreSQL database {url} cannot be used: {first}. Run `lmspd doctor` for details"
+        f"the PostgreSQL database {url} cannot be used: {first.rstrip('.')}; run `lmspd doctor` for details"
     )
 
 
@@ -229,3 +229,23 @@ def _connect(url: StoreUrl) -> psycopg.Connection[Any]:
     # lmspd's sessions): an acknowledged task is on disk, as on SQLite (docs/reliability.md).
     conn.execute("SET synchronous_commit = on")
     return conn
+
+
+def probe(url: StoreUrl) -> int:
+    """Connect once and read the schema version, before the service starts anything (``lmspd
+    serve`` and ``lmspd doctor``): a server that is down, a wrong password or a database newer
+    than this lmspd is refused in one line. Returns the version found (0: none yet)."""
+    from lmspd.store.pg_migrate import latest_version, schema_version
+
+    if psycopg is None:
+        raise DatabaseUnusableError(
+            f"store.url is {url}, but PostgreSQL's driver is not installed: pip install 'lmspd[postgresql]'"
+        )
+    try:
+        with psycopg.connect(url.url, autocommit=True, connect_timeout=CONNECT_TIMEOUT_SECS) as conn:
+            version = schema_version(conn)
+    except psycopg.Error as exc:
+        raise unusable(url, str(exc)) from exc
+    if version > (latest := latest_version()):
+        raise unusable(url, f"its schema version is {version}, newer than this lmspd's ({latest}): upgrade lmspd")
+    return version

@@ -64,7 +64,7 @@ def client(host: Host, pg_config: Config) -> Iterator[TestClient]:
 def rows(config: Config, sql: str) -> list[tuple[Any, ...]]:
     assert config.store.url is not None
     with psycopg.connect(config.store.url) as conn:
-        return conn.execute(sql).fetchall()  # type: ignore[arg-type]
+        return conn.execute(sql).fetchall()
 
 
 def test_a_task_runs_on_postgresql_and_replays_from_every_id(client: TestClient, pg_config: Config) -> None:

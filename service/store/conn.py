@@ -52,6 +52,7 @@ class SqliteConn:
 
     dialect = "sqlite"
     Error: type[Exception] = sqlite3.Error
+    release_savepoints = True
 
     def __init__(self, conn: sqlite3.Connection) -> None:
         self.raw = conn

@@ -76,6 +76,7 @@ class PgConn:
     """:class:`lmspd.store.conn.Conn` over the writer's psycopg connection (on its own thread)."""
 
     dialect = "postgresql"
+    release_savepoints = False  # one round trip less per job (store/db.py's run_batch)
 
     def __init__(self, conn: psycopg.Connection[Any]) -> None:
         self.raw = conn

@@ -13,7 +13,8 @@ SELECT coalesce(sum(n), 0) FROM task_counts WHERE status IN {ACTIVE};
 INSERT INTO tasks (id, owner, status, on_restart, request, response_id, next_seq, created_at, updated_at,
                    kind, background, stored, previous_response_id, conversation, expires_at)
 VALUES (:id, :owner, 'queued', :on_restart, :request, :response_id, 0, :now, :now,
-        :kind, :background, :stored, :previous_response_id, :conversation, :expires_at);
+        :kind, :background, :stored, :previous_response_id, :conversation, :expires_at)
+RETURNING *;
 
 -- name: conversation_turns
 SELECT * FROM tasks WHERE owner = :owner AND conversation = :conversation ORDER BY id;
@@ -54,7 +55,8 @@ SELECT fingerprint, task_id FROM idempotency_keys WHERE owner = :owner AND key =
 
 -- name: advance_seq
 -- Appending events is a compare-and-set on next_seq: a writer with a stale view fails.
-UPDATE tasks SET next_seq = :new_next, updated_at = :now WHERE id = :id AND next_seq = :expected;
+UPDATE tasks SET next_seq = :new_next, updated_at = :now WHERE id = :id AND next_seq = :expected
+RETURNING *;
 
 -- name: insert_event
 INSERT INTO events (task_id, seq, type, data, tokens) VALUES (:task_id, :seq, :type, :data, :tokens);

@@ -15,7 +15,8 @@ INSERT INTO tasks (id, owner, status, on_restart, request, response_id, next_seq
                    kind, background, stored, previous_response_id, conversation, expires_at)
 VALUES (:id, :owner, 'queued', :on_restart, :request, :response_id, 0, :now, :now,
         :kind, CAST(:background AS integer), CAST(:stored AS integer), :previous_response_id, :conversation,
-        :expires_at);
+        :expires_at)
+RETURNING *;
 
 -- name: conversation_turns
 SELECT * FROM tasks WHERE owner = :owner AND conversation = :conversation ORDER BY id;
@@ -57,7 +58,8 @@ ON CONFLICT (owner, key) DO NOTHING;
 SELECT fingerprint, task_id FROM idempotency_keys WHERE owner = :owner AND key = :key;
 
 -- name: advance_seq
-UPDATE tasks SET next_seq = :new_next, updated_at = :now WHERE id = :id AND next_seq = :expected;
+UPDATE tasks SET next_seq = :new_next, updated_at = :now WHERE id = :id AND next_seq = :expected
+RETURNING *;
 
 -- name: insert_event
 INSERT INTO events (task_id, seq, type, data, tokens) VALUES (:task_id, :seq, :type, :data, :tokens);

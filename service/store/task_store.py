@@ -128,10 +128,13 @@ def _append(conn: Conn, task: TaskRecord, builders: Sequence[EventBuilder]) -> T
         tokens = msgspec.json.encode(ev.tokens) if ev.tokens is not None else None
         conn.run("insert_event", {"task_id": task.id, "seq": seq, "type": ev.type, "data": ev.data, "tokens": tokens})
         seq += 1
-    cur = conn.run("advance_seq", {"id": task.id, "new_next": seq, "expected": task.next_seq, "now": _now()})
-    if cur.rowcount != 1:
+    # RETURNING: the task as it now is, without another round trip (on PostgreSQL, each counts).
+    rows = conn.run(
+        "advance_seq", {"id": task.id, "new_next": seq, "expected": task.next_seq, "now": _now()}
+    ).fetchall()
+    if len(rows) != 1:
         raise SequenceConflictError(f"task {task.id}: events appended concurrently")
-    return _get(conn, task.id)
+    return TaskRecord.from_row(rows[0])
 
 
 def _rowcount(name: str, params: dict[str, Any]) -> Callable[[Conn], int]:
@@ -197,7 +200,7 @@ class TaskStore:
             limited = fields.background and max_background is not None
             if limited and conn.run("count_active_background").fetchone()[0] >= max_background:
                 raise TooManyBackgroundJobsError(f"{max_background} background responses are already active")
-            conn.run(
+            inserted = conn.run(
                 "insert_task",
                 {
                     "id": task_id,
@@ -208,7 +211,7 @@ class TaskStore:
                     "now": now,
                     **msgspec.structs.asdict(fields),
                 },
-            )
+            ).fetchall()[0]
             if idempotency is not None:
                 key_row = {"owner": owner, "key": idempotency[0], "fingerprint": idempotency[1], "task_id": task_id}
                 if conn.run("insert_idempotency_key", {**key_row, "now": now}).rowcount != 1:
@@ -216,7 +219,7 @@ class TaskStore:
             events = [first_event]
             if waiting_event is not None and conn.run("count_active").fetchone()[0] > slots:
                 events.append(waiting_event)  # counted after the insert: this task included
-            task = _append(conn, _get(conn, task_id), events)
+            task = _append(conn, TaskRecord.from_row(inserted), events)
             self.metrics.tasks_created.labels(fields.kind).inc()
             return task, False
 

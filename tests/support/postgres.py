@@ -53,8 +53,9 @@ def _free_port() -> int:
 class PostgresServer:
     """A PostgreSQL cluster of the test session's own (or ``url``: one that already runs)."""
 
-    def __init__(self, bindir: Path | None = None, url: str | None = None) -> None:
+    def __init__(self, bindir: Path | None = None, url: str | None = None, *, durable: bool = False) -> None:
         self.bindir = bindir
+        self.durable = durable  # fsync on, as a server runs (benchmarks); off for the tests
         self.external = url
         self.root: Path | None = None
         self.port = 0
@@ -99,8 +100,10 @@ class PostgresServer:
         # (synchronous_commit stays on, as in production); a small cluster starts fast.
         options = (
             f"-c port={self.port} -c listen_addresses=127.0.0.1 -c unix_socket_directories={self.root} "
-            "-c fsync=off -c full_page_writes=off -c max_connections=200 -c shared_buffers=32MB"
+            "-c max_connections=200 -c shared_buffers=64MB"
         )
+        if not self.durable:
+            options += " -c fsync=off -c full_page_writes=off"
         subprocess.run(
             [
                 *self._as_owner(),

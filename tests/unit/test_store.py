@@ -17,6 +17,7 @@ from lmspd.errors import (
     TaskNotCancelableError,
     TaskNotFoundError,
 )
+from lmspd.store.conn import Conn
 from lmspd.store.migrate import MigrationError, migrate, migrations_dir
 from lmspd.store.opening import open_database
 from lmspd.store.pg_migrate import latest_version
@@ -340,3 +341,17 @@ async def test_status_counts_follow_every_change(store: TaskStore) -> None:
     counts = {status: n for status, n in (await store.status_counts()).items() if n > 0}
     actual = {status: n for status, n in await store.db.fetchall("SELECT status, count(*) FROM tasks GROUP BY status")}
     assert counts == actual == {"queued": 1, "loading": 1}
+
+
+async def test_a_failing_job_fails_alone_in_its_group_commit(store: TaskStore) -> None:
+    task, _ = await create(store)
+
+    def orphan(conn: Conn) -> None:  # an event of no task: the foreign key refuses it
+        conn.run("insert_event", {"task_id": "task_nope", "seq": 0, "type": "x", "data": b"{}", "tokens": None})
+
+    jobs = [store.append_events(task.id, [event(f"e{i}")]) for i in range(5)]
+    before = store.db.writer.commits
+    results = await asyncio.gather(*jobs[:2], store.db.writer.submit(orphan), *jobs[2:], return_exceptions=True)
+    assert [isinstance(r, Exception) for r in results] == [False, False, True, False, False, False]
+    assert store.db.writer.commits - before < 6  # they shared commits
+    assert [e.type for e in await store.events_after(task.id, -1)] == ["response.created"] + [f"e{i}" for i in range(5)]

@@ -203,6 +203,9 @@ class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class ClusterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Nodes sharing one PostgreSQL (SPEC §15): each renews its lease every heartbeat."""
 
+    # This node's name among the others; default host:port. Stable across restarts, so a node
+    # that restarts settles what its previous run left at once, without waiting for its lease.
+    node_id: str | None = None
     heartbeat_secs: float = 2.0
     lease_secs: float = 10.0
 

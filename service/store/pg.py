@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -213,6 +213,23 @@ class PgDatabase(Database):
         await self.pool.close()
         await asyncio.get_running_loop().run_in_executor(self._executor, self._conn.close)
         self._executor.shutdown(wait=True)
+
+    async def listen(self, channel: str, on_payload: Callable[[str], None], on_gap: Callable[[], None]) -> None:
+        """Call ``on_payload`` for each notification on ``channel``, for ever (cancel to stop).
+        A lost connection is made again; ``on_gap`` is told each time it is (re)made, as
+        notifications sent meanwhile are gone and whoever waits on them must read the rows."""
+        while True:
+            try:
+                async with await psycopg.AsyncConnection.connect(
+                    self.url.url, autocommit=True, connect_timeout=CONNECT_TIMEOUT_SECS
+                ) as conn:
+                    await conn.execute(f"LISTEN {channel}")
+                    on_gap()
+                    async for note in conn.notifies():
+                        on_payload(note.payload)
+            except psycopg.Error as exc:
+                log.warning("listening for other nodes' changes: %s; again in 1s", str(exc).strip().splitlines()[0])
+                await asyncio.sleep(1.0)
 
     @contextlib.contextmanager
     def admin(self) -> Iterator[psycopg.Connection[Any]]:

@@ -28,11 +28,18 @@ SELECT count(*) FROM tasks WHERE kind = 'response' AND background = 1 AND status
 -- A compare-and-set: the first committed transition wins, terminal states never change. Under
 -- READ COMMITTED an UPDATE that waited for another's row lock re-checks its WHERE on the row
 -- that other transaction committed, so two nodes racing still see one winner.
+-- A queued task is claimed by the node that moves it (node, epoch: its lease), skipping one
+-- another node is claiming this moment (FOR UPDATE SKIP LOCKED) rather than waiting for it; a
+-- claimed task moves only by its node's current lease (fencing).
 UPDATE tasks SET status = CAST(:to AS text), updated_at = :now,
                  response = coalesce(CAST(:response AS bytea), response),
                  error = coalesce(CAST(:error AS bytea), error),
-                 finished_at = CASE WHEN CAST(:to AS text) IN {TERMINAL} THEN :now ELSE finished_at END
-WHERE id = :id AND status IN (SELECT jsonb_array_elements_text(CAST(:sources AS jsonb)));
+                 finished_at = CASE WHEN CAST(:to AS text) IN {TERMINAL} THEN :now ELSE finished_at END,
+                 node = CASE WHEN status = 'queued' THEN CAST(:me AS text) ELSE node END,
+                 epoch = CASE WHEN status = 'queued' THEN CAST(:epoch AS bigint) ELSE epoch END
+WHERE id = (SELECT id FROM tasks WHERE id = :id FOR UPDATE SKIP LOCKED)
+  AND status IN (SELECT jsonb_array_elements_text(CAST(:sources AS jsonb)))
+  AND (node IS NULL OR (node = CAST(:me AS text) AND epoch = CAST(:epoch AS bigint)));
 
 -- name: delete_finished_unstored
 DELETE FROM tasks WHERE id IN (
@@ -58,7 +65,9 @@ ON CONFLICT (owner, key) DO NOTHING;
 SELECT fingerprint, task_id FROM idempotency_keys WHERE owner = :owner AND key = :key;
 
 -- name: advance_seq
+-- Fenced as a transition is: only the node holding the task's lease appends to a claimed task.
 UPDATE tasks SET next_seq = :new_next, updated_at = :now WHERE id = :id AND next_seq = :expected
+  AND (node IS NULL OR (node = CAST(:me AS text) AND epoch = CAST(:epoch AS bigint)))
 RETURNING *;
 
 -- name: insert_event
@@ -78,11 +87,14 @@ ORDER BY id DESC LIMIT :limit;
 SELECT id FROM tasks WHERE status = 'queued' ORDER BY id LIMIT :limit;
 
 -- name: unfinished_ids
-SELECT id FROM tasks WHERE status IN {ACTIVE} ORDER BY id;
+-- This node's to settle: those it holds (from its last run, or taken over from a dead node).
+SELECT id FROM tasks WHERE status IN {ACTIVE} AND status <> 'queued' AND node = CAST(:me AS text) ORDER BY id;
 
 -- name: requeue
-UPDATE tasks SET status = 'queued', attempt = attempt + :bump, updated_at = :now
-WHERE id = :id AND status IN {STARTED};
+-- Back in line, and no node's: any node serving it claims it again.
+UPDATE tasks SET status = 'queued', attempt = attempt + :bump, updated_at = :now, node = NULL, epoch = NULL
+WHERE id = :id AND status IN {STARTED}
+  AND (node IS NULL OR (node = CAST(:me AS text) AND epoch = CAST(:epoch AS bigint)));
 
 -- name: expire_events
 UPDATE tasks SET events_expired = 1
@@ -176,3 +188,63 @@ ON CONFLICT (owner, item_id) DO UPDATE SET task_id = excluded.task_id;
 -- name: item_task
 SELECT t.* FROM response_items i JOIN tasks t ON t.id = i.task_id
 WHERE i.owner = :owner AND i.item_id = :item_id;
+
+-- name: node_register
+-- A node's start: a new lease epoch; the tasks its previous run left are its own again, under
+-- the new epoch (a previous run still alive, only paused, is fenced out by it).
+WITH node AS (
+    INSERT INTO nodes (id, epoch, host, pid, url, models, expires_at)
+    VALUES (:id, nextval('node_epochs'), :host, :pid, :url, CAST(:models AS jsonb),
+            now() + make_interval(secs => :lease))
+    ON CONFLICT (id) DO UPDATE SET epoch = excluded.epoch, host = excluded.host, pid = excluded.pid,
+        url = excluded.url, models = excluded.models, started_at = now(), heartbeat_at = now(),
+        expires_at = excluded.expires_at
+    RETURNING epoch
+), adopted AS (
+    UPDATE tasks SET epoch = (SELECT epoch FROM node) WHERE node = :id AND status IN {ACTIVE}
+)
+SELECT epoch FROM node;
+
+-- name: node_heartbeat
+-- Renewed only under the node's own epoch: no row back means its lease was taken over.
+UPDATE nodes SET heartbeat_at = now(), expires_at = now() + make_interval(secs => :lease),
+                 running = :running, models = CAST(:models AS jsonb)
+WHERE id = :id AND epoch = :epoch
+RETURNING epoch;
+
+-- name: nodes_expired
+-- Nodes whose lease ran out, and nodes that hold unfinished tasks but have no row at all.
+SELECT id FROM nodes WHERE expires_at < now() AND id <> CAST(:me AS text)
+UNION
+SELECT DISTINCT node FROM tasks
+WHERE node IS NOT NULL AND node <> CAST(:me AS text) AND status IN {ACTIVE}
+  AND NOT EXISTS (SELECT 1 FROM nodes WHERE nodes.id = tasks.node)
+ORDER BY 1;
+
+-- name: node_take_over
+-- The dead node's row goes (its heartbeat, should it come back, finds none) and its unfinished
+-- tasks become this node's, in one transaction; the supervisor then settles them by policy. Two
+-- survivors at once: the second waits for the first's row lock and then finds nothing to take.
+WITH dead AS (
+    DELETE FROM nodes WHERE id = :dead AND expires_at < now() RETURNING id
+)
+UPDATE tasks SET node = CAST(:me AS text), epoch = CAST(:epoch AS bigint)
+WHERE node = :dead AND status IN {ACTIVE}
+  AND (EXISTS (SELECT 1 FROM dead) OR NOT EXISTS (SELECT 1 FROM nodes WHERE id = :dead))
+RETURNING id;
+
+-- name: node_leave
+-- A node stopping: its lease ends now, so a survivor settles what it leaves at once.
+UPDATE nodes SET expires_at = now() - interval '1 second' WHERE id = :id AND epoch = :epoch;
+
+-- name: nodes_list
+SELECT id, epoch, host, pid, url, models, running,
+       CAST(extract(epoch FROM started_at) AS bigint) AS started_at,
+       CAST(extract(epoch FROM heartbeat_at) AS bigint) AS heartbeat_at,
+       CAST(extract(epoch FROM expires_at) AS bigint) AS expires_at,
+       expires_at < now() AS expired,
+       (SELECT count(*) FROM tasks t WHERE t.node = nodes.id AND t.status IN {ACTIVE}) AS tasks
+FROM nodes ORDER BY id;
+
+-- name: clock
+SELECT extract(epoch FROM now()) AS now;

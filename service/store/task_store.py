@@ -17,6 +17,7 @@ from ulid import monotonic as ulid
 
 from lmspd.errors import (
     IdempotencyKeyReusedError,
+    LeaseLostError,
     QueueFullError,
     SequenceConflictError,
     TaskNotCancelableError,
@@ -71,6 +72,8 @@ class TaskRecord(msgspec.Struct, kw_only=True):
     previous_response_id: str | None = None
     expires_at: int | None = None
     conversation: str | None = None
+    node: str | None = None  # PostgreSQL: the node that claimed it, and its lease epoch then
+    epoch: int | None = None
 
     @classmethod
     def from_row(cls, row: Row) -> TaskRecord:
@@ -121,7 +124,18 @@ def _get(conn: Conn, task_id: str) -> TaskRecord:
     return TaskRecord.from_row(row)
 
 
-def _append(conn: Conn, task: TaskRecord, builders: Sequence[EventBuilder]) -> TaskRecord:
+class Fence(msgspec.Struct, kw_only=True):
+    """Whose writes these are (PostgreSQL, SPEC §15): this node and its current lease epoch. A
+    write into a task claimed under another node or epoch finds no row (queries_pg.sql)."""
+
+    me: str | None = None
+    epoch: int | None = None
+
+    def params(self) -> dict[str, Any]:
+        return {"me": self.me, "epoch": self.epoch}
+
+
+def _append(conn: Conn, task: TaskRecord, builders: Sequence[EventBuilder], fence: Fence) -> TaskRecord:
     seq = task.next_seq
     for build in builders:
         ev = build(task, seq)
@@ -130,9 +144,12 @@ def _append(conn: Conn, task: TaskRecord, builders: Sequence[EventBuilder]) -> T
         seq += 1
     # RETURNING: the task as it now is, without another round trip (on PostgreSQL, each counts).
     rows = conn.run(
-        "advance_seq", {"id": task.id, "new_next": seq, "expected": task.next_seq, "now": _now()}
+        "advance_seq", {"id": task.id, "new_next": seq, "expected": task.next_seq, "now": _now(), **fence.params()}
     ).fetchall()
     if len(rows) != 1:
+        now = _get(conn, task.id)
+        if now.node is not None and (now.node, now.epoch) != (fence.me, fence.epoch):
+            raise LeaseLostError(f"task {task.id} is node {now.node}'s now: this node's lease on it was lost")
         raise SequenceConflictError(f"task {task.id}: events appended concurrently")
     return TaskRecord.from_row(rows[0])
 
@@ -160,6 +177,7 @@ class TaskStore:
         self.db = db
         self.max_queued = max_queued
         self.metrics = metrics or Metrics()
+        self.fence = Fence()  # set by the node's lease (lmspd.core.cluster); unset on SQLite
 
     async def create(
         self,
@@ -182,6 +200,8 @@ class TaskStore:
         concurrent requests cannot overshoot it.
         """
         task_id, response_id = new_ids()
+
+        fence = self.fence
 
         def job(conn: Conn) -> tuple[TaskRecord, bool]:
             now = _now()
@@ -219,7 +239,7 @@ class TaskStore:
             events = [first_event]
             if waiting_event is not None and conn.run("count_active").fetchone()[0] > slots:
                 events.append(waiting_event)  # counted after the insert: this task included
-            task = _append(conn, TaskRecord.from_row(inserted), events)
+            task = _append(conn, TaskRecord.from_row(inserted), events, fence)
             self.metrics.tasks_created.labels(fields.kind).inc()
             return task, False
 
@@ -255,15 +275,17 @@ class TaskStore:
 
         steps = ([params(via)] if via else []) + [params(to, response, error)]
 
+        fence = self.fence
+
         def job(conn: Conn) -> TaskRecord | None:
             for step in steps:
-                if conn.run("transition", {**step, "now": _now()}).rowcount != 1:
+                if conn.run("transition", {**step, "now": _now(), **fence.params()}).rowcount != 1:
                     # Another transition committed first, or the task is terminal; an earlier
                     # step is undone with the job's savepoint.
                     raise _Lost
             if also is not None:
                 also(conn)
-            task = _append(conn, _get(conn, task_id), events)
+            task = _append(conn, _get(conn, task_id), events, fence)
             if to in TERMINAL:
                 self.metrics.tasks_finished.labels(to).inc()
             return task
@@ -275,7 +297,8 @@ class TaskStore:
 
     async def append_events(self, task_id: str, events: Sequence[EventBuilder]) -> TaskRecord:
         """Append events (group-committed with whatever else is being written)."""
-        return await self.db.writer.submit(lambda conn: _append(conn, _get(conn, task_id), events))
+        fence = self.fence  # as it is now: a lease lost before this is written fences it out
+        return await self.db.writer.submit(lambda conn: _append(conn, _get(conn, task_id), events, fence))
 
     async def cancel(
         self,
@@ -287,6 +310,8 @@ class TaskStore:
     ) -> TaskRecord:
         """docs/lmsp.md §7.3: queued → cancelled now (with ``final_events`` and the final ``response``);
         loading/running → cancelling; idempotent; 409 if finished."""
+
+        fence = self.fence
 
         def job(conn: Conn) -> TaskRecord:
             # The status read may be stale by the UPDATE (another node claimed or finished the
@@ -303,7 +328,7 @@ class TaskStore:
                 params = {"id": task_id, "to": "cancelled" if queued else "cancelling", "from": task.status}
                 cur = conn.run("cancel_task", {**params, "now": _now(), "response": response if queued else None})
                 if cur.rowcount == 1:
-                    task = _append(conn, _get(conn, task_id), final_events if queued else [])
+                    task = _append(conn, _get(conn, task_id), final_events if queued else [], fence)
                     if queued:
                         self.metrics.tasks_finished.labels("cancelled").inc()
                     return task
@@ -316,9 +341,11 @@ class TaskStore:
     ) -> TaskRecord | None:
         """Put a started task back in the queue (restart or engine crash); None if it had moved on."""
 
+        fence = self.fence
+
         def job(conn: Conn) -> TaskRecord | None:
-            cur = conn.run("requeue", {"id": task_id, "bump": int(new_attempt), "now": _now()})
-            return _append(conn, _get(conn, task_id), events) if cur.rowcount == 1 else None
+            cur = conn.run("requeue", {"id": task_id, "bump": int(new_attempt), "now": _now(), **fence.params()})
+            return _append(conn, _get(conn, task_id), events, fence) if cur.rowcount == 1 else None
 
         return await self.db.writer.submit(job)
 
@@ -369,7 +396,7 @@ class TaskStore:
         return [r["id"] for r in await self.db.all("queued_ids", {"limit": limit})]
 
     async def unfinished_ids(self) -> list[str]:
-        return [r["id"] for r in await self.db.all("unfinished_ids")]
+        return [r["id"] for r in await self.db.all("unfinished_ids", self.fence.params())]
 
     async def events_after(self, task_id: str, after: int, limit: int = 1000) -> list[Event]:
         rows = await self.db.all("events_after", {"task_id": task_id, "after": after, "limit": limit})

@@ -48,7 +48,7 @@ def test_a_newer_schema_is_refused_and_left_as_it_is(tmp_path: Path, pg_url: str
     output = run.stdout + run.stderr
     assert run.returncode == 1, output
     [line] = [line for line in output.splitlines() if "ERROR" in line]
-    assert "its schema version is 99, newer than this lmspd's (1): upgrade lmspd" in line
+    assert "its schema version is 99, newer than this lmspd's (2): upgrade lmspd" in line
     with psycopg.connect(pg_url) as conn:
         assert conn.execute("SELECT version FROM lmspd_schema").fetchall() == [(99,)]
 

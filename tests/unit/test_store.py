@@ -84,6 +84,8 @@ def event(etype: str):  # type: ignore[no-untyped-def]
 
 # SQLite's counters kept by triggers; PostgreSQL counts from its indexes (migrations/postgresql).
 SQLITE_ONLY = {"task_counts", "reasoning_echo_bytes"}
+# PostgreSQL's own: the nodes' leases (migrations/postgresql/002_nodes.sql).
+NODES = ["id", "epoch", "host", "pid", "url", "models", "running", "started_at", "heartbeat_at", "expires_at"]
 
 
 @pytest.fixture
@@ -139,13 +141,15 @@ async def test_pg_migration_makes_the_same_tables_and_columns(store_url: StoreUr
         for table, column in rows:
             found.setdefault(table, []).append(column)
         assert found.pop("lmspd_schema") == ["version"]
-        assert found == {t: c for t, c in EXPECTED_SCHEMA.items() if t not in SQLITE_ONLY}
+        assert found.pop("nodes") == NODES
+        assert found.pop("tasks") == [*EXPECTED_SCHEMA["tasks"], "node", "epoch"]
+        assert found == {t: c for t, c in EXPECTED_SCHEMA.items() if t not in {*SQLITE_ONLY, "tasks"}}
         version = await db.fetchone("SELECT version FROM lmspd_schema")
-        assert version is not None and version[0] == latest_version() == 1
+        assert version is not None and version[0] == latest_version() == 2
     finally:
         await db.close()
     again = await open_database(store_url)  # migrating again changes nothing
-    assert [tuple(r) for r in await again.fetchall("SELECT version FROM lmspd_schema")] == [(1,)]
+    assert [tuple(r) for r in await again.fetchall("SELECT version FROM lmspd_schema")] == [(2,)]
     await again.close()
 
 

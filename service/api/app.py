@@ -28,7 +28,7 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 
-from lmspd.api import chat, events, models, openapi, responses, tasks, wire
+from lmspd.api import chat, cluster, events, models, openapi, responses, tasks, wire
 from lmspd.api.access_log import AccessLog
 from lmspd.api.auth import Authenticator
 from lmspd.api.problems import is_openai_path, openai_response, problem_response
@@ -146,6 +146,7 @@ ROUTES = [
         Op("LMSP capabilities and limits (LMSP 10)", "lmsp", wire.Capabilities, errors=AUTH),
     ),
     *models.ROUTES,
+    *cluster.ROUTES,
     *tasks.ROUTES,
     *responses.LMSP_ROUTES,
     # OpenAI Responses API, with and without /v1 (errors in OpenAI's envelope)

@@ -54,18 +54,24 @@ class Cluster:
         return sorted({self.config.default_model, *self.config.models})
 
     async def join(self) -> None:
-        """Take this node's lease (before recovery: what the node held is then its own)."""
+        """Take this node's lease (before recovery: what the node held is then its own) and keep
+        it from now on: the engine's start and the preload take longer than a lease."""
+        await self._register()
+        if not self._chores:
+            self._chores.append(asyncio.create_task(self._heartbeat(), name="cluster heartbeat"))
+
+    async def _register(self) -> None:
         self.store.fence = await self.nodes.register(
             host=socket.gethostname(), pid=os.getpid(), url=self.url, models=self.models()
         )
         log.info("node %s joined the cluster (lease epoch %s)", self.node_id, self.store.fence.epoch)
 
     def start(self, supervisor: Supervisor) -> None:
+        """Serving: other nodes' changes are heard, dead nodes' tasks taken over."""
         self.supervisor = supervisor
-        self._chores = [
-            asyncio.create_task(self._heartbeat(), name="cluster heartbeat"),
-            asyncio.create_task(self.db.listen(CHANNEL, self._heard, self._gap), name="cluster listener"),
-        ]
+        self._chores.append(
+            asyncio.create_task(self.db.listen(CHANNEL, self._heard, self._gap), name="cluster listener")
+        )
 
     async def stop(self) -> None:
         for chore in self._chores:
@@ -91,19 +97,23 @@ class Cluster:
                 log.warning("cluster heartbeat failed: %s", getattr(exc, "message", None) or exc)
 
     async def _beat(self) -> None:
-        assert self.supervisor is not None
         supervisor = self.supervisor
-        if not await self.nodes.heartbeat(self.store.fence, len(supervisor.running), self.models()):
+        running = len(supervisor.running) if supervisor is not None else 0
+        if not await self.nodes.heartbeat(self.store.fence, running, self.models()):
             self.lost += 1
             log.error(
                 "node %s: its lease (epoch %s) was taken over by another node: stopping its generations",
                 self.node_id,
                 self.store.fence.epoch,
             )
-            await supervisor.lease_lost()
-            await self.join()
-            await supervisor.recover()
-            supervisor.wake()
+            if supervisor is not None:
+                await supervisor.lease_lost()
+            await self._register()
+            if supervisor is not None:
+                await supervisor.recover()
+                supervisor.wake()
+        if supervisor is None:
+            return  # still starting: taking over dead nodes' work waits until this one serves
         for dead in await self.nodes.expired():
             taken = await self.nodes.take_over(dead, self.store.fence)
             if taken:

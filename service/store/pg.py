@@ -43,6 +43,7 @@ log = logging.getLogger("lmspd.store.pg")
 BATCH_RETRIES = 3
 READERS = 4  # connections of the read pool
 CONNECT_TIMEOUT_SECS = 10
+IDLE_IN_TRANSACTION_SECS = 5  # below [cluster] lease_secs' default (10)
 
 
 class PgRow(tuple[Any, ...]):
@@ -246,6 +247,10 @@ def _connect(url: StoreUrl) -> psycopg.Connection[Any]:
     # Every commit waits for its WAL flush (the default; a server set otherwise is overridden for
     # lmspd's sessions): an acknowledged task is on disk, as on SQLite (docs/reliability.md).
     conn.execute("SET synchronous_commit = on")
+    # A writer's transaction lasts milliseconds. One left open by a node that was paused (SIGSTOP,
+    # a laptop lid) would hold its row locks, and the keys of the events it was inserting, over
+    # the tasks another node took over: the server ends it instead (docs/operations.md).
+    conn.execute(f"SET idle_in_transaction_session_timeout = '{IDLE_IN_TRANSACTION_SECS}s'")
     return conn
 
 

@@ -29,6 +29,12 @@ UPDATE tasks SET status = :to, updated_at = :now, response = coalesce(:response,
                  finished_at = CASE WHEN :to IN {TERMINAL} THEN :now ELSE finished_at END
 WHERE id = :id AND status IN (SELECT value FROM json_each(:sources));
 
+-- name: claim
+-- A queued task taken to run (PostgreSQL's also records the node: queries_pg.sql). One writer
+-- here, so a claim is the transition itself.
+UPDATE tasks SET status = :to, updated_at = :now
+WHERE id = :id AND status = 'queued' AND status IN (SELECT value FROM json_each(:sources));
+
 -- name: delete_finished_unstored
 -- Foreground store:false responses whose request ended (their reader is gone).
 DELETE FROM tasks WHERE id IN (

@@ -27,19 +27,26 @@ SELECT count(*) FROM tasks WHERE kind = 'response' AND background = 1 AND status
 -- name: transition
 -- A compare-and-set: the first committed transition wins, terminal states never change. Under
 -- READ COMMITTED an UPDATE that waited for another's row lock re-checks its WHERE on the row
--- that other transaction committed, so two nodes racing still see one winner.
--- A queued task is claimed by the node that moves it (node, epoch: its lease), skipping one
--- another node is claiming this moment (FOR UPDATE SKIP LOCKED) rather than waiting for it; a
--- claimed task moves only by its node's current lease (fencing).
+-- that other transaction committed, so two nodes racing still see one winner. A claimed task
+-- moves only by its node's current lease (fencing).
 UPDATE tasks SET status = CAST(:to AS text), updated_at = :now,
                  response = coalesce(CAST(:response AS bytea), response),
                  error = coalesce(CAST(:error AS bytea), error),
                  finished_at = CASE WHEN CAST(:to AS text) IN {TERMINAL} THEN :now ELSE finished_at END,
                  node = CASE WHEN status = 'queued' THEN CAST(:me AS text) ELSE node END,
                  epoch = CASE WHEN status = 'queued' THEN CAST(:epoch AS bigint) ELSE epoch END
-WHERE id = (SELECT id FROM tasks WHERE id = :id FOR UPDATE SKIP LOCKED)
-  AND status IN (SELECT jsonb_array_elements_text(CAST(:sources AS jsonb)))
+WHERE id = :id AND status IN (SELECT jsonb_array_elements_text(CAST(:sources AS jsonb)))
   AND (node IS NULL OR (node = CAST(:me AS text) AND epoch = CAST(:epoch AS bigint)));
+
+-- name: claim
+-- A queued task claimed by this node (node, epoch: its lease). One that another node is claiming
+-- this moment is skipped (SKIP LOCKED), not waited for: that node has it. NO KEY UPDATE, the lock
+-- an UPDATE takes: an event's foreign-key check (KEY SHARE) does not make a claim skip the task.
+UPDATE tasks SET status = CAST(:to AS text), updated_at = :now, node = CAST(:me AS text),
+                 epoch = CAST(:epoch AS bigint)
+WHERE id = (SELECT id FROM tasks WHERE id = :id AND status = 'queued' AND node IS NULL
+            FOR NO KEY UPDATE SKIP LOCKED)
+  AND status IN (SELECT jsonb_array_elements_text(CAST(:sources AS jsonb)));
 
 -- name: delete_finished_unstored
 DELETE FROM tasks WHERE id IN (

@@ -136,6 +136,8 @@ class Fence(msgspec.Struct, kw_only=True):
 
 
 def _append(conn: Conn, task: TaskRecord, builders: Sequence[EventBuilder], fence: Fence) -> TaskRecord:
+    if not builders:  # nothing to append (a cancel from any node is such a write: never fenced)
+        return _get(conn, task.id)
     seq = task.next_seq
     for build in builders:
         ev = build(task, seq)
@@ -279,7 +281,8 @@ class TaskStore:
 
         def job(conn: Conn) -> TaskRecord | None:
             for step in steps:
-                if conn.run("transition", {**step, "now": _now(), **fence.params()}).rowcount != 1:
+                query = "claim" if step["to"] == "loading" else "transition"  # out of queued: a claim
+                if conn.run(query, {**step, "now": _now(), **fence.params()}).rowcount != 1:
                     # Another transition committed first, or the task is terminal; an earlier
                     # step is undone with the job's savepoint.
                     raise _Lost

@@ -20,6 +20,7 @@ from lmspd.models.registry import ResolvedModel
 
 TOKENS = {"alice": "alice-secret-token"}
 ALICE = {"Authorization": f"Bearer {TOKENS['alice']}"}
+ADMIN = {"ops": "ops-secret-token"}
 ENGINE = EngineConfig(weight_dtype="quantized")
 
 
@@ -51,7 +52,9 @@ def sse(client: TestClient, task_id: str, headers: dict[str, str] | None = None)
 
 @pytest.fixture
 def pg_config(tmp_path: Path, model_cache: Path, tiny_long: ResolvedModel, pg_url: str) -> Config:
-    config = tiny_config(tiny_long, model_cache, tmp_path / "data", ENGINE, tokens=TOKENS, keepalive_secs=0.5)
+    config = tiny_config(
+        tiny_long, model_cache, tmp_path / "data", ENGINE, tokens=TOKENS, admin_tokens=ADMIN, keepalive_secs=0.5
+    )
     return msgspec.structs.replace(config, store=StoreConfig(url=pg_url))
 
 
@@ -109,3 +112,14 @@ def test_cancel_and_idempotency_on_postgresql(client: TestClient, pg_config: Con
     ids = {client.post("/lmsp/v1/tasks", json=task_body(), headers=headers).json()["id"] for _ in range(3)}
     assert len(ids) == 1
     assert rows(pg_config, "SELECT count(*) FROM idempotency_keys") == [(1,)]
+
+
+def test_the_cluster_route_lists_this_node_to_operators(client: TestClient) -> None:
+    assert client.get("/lmsp/v1/cluster", headers=ALICE).status_code == 403
+    r = client.get("/lmsp/v1/cluster", headers={"Authorization": "Bearer ops-secret-token"})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["store"] == "postgresql" and body["epoch"] is not None
+    [node] = body["nodes"]
+    assert (node["id"], node["epoch"], node["expired"]) == (body["node"], body["epoch"], False)
+    assert node["models"] == ["tiny"] and node["expires_at"] > node["heartbeat_at"]

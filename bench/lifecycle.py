@@ -130,7 +130,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--recycle-every", type=int, default=500)
-    parser.add_argument("--dtype", default="quantized")
+    parser.add_argument("--dtype", default="auto")
     parser.add_argument("--model-dir", type=Path, default=None)
     args = parser.parse_args()
     # A SIGTERM (timeout(1), Ctrl-C's cousin) runs the finally blocks: no server is left behind.

@@ -71,10 +71,10 @@ def main() -> None:
     from mlx_lm.utils import load_model
 
     from bench.step_profile import default_model_dir
+    from lmspd.engine.loaded import BUFFER_CACHE_BYTES, bound_buffer_cache
     from lmspd.engine.packed import packed_matrix_bytes
     from lmspd.engine.prompt_cache import PromptCache
     from lmspd.engine.weights import apply_weight_dtype
-    from lmspd.engine.worker import BUFFER_CACHE_BYTES, bound_buffer_cache
     from lmspd.models.tokenizer import Tokenizer
 
     model_dir = Path(args.model_dir or default_model_dir())

@@ -363,8 +363,8 @@ def main() -> None:
     import mlx.core as mx
     from mlx_lm.utils import load_model
 
+    from lmspd.engine.loaded import bound_buffer_cache
     from lmspd.engine.weights import apply_weight_dtype
-    from lmspd.engine.worker import bound_buffer_cache
 
     model_dir = args.model_dir or default_model_dir()
     model, _ = load_model(Path(model_dir))

@@ -1,8 +1,9 @@
 """The engine: MLX in a process of its own. ``process`` (the server's handle: spawns the engine,
 talks ``protocol`` to it, restarts it), ``worker`` (the engine's loop: continuous batching,
-sampling, grammars, logprobs, pacing, the prompt cache), ``weights``/``packed``/``kernels``
-(lmspd's packed 4-bit CPU kernels) and ``blas``. ``upstream/`` holds every use of MLX's or
-mlx-lm's internals.
+sampling, grammars, logprobs, pacing, the prompt cache), ``residency`` and ``lifecycle`` (which
+models are loaded, the memory budget, idle unload), ``loaded`` (per-request and per-model
+state), ``weights``/``packed``/``kernels`` (lmspd's packed 4-bit CPU kernels) and ``blas``.
+``upstream/`` holds every use of MLX's or mlx-lm's internals.
 
 May import :mod:`lmspd.models` and the ground floor. The server process imports only
 ``process`` and ``protocol``; MLX is loaded in the engine process alone."""

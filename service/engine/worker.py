@@ -13,7 +13,6 @@ import os
 import time
 from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -22,93 +21,28 @@ import msgspec
 
 from lmspd.config import EngineConfig
 from lmspd.engine import protocol as p
-from lmspd.engine.constraint import GrammarError, GrammarMask, Grammars
-from lmspd.engine.lifecycle import Lifecycle, MemoryBudget, release_memory, resident_bytes, rss_bytes
-from lmspd.engine.logprobs import TokenPieces, top_logprobs
-from lmspd.engine.pacing import PrefillPacer
+from lmspd.engine.constraint import GrammarError, GrammarMask
+from lmspd.engine.lifecycle import Lifecycle, MemoryBudget
+from lmspd.engine.loaded import (
+    BUFFER_CACHE_BYTES,
+    COMPILE_POLL_SECS,
+    LoadedModel,
+    Request,
+    bound_buffer_cache,
+    keeps_early,
+)
+from lmspd.engine.logprobs import top_logprobs
+from lmspd.engine.residency import Residency
 from lmspd.engine.sampling import SeededSampler
 from lmspd.errors import LmspdError
 from lmspd.logs import LogFormat
 from lmspd.logs import setup as setup_logging
-from lmspd.models.registry import context_length_of
-from lmspd.models.tokenizer import IncrementalDetokenizer, Tokenizer
+from lmspd.models.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("lmspd.engine")
 
-# A prompt whose prefill computed at least this many tokens is cached when its prefill ends
-# (shorter ones only with their answer): long enough to be worth a copy of its KV.
-KEEP_PREFILL_TOKENS = 256
-# ...unless its answer can be at most this many tokens: it is cached when it ends, a few steps
-# later, and an early copy would only hold its KV twice meanwhile.
-KEEP_SOON_TOKENS = 16
-# MLX's buffer cache on the CPU backend, at most (more where a packed model's layers need it).
-BUFFER_CACHE_BYTES = 16 << 20
-# How often an otherwise idle loop looks for a grammar that has compiled.
-COMPILE_POLL_SECS = 0.005
 
-
-def bound_buffer_cache(nbytes: int = BUFFER_CACHE_BYTES) -> None:
-    """On the CPU backend, MLX's buffer cache is bounded: unbounded, it held tens of MB of a
-    long prompt's transients; without it, every buffer a prefill allocates layer after layer
-    (a packed model dequantizes each matrix) is fresh memory to fault in, and a 38-token
-    prompt took 475 ms instead of 300. A few MB of freed buffers, reused, are enough.
-    On Metal, where the cache is how buffers are reused, it stays as MLX sets it."""
-    import mlx.core as mx
-
-    if not mx.metal.is_available():
-        mx.set_cache_limit(nbytes)
-
-
-@dataclass
-class Request:
-    cmd: p.Generate
-    uid: int
-    detok: IncrementalDetokenizer
-    completion_tokens: int
-    cached_tokens: int = 0  # leading prompt tokens whose KV came from the prompt cache
-    decoding: bool = False  # prefill done: it now waits on every prefill step
-    held: str = ""  # text withheld because it may be the start of a stop string
-    mask: GrammarMask | None = None  # its grammar, when constrained
-
-
-def keeps_early(req: Request) -> bool:
-    """Whether a request's prompt is cached as soon as it is prefilled (not only at its end)."""
-    computed = len(req.cmd.prompt) + len(req.cmd.generated) - req.cached_tokens
-    return computed >= KEEP_PREFILL_TOKENS and req.cmd.max_tokens - len(req.cmd.generated) > KEEP_SOON_TOKENS
-
-
-@dataclass
-class LoadedModel:
-    name: str
-    path: str
-    model: Any
-    tokenizer: Tokenizer
-    batch: Any  # mlx_lm BatchGenerator
-    context_length: int
-    vocab_size: int
-    weight_dtype: str
-    fingerprint: str  # the prompt cache's namespace for these weights
-    pacer: PrefillPacer
-    resident_bytes: int = 0
-    requests: dict[int, Request] = field(default_factory=dict)
-    pieces: TokenPieces | None = None  # built on the first request that asks for logprobs
-    grammars: Grammars | None = None  # built on the first constrained request
-
-    def token_pieces(self) -> TokenPieces:
-        if self.pieces is None:
-            self.pieces = TokenPieces(Path(self.path))
-        return self.pieces
-
-    def grammar_set(self) -> Grammars:
-        if self.grammars is None:
-            self.grammars = Grammars(Path(self.path), self.tokenizer.eos_token_ids, self.vocab_size)
-        return self.grammars
-
-    def grammar_mask(self, grammar: str, generated: list[int]) -> GrammarMask:
-        return self.grammar_set().mask(grammar, generated)
-
-
-class Engine:
+class Engine(Residency):
     def __init__(self, conn: Connection, config: EngineConfig, cache_dir: Path | None = None, blas: str = "") -> None:
         from lmspd.engine.prompt_cache import PromptCache
 
@@ -236,168 +170,6 @@ class Engine:
             (self.lifecycle.pinned.add if cmd.pinned else self.lifecycle.pinned.discard)(cmd.model)
         elif isinstance(cmd, p.Status):
             self.send(self._status(cmd.query))
-
-    # --- models -----------------------------------------------------------------------------
-
-    def _load_or_fail(self, name: str, path: str) -> LoadedModel | None:
-        try:
-            return self._load(name, path)
-        except Exception as exc:  # report any load failure; the engine itself stays up
-            log.exception("loading %s failed", name)
-            code = exc.code if isinstance(exc, LmspdError) else "model_load_failed"
-            self.send(
-                p.Failed(
-                    request_id=None, code=code, message=f"cannot load model '{name}': {exc}", param="model", model=name
-                )
-            )
-            return None
-
-    def _load(self, name: str, path: str) -> LoadedModel:
-        if name in self.models:
-            self.models.move_to_end(name)
-            return self.models[name]
-        import mlx.core as mx
-        from mlx_lm.generate import BatchGenerator
-        from mlx_lm.utils import load_model
-
-        from lmspd.engine.packed import packed_matrix_bytes
-        from lmspd.engine.prompt_cache import model_fingerprint
-        from lmspd.engine.weights import apply_weight_dtype
-
-        if (refused := self.budget.refusal(name, path)) is not None:
-            raise refused
-        self._evict_for_one(path)
-        self.send(p.ModelLoading(name))
-        start = time.perf_counter()
-        model, config = load_model(Path(path))
-        dtype = apply_weight_dtype(model, self.weight_dtype, self.kernel_dir)
-        self.buffer_cache = max(self.buffer_cache, 2 * packed_matrix_bytes(model))
-        bound_buffer_cache(self.buffer_cache)
-        mx.eval(model.parameters())
-        batch = BatchGenerator(
-            model,
-            completion_batch_size=self.max_concurrency,
-            prefill_batch_size=self.max_concurrency,
-            prefill_step_size=self.prefill_step_size,
-        )
-        ctx = context_length_of(config)
-        vocab = int(config.get("vocab_size") or model.model.embed_tokens.weight.shape[0])
-        fingerprint = model_fingerprint(Path(path))
-        pacer = PrefillPacer(self.prefill_step_size, self.prefill_interleave_s)
-        lm = LoadedModel(name, path, model, Tokenizer(Path(path)), batch, ctx, vocab, dtype, fingerprint, pacer)
-        lm.resident_bytes = resident_bytes(model)
-        self.models[name] = lm
-        self.lifecycle.touch(name)
-        self._fit_memory(name)  # its real size may differ from the estimate (auto's choice)
-        self.prompt_cache.load(fingerprint)
-        seconds = time.perf_counter() - start
-        self.send(p.ModelLoaded(model=name, weight_dtype=dtype, seconds=seconds, resident_bytes=lm.resident_bytes))
-        return lm
-
-    def _evict_for_one(self, path: str = "") -> None:
-        """Room for one more model: idle ones go, least recently used first, past
-        max_loaded_models or the memory budget (the prompt cache is trimmed before that)."""
-        idle = self._idle()
-        need = self.budget.estimate(path).total if path else 0
-        self._fit_cache(need)
-        while idle and (len(self.models) >= self.max_loaded_models or self._held() + need > self.budget.limit):
-            lm = self.models.pop(idle.pop(0))
-            lm.batch.close()
-            log.info("evicted model %s", lm.name)
-            self.send(p.ModelEvicted(lm.name, "budget"))
-        self._fit_cache(need)
-        import mlx.core as mx
-
-        mx.clear_cache()
-
-    def _held(self) -> int:
-        return sum(self.budget.held(m.path, m.resident_bytes) for m in self.models.values())
-
-    def _fit_cache(self, extra: int = 0) -> None:
-        """The prompt cache keeps what the models (and ``extra`` bytes about to load) leave."""
-        if self.prompt_cache.enabled:
-            room = self.budget.cache_room(self._held() + extra)
-            self.prompt_cache.lru.max_bytes = room
-            self.prompt_cache.lru.trim_to(n_bytes=room)
-
-    def _fit_memory(self, loaded: str) -> None:
-        idle = [n for n in self._idle() if n != loaded]
-        while idle and self._held() > self.budget.limit:
-            self.models.pop(idle[0]).batch.close()
-            self.send(p.ModelEvicted(idle.pop(0), "budget"))
-        self._fit_cache()
-
-    # --- lifecycle (idle unload, operator calls, status) ---------------------------------------
-
-    def _idle(self) -> list[str]:
-        """Loaded models with nothing running or about to run (a grammar compiling for one)."""
-        compiling = {cmd.model for cmd, _ in self.compiling.values()}
-        return [n for n, m in self.models.items() if not m.requests and n not in compiling]
-
-    def _unload_idle(self) -> None:
-        now = time.monotonic()
-        for name, lm in self.models.items():
-            if lm.requests:  # in use up to now: its keep-alive counts from its last request
-                self.lifecycle.touch(name, now)
-        for name in self.lifecycle.due(self._idle(), now):
-            self._drop_model(name, "idle")
-
-    def _drop_model(self, name: str, reason: p.UnloadReason) -> None:
-        lm = self.models.pop(name)
-        lm.batch.close()
-        del lm
-        release_memory()
-        log.info("unloaded model %s (%s); engine RSS now %d bytes", name, reason, rss_bytes())
-        self._fit_cache()  # the prompt cache may take the room back, up to its own bound
-        self.send(p.ModelEvicted(name, reason))
-
-    def _unload(self, name: str, force: bool) -> None:
-        lm = self.models.get(name)
-        if lm is None:
-            return
-        if lm.requests and not force:
-            log.warning("model %s not unloaded: %d requests running", name, len(lm.requests))
-            return
-        for req in list(lm.requests.values()):
-            lm.batch.remove([req.uid])
-            self._finish(lm, req, "cancelled")
-        for reply in self.finished:  # their ends go before the model's
-            self.send(reply)
-        self.finished.clear()
-        self._drop_model(name, "operator")
-
-    def _status(self, query: int) -> p.EngineStatus:
-        now = time.monotonic()
-        states: list[p.ModelState] = []
-        for name, lm in self.models.items():
-            idle, due = self.lifecycle.state(name, len(lm.requests), now)
-            states.append(
-                p.ModelState(
-                    model=name,
-                    loaded=True,
-                    resident_bytes=lm.resident_bytes,
-                    weight_dtype=lm.weight_dtype,
-                    running=len(lm.requests),
-                    idle_secs=idle,
-                    unload_in_secs=due,
-                    keep_alive_secs=self.lifecycle.keep_alive_of(name),
-                    pinned=name in self.lifecycle.pinned,
-                )
-            )
-        for name in sorted((self.lifecycle.pinned | set(self.lifecycle.keep_alive)) - set(self.models)):
-            states.append(self.lifecycle.unloaded(name))
-        return p.EngineStatus(
-            query=query, rss_bytes=rss_bytes(), models=states, prompt_cache_bytes=self.prompt_cache.nbytes
-        )
-
-    def _can_load(self, name: str, path: str) -> bool:
-        """Loaded, or loadable once idle models are evicted (busy ones are waited for)."""
-        if name in self.models:
-            return True
-        idle = set(self._idle())
-        busy = sum(self.budget.held(m.path, m.resident_bytes) for n, m in self.models.items() if n not in idle)
-        room = len(self.models) < self.max_loaded_models or bool(idle)
-        return room and busy + self.budget.estimate(path).total <= self.budget.limit
 
     def _admit_waiting(self) -> None:
         for _ in range(len(self.pending_loads)):

@@ -52,7 +52,7 @@ def test_a_process_that_has_transformers_imports_as_usual() -> None:
 def test_the_cpu_engine_keeps_a_bounded_few_freed_buffers() -> None:
     script = (
         "import mlx.core as mx\n"
-        "from lmspd.engine.worker import BUFFER_CACHE_BYTES, bound_buffer_cache\n"
+        "from lmspd.engine.loaded import BUFFER_CACHE_BYTES, bound_buffer_cache\n"
         "bound_buffer_cache()\n"
         "for n in (1, 8, 64):  # freed buffers of 4 MB to 256 MB\n"
         "    mx.eval(mx.ones((n, 1024, 1024)) * 2)\n"

@@ -24,9 +24,9 @@ from support.wait import wait_until_async
 from lmspd.config import EngineConfig
 from lmspd.engine import prompt_cache
 from lmspd.engine import protocol as p
+from lmspd.engine.loaded import KEEP_PREFILL_TOKENS, KEEP_SOON_TOKENS, Request, keeps_early
 from lmspd.engine.process import EngineClient
 from lmspd.engine.prompt_cache import SUFFIX, DiskCache, PromptCache, stored_lengths
-from lmspd.engine.worker import KEEP_PREFILL_TOKENS, KEEP_SOON_TOKENS, Request, keeps_early
 from lmspd.models.registry import ResolvedModel
 from lmspd.prompting.generation import build_generate, cache_key
 

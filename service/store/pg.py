@@ -21,6 +21,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import msgspec
+
 from lmspd.errors import LmspdError, StorageFullError, StoreUnavailableError
 from lmspd.store.check import DatabaseUnusableError
 from lmspd.store.conn import Params
@@ -272,3 +274,45 @@ def probe(url: StoreUrl) -> int:
     if version > (latest := latest_version()):
         raise unusable(url, f"its schema version is {version}, newer than this lmspd's ({latest}): upgrade lmspd")
     return version
+
+
+class Inspection(msgspec.Struct, kw_only=True):
+    """What ``lmspd doctor`` reports of a PostgreSQL store (read only: nothing is changed)."""
+
+    server_version: str
+    schema: int  # 0: no lmspd schema yet (made on the first start)
+    latest: int
+    skew_secs: float  # the database's clock minus this machine's
+    nodes: int
+    expired: int
+
+
+def inspect(url: StoreUrl) -> Inspection:
+    """Connect, read the schema version, the server's clock and the nodes' leases."""
+    import time
+
+    from lmspd.store.pg_migrate import latest_version, schema_version
+
+    if psycopg is None:
+        raise DatabaseUnusableError("PostgreSQL's driver is not installed: pip install 'lmspd[postgresql]'")
+    try:
+        with psycopg.connect(url.url, autocommit=True, connect_timeout=CONNECT_TIMEOUT_SECS) as conn:
+            before = time.time()
+            row = conn.execute("SELECT extract(epoch FROM clock_timestamp()), current_setting('server_version')")
+            server_now, server_version = row.fetchone() or (0, "")
+            after = time.time()
+            version = schema_version(conn)
+            nodes = expired = 0
+            if (conn.execute("SELECT to_regclass('nodes') IS NOT NULL").fetchone() or (False,))[0]:
+                found = conn.execute("SELECT count(*), count(*) FILTER (WHERE expires_at < now()) FROM nodes")
+                nodes, expired = found.fetchone() or (0, 0)
+    except psycopg.Error as exc:
+        raise unusable(url, str(exc)) from exc
+    return Inspection(
+        server_version=str(server_version),
+        schema=version,
+        latest=latest_version(),
+        skew_secs=float(server_now) - (before + after) / 2,
+        nodes=int(nodes),
+        expired=int(expired),
+    )

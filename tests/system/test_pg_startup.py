@@ -65,3 +65,17 @@ def test_a_url_is_shown_without_its_password(url: str, shown: str) -> None:
     from lmspd.store.url import StoreUrl
 
     assert str(StoreUrl.parse(url, Path("unused"))) == shown
+
+
+def test_doctor_checks_postgresql_read_only(pg_url: str) -> None:
+    from lmspd.cli import doctor
+    from lmspd.config import Config, StoreConfig
+
+    found = {f.check: f for f in doctor._database(Config(store=StoreConfig(url=pg_url)))}
+    assert found["database"].level == "ok" and "(PostgreSQL " in found["database"].detail
+    assert (found["schema"].level, found["schema"].detail) == ("ok", "version 2 of 2")
+    assert found["clock"].level == "ok" and "from the database's" in found["clock"].detail
+    assert found["nodes"].detail.startswith("0 nodes, 0 with an expired lease")
+    down = f"postgresql://lmspd:{SECRET}@127.0.0.1:{free_port()}/lmspd"
+    [refused] = doctor._database(Config(store=StoreConfig(url=down)))
+    assert refused.level == "FAIL" and "cannot be used" in refused.detail and SECRET not in refused.detail

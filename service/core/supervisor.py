@@ -351,6 +351,12 @@ class Supervisor:
 
     async def _run_inner(self, task_id: str) -> None:
         task = await self.store.get(task_id)
+        # Several nodes (PostgreSQL): claimed first, always, before anything else is read or
+        # started, so a node that loses the claim to another has spent one write on it and never
+        # starts the generation (a task never runs on two nodes at once).
+        clustered = self.store.fence.me is not None
+        if clustered and not await self._to(task_id, "loading", []):
+            return  # another node's (or cancelled) first
         if (state := await self._state(task)) is None:
             return
         request = msgspec.json.decode(task.request, type=TaskRequest)
@@ -362,14 +368,11 @@ class Supervisor:
         # token does not wait for its fsync, and nothing of the task's is committed (nor any
         # other state of it touched) before it has landed.
         known = self._resolved.get(name)
-        # Several nodes (PostgreSQL): claimed first, always, so a node that loses the claim to
-        # another never starts the generation (a task never runs on two nodes at once).
-        clustered = self.store.fence.me is not None
         resident = not clustered and self.engine.resident(known.name if known is not None else name)
         claim: asyncio.Future[bool] | None = None
         if resident:
             claim = asyncio.ensure_future(self._to(task_id, "running", state.in_progress(), via="loading"))
-        elif not await self._to(task_id, "loading", []):
+        elif not clustered and not await self._to(task_id, "loading", []):
             return  # cancelled (or claimed) first
         try:
             await self._serve(task, state, request, name, claim)

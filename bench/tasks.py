@@ -1,6 +1,7 @@
 """Task benchmarks against a real ``lmspd serve`` process on loopback.
 
     python -m bench.tasks [--clients 32] [--tasks 2000] [--tokens 64]
+    python -m bench.tasks --store auto|postgresql://…   (bench/cluster_intake.py: SQLite vs 1-3 nodes)
 
 (a) intake: concurrent clients POST tasks; accepted tasks/s and p50/p99 latency.
     The tasks ask for one output token of a one-word prompt, so the engine works
@@ -171,7 +172,12 @@ def main() -> None:
     parser.add_argument("--tasks", type=int, default=2000)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--history", type=int, default=10_000)
+    parser.add_argument("--store", help="postgresql://… or auto: intake on SQLite and 1-3 PostgreSQL nodes")
     args = parser.parse_args()
+    if args.store:
+        from bench import cluster_intake
+
+        return cluster_intake.main(args)
     config = load_config()
     model = ModelRegistry(config).resolve(config.default_model)
     with tempfile.TemporaryDirectory() as tmp:

@@ -190,12 +190,40 @@ class ModelEntry(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ConfigError("models.<alias>.keep_alive_secs must be >= 0", param="keep_alive_secs")
 
 
+class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    # Unset or sqlite:///path: the embedded SQLite file (default: [server] data_dir's lmspd.db);
+    # postgresql://…: a PostgreSQL >= 15 shared by every node (docs/operations.md, "Several nodes").
+    url: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.url and not self.url.startswith(("sqlite:", "postgresql:", "postgres:")):
+            raise ConfigError("store.url must be sqlite:///… or postgresql://…", param="store.url")
+
+
+class ClusterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Nodes sharing one PostgreSQL (SPEC §15): each renews its lease every heartbeat."""
+
+    # This node's name among the others; default host:port. Stable across restarts, so a node
+    # that restarts settles what its previous run left at once, without waiting for its lease.
+    node_id: str | None = None
+    heartbeat_secs: float = 2.0
+    lease_secs: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.heartbeat_secs < self.lease_secs:
+            raise ConfigError(
+                "cluster.heartbeat_secs must be > 0 and below cluster.lease_secs", param="cluster.heartbeat_secs"
+            )
+
+
 class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     default_model: str = DEFAULT_MODEL
     cache_dir: str | None = None
     engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     responses: ResponsesConfig = msgspec.field(default_factory=ResponsesConfig)
+    store: StoreConfig = msgspec.field(default_factory=StoreConfig)
+    cluster: ClusterConfig = msgspec.field(default_factory=ClusterConfig)
     models: dict[str, ModelEntry] = msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -238,6 +266,7 @@ ENV_VARS = {
     "LMSPD_PORT": "server.port",
     "LMSPD_DATA_DIR": "server.data_dir",
     "LMSPD_HOSTED_TOOLS": "responses.hosted_tools",
+    "LMSPD_STORE_URL": "store.url",
     **{env: f"responses.{key}" for key, env in RESPONSES_FLAGS.values()},
 }
 

@@ -253,6 +253,23 @@ class StorageFullError(ServerOverloadedError):
     title = "Storage full"
 
 
+class LeaseLostError(LmspdError):
+    """This node's lease on a task was taken over by another node (SPEC §15, fencing): it must
+    write nothing more into the task and stop generating it. Never a client's to see."""
+
+    code = "lease_lost"
+    status = 409
+    title = "Lease lost"
+
+
+class StoreUnavailableError(ServerOverloadedError):
+    """The database server (PostgreSQL) cannot be reached: nothing was written, and the same
+    request succeeds once it is back (docs/operations.md, "Several nodes")."""
+
+    code = "store_unavailable"
+    title = "Store unavailable"
+
+
 # --- failures of accepted work (a failed task's error) --------------------------------------
 
 

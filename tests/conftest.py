@@ -22,12 +22,63 @@ from pathlib import Path
 import pytest
 from support.engine_host import Host, Hosts
 from support.models import CACHE, SMOL, make_tiny_model
+from support.postgres import PostgresServer
+from support.postgres import from_environment as postgres_from_environment
 from support.wait import wait_until_async
 
 from lmspd.config import EngineConfig
 from lmspd.engine.process import EngineClient
 from lmspd.models.pull import pull_builtin
 from lmspd.models.registry import ResolvedModel
+from lmspd.store.url import StoreUrl
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[PostgresServer]:
+    """The session's real PostgreSQL (support/postgres.py), started on first use. Missing, it
+    fails the tests that need it under CI (CI=true) and skips them elsewhere, saying why."""
+    server = postgres_from_environment()
+    if server is None:
+        why = "PostgreSQL is not installed (initdb/pg_ctl not found; apt install postgresql)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(why)
+        pytest.skip(why)
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def pg_template(postgres: PostgresServer) -> str:
+    """A database migrated once: each test's database is a copy of it."""
+    import psycopg
+
+    from lmspd.store.pg_migrate import migrate_pg
+
+    url = postgres.create_database()
+    with psycopg.connect(url, autocommit=True) as conn:
+        migrate_pg(conn)
+    return url.rpartition("/")[2]
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StoreUrl]:
+    """Where a store test's database is: a fresh SQLite file, or a fresh PostgreSQL database."""
+    if request.param == "sqlite":
+        yield StoreUrl("sqlite", "", tmp_path / "lmspd.db")
+        return
+    server: PostgresServer = request.getfixturevalue("postgres")
+    url = server.create_database(template=request.getfixturevalue("pg_template"))
+    yield StoreUrl.parse(url, tmp_path / "unused.db")
+    server.drop_database(url)
+
+
+@pytest.fixture
+def pg_url(postgres: PostgresServer, pg_template: str) -> Iterator[str]:
+    """A fresh, migrated PostgreSQL database's URL (for an app or a server on PostgreSQL)."""
+    url = postgres.create_database(template=pg_template)
+    yield url
+    postgres.drop_database(url)
 
 
 @pytest.fixture(scope="session")

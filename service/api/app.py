@@ -30,7 +30,7 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 
-from lmspd.api import chat, console, events, models, openapi, responses, summary, tasks, wire
+from lmspd.api import chat, cluster, console, events, models, openapi, responses, summary, tasks, wire
 from lmspd.api.access_log import AccessLog
 from lmspd.api.auth import Authenticator
 from lmspd.api.problems import is_openai_path, openai_response, problem_response
@@ -149,6 +149,7 @@ ROUTES = [
     ),
     *models.ROUTES,
     summary.ROUTE,
+    *cluster.ROUTES,
     *tasks.ROUTES,
     *responses.LMSP_ROUTES,
     # OpenAI Responses API, with and without /v1 (errors in OpenAI's envelope)

@@ -24,6 +24,7 @@ from typing import Literal, TextIO
 from lmspd import __version__
 from lmspd.config import Config
 from lmspd.errors import LmspdError
+from lmspd.store.url import StoreUrl
 
 Level = Literal["ok", "warn", "FAIL"]
 MIN_FREE_BYTES = 256 * 2**20  # below this, SQLite commits and model pulls start failing
@@ -95,11 +96,46 @@ def _data_dir(config: Config) -> Finding:
     return Finding("warn" if free < LOW_FREE_BYTES else "ok", "data dir", where)
 
 
+# Leases are measured on the database's clock; a node this far off it logs misleading times.
+SKEW_WARN_SECS = 2.0
+
+
+def _postgres(store: StoreUrl) -> list[Finding]:
+    from lmspd.store.pg import inspect
+
+    try:
+        found = inspect(store)
+    except LmspdError as exc:
+        return [Finding("FAIL", "database", exc.message)]
+    where = Finding("ok", "database", f"{store} (PostgreSQL {found.server_version})")
+    if found.schema > found.latest:
+        schema = Finding(
+            "FAIL", "schema", f"version {found.schema}, newer than this lmspd ({found.latest}): upgrade lmspd"
+        )
+    elif found.schema < found.latest:
+        schema = Finding("ok", "schema", f"version {found.schema} of {found.latest} (migrated on the next start)")
+    else:
+        schema = Finding("ok", "schema", f"version {found.schema} of {found.latest}")
+    skew = abs(found.skew_secs)
+    clock = Finding(
+        "warn" if skew > SKEW_WARN_SECS else "ok",
+        "clock",
+        f"{found.skew_secs:+.2f}s from the database's (leases use the database's clock)",
+    )
+    nodes = Finding(
+        "ok", "nodes", f"{found.nodes} nodes, {found.expired} with an expired lease (a survivor settles them)"
+    )
+    return [where, schema, clock, nodes]
+
+
 def _database(config: Config) -> list[Finding]:
     from lmspd.store.check import problem
     from lmspd.store.migrate import migrations
 
-    path = config.server.database_path
+    store = StoreUrl.parse(config.store.url, config.server.database_path)
+    if store.dialect == "postgresql":
+        return _postgres(store)
+    path = store.path or config.server.database_path
     try:
         latest = len(migrations())
     except LmspdError as exc:

@@ -103,12 +103,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from lmspd.cli.serve import StartupError, check_bind, check_port, run
     from lmspd.models.registry import ModelRegistry
     from lmspd.store.check import check as check_database
+    from lmspd.store.url import StoreUrl
 
     config = _config(args)
     check_bind(config)
     try:
         # First, and read-only: a damaged file or a taken port is refused before any model is fetched.
-        check_database(config.server.database_path)
+        store = StoreUrl.parse(config.store.url, config.server.database_path)
+        if store.path is not None:
+            check_database(store.path)
+        else:  # PostgreSQL: reachable, and a schema this lmspd knows (or none yet)
+            from lmspd.store.pg import probe
+
+            probe(store)
         check_port(config)
     except LmspdError as exc:
         return _start_failed(StartupError(exc.message))
@@ -116,7 +123,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         ModelRegistry(config).resolve(config.default_model, progress=progress)
     logging.getLogger("lmspd").setLevel(logging.DEBUG if args.verbose else logging.INFO)
     print(
-        f"lmspd starting on http://{config.server.host}:{config.server.port} (database {config.server.database_path})",
+        f"lmspd starting on http://{config.server.host}:{config.server.port} (database {store})",
         file=sys.stderr,
         flush=True,
     )

@@ -38,8 +38,14 @@ def startup_error(config: Config, cause: BaseException | None) -> StartupError:
 
     if isinstance(cause, DatabaseUnusableError):
         return StartupError(cause.message)  # it names the file, the cause and `lmspd doctor`
+    from lmspd.store.url import StoreUrl
+
     what = cause.message if isinstance(cause, LmspdError) else f"{type(cause).__name__}: {cause}"
-    return StartupError(f"{what} (database {config.server.database_path}); run `lmspd doctor` for details")
+    try:
+        where = str(StoreUrl.parse(config.store.url, config.server.database_path))  # its password hidden
+    except LmspdError:
+        where = str(config.server.database_path)
+    return StartupError(f"{what} (database {where}); run `lmspd doctor` for details")
 
 
 def check_port(config: Config) -> None:

@@ -27,6 +27,12 @@ class Hub:
         if (sig := self._signals.pop(task_id, None)) is not None:
             sig.set()
 
+    def notify_all(self) -> None:
+        """Wake every reader (another node's changes may have been missed: read the rows)."""
+        for sig in list(self._signals.values()):
+            sig.set()
+        self._signals.clear()
+
     def close(self) -> None:
         self.closing.set()
         for sig in list(self._signals.values()):

@@ -14,7 +14,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, Coroutine
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 import ulid
@@ -59,6 +59,9 @@ from lmspd.store.items import ItemIndex
 from lmspd.store.status import ACTIVE, TERMINAL, OnRestart
 from lmspd.store.task_store import Event, NewEvent, ResponseFields, TaskRecord, TaskStore
 
+if TYPE_CHECKING:
+    from lmspd.core.cluster import Cluster
+
 log = logging.getLogger("lmspd.core")
 Kind = Literal["task", "response"]
 _INLINE_CHECK_BYTES = 16 * 1024
@@ -80,6 +83,7 @@ class Core:
         self.store = store
         self.hub = hub
         self.supervisor = supervisor
+        self.cluster: Cluster | None = None  # on PostgreSQL: this node among the others
         self.registry = registry
         self.metrics = metrics or store.metrics
         self.echo = ReasoningEcho.of(config, store.db)

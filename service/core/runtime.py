@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 from lmspd.config import Config
 from lmspd.core.hub import Hub
@@ -22,8 +23,12 @@ from lmspd.errors import LmspdError, StorageFullError
 from lmspd.metrics import Metrics
 from lmspd.models.registry import ModelRegistry
 from lmspd.prompting.generation import check_request
-from lmspd.store.db import Database
+from lmspd.store.opening import open_database
 from lmspd.store.task_store import TaskStore
+from lmspd.store.url import StoreUrl
+
+if TYPE_CHECKING:
+    from lmspd.core.cluster import Cluster
 
 log = logging.getLogger("lmspd.server")
 
@@ -38,21 +43,32 @@ async def started(
     # open database or engine left behind keeps a failed server alive, never serving.
     async with contextlib.AsyncExitStack() as stack:
         metrics = Metrics()  # this service's own registry: many apps may share a process
-        db = await Database.open(config.server.database_path, on_commit=metrics.observe_commit)
+        where = StoreUrl.parse(config.store.url, config.server.database_path)
+        db = await open_database(where, on_commit=metrics.observe_commit)
         stack.push_async_callback(db.close)
         store = TaskStore(db, max_queued=config.server.max_queued_tasks, metrics=metrics)
         hub = Hub()
         registry = ModelRegistry(config)
         runner = engine or EngineClient(config.engine, config.server.prompt_cache_dir)
         supervisor = Supervisor(config, store, runner, hub, registry, metrics)
+        cluster: Cluster | None = None
+        if db.dialect == "postgresql":  # one node of several (SPEC §15): its lease first
+            from lmspd.core.cluster import Cluster  # psycopg only when on PostgreSQL
+
+            cluster = Cluster(config, db, store, hub)  # type: ignore[arg-type]
+            await cluster.join()
         # A handed-in engine is the caller's to close.
         stack.push_async_callback(supervisor.stop, close_engine=engine is None)
         await supervisor.start()  # recovers unfinished tasks before any request is served
+        if cluster is not None:
+            cluster.start(supervisor)
+            stack.push_async_callback(cluster.stop)
         # Foreground store:false responses a crash left between their end and their release. Only
         # at start: while serving, a slow reader may still be streaming a finished one.
         with contextlib.suppress(StorageFullError):  # deleting needs room too: the janitor retries
             await store.delete_finished_unstored()
         core = Core(config, store, hub, supervisor, registry, metrics)
+        core.cluster = cluster
         stack.push_async_callback(core.close)
         await asyncio.to_thread(_warm_up, config, registry)
         chores = [asyncio.create_task(_janitor(config, store))]

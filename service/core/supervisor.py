@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import sqlite3
 from collections.abc import Callable
 
 import msgspec
@@ -31,6 +30,7 @@ from lmspd.engine.process import EngineClient
 from lmspd.errors import (
     EngineCrashedError,
     EngineRecycledError,
+    LeaseLostError,
     LmspdError,
     StorageFullError,
     error_for,
@@ -46,7 +46,7 @@ from lmspd.responses.inputs import Item
 from lmspd.responses.reasoning_echo import ReasoningEcho
 from lmspd.responses.schema import TaskRequest
 from lmspd.responses.sealing import Sealer
-from lmspd.store.db import Job
+from lmspd.store.conn import Conn, Job
 from lmspd.store.items import ItemIndex
 from lmspd.store.status import TERMINAL, TaskStatus
 from lmspd.store.task_store import Event, EventBuilder, TaskRecord, TaskStore
@@ -140,6 +140,16 @@ class Supervisor:
     def wake(self) -> None:
         self._wake.set()
 
+    async def lease_lost(self) -> None:
+        """This node's lease was taken over (lmspd.core.cluster): its tasks are another node's,
+        so every generation here stops now, writing nothing (the writes are fenced anyway)."""
+        for task_id, task in list(self.running.items()):
+            with contextlib.suppress(Exception):
+                await self.engine.cancel(task_id)
+                await self.engine.cancel(summary_id(task_id))
+            task.cancel()
+        await asyncio.gather(*self.running.values(), return_exceptions=True)
+
     async def _loop(self) -> None:
         while not self._stopping:
             with contextlib.suppress(TimeoutError):
@@ -175,10 +185,11 @@ class Supervisor:
 
     # --- recovery (docs/lmsp.md §7.5) ---------------------------------------------------------
 
-    async def recover(self) -> None:
-        """Settle every unfinished task by its policy before new work is accepted. A task
-        whose record cannot be read fails alone; with the storage full, the rest wait."""
-        for task_id in await self.store.unfinished_ids():
+    async def recover(self, task_ids: list[str] | None = None) -> None:
+        """Settle every unfinished task by its policy before new work is accepted (``task_ids``:
+        those taken over from a dead node). A task whose record cannot be read fails alone; with
+        the storage full, the rest wait. On PostgreSQL a node settles only what it holds."""
+        for task_id in await self.store.unfinished_ids() if task_ids is None else task_ids:
             try:
                 await self._recover_one(task_id)
             except StorageFullError:
@@ -281,6 +292,10 @@ class Supervisor:
             raise
         except StorageFullError:
             self.storage.full(task_id)
+        except LeaseLostError as exc:  # another node took the task over: stop, write nothing
+            log.warning("task %s: %s; its generation here stops", task_id, exc.message)
+            with contextlib.suppress(Exception):
+                await self.engine.cancel(task_id)
         except Exception:
             log.exception("task %s failed unexpectedly", task_id)
             with contextlib.suppress(Exception):
@@ -336,6 +351,12 @@ class Supervisor:
 
     async def _run_inner(self, task_id: str) -> None:
         task = await self.store.get(task_id)
+        # Several nodes (PostgreSQL): claimed first, always, before anything else is read or
+        # started, so a node that loses the claim to another has spent one write on it and never
+        # starts the generation (a task never runs on two nodes at once).
+        clustered = self.store.fence.me is not None
+        if clustered and not await self._to(task_id, "loading", []):
+            return  # another node's (or cancelled) first
         if (state := await self._state(task)) is None:
             return
         request = msgspec.json.decode(task.request, type=TaskRequest)
@@ -347,11 +368,11 @@ class Supervisor:
         # token does not wait for its fsync, and nothing of the task's is committed (nor any
         # other state of it touched) before it has landed.
         known = self._resolved.get(name)
-        resident = self.engine.resident(known.name if known is not None else name)
+        resident = not clustered and self.engine.resident(known.name if known is not None else name)
         claim: asyncio.Future[bool] | None = None
         if resident:
             claim = asyncio.ensure_future(self._to(task_id, "running", state.in_progress(), via="loading"))
-        elif not await self._to(task_id, "loading", []):
+        elif not clustered and not await self._to(task_id, "loading", []):
             return  # cancelled (or claimed) first
         try:
             await self._serve(task, state, request, name, claim)
@@ -438,6 +459,8 @@ class Supervisor:
             return await self._interrupted(task, state, "engine_crashed", exc.message)
         except StorageFullError:
             raise  # not the task's fault: it is settled by its policy once there is room
+        except LeaseLostError:
+            raise  # another node's task now: nothing more is written into it from here
         except LmspdError as exc:
             if not await held(claim):
                 return None
@@ -501,13 +524,13 @@ class Supervisor:
                 await producer
 
 
-def _all(jobs: list[Callable[[sqlite3.Connection], None] | None]) -> Callable[[sqlite3.Connection], None] | None:
+def _all(jobs: list[Callable[[Conn], None] | None]) -> Callable[[Conn], None] | None:
     """One job running ``jobs`` (None ones left out) in the transaction that finishes a task."""
     todo = [job for job in jobs if job is not None]
     if not todo:
         return None
 
-    def run(conn: sqlite3.Connection) -> None:
+    def run(conn: Conn) -> None:
         for job in todo:
             job(conn)
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import sqlite3
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -38,6 +37,7 @@ from lmspd.responses.inputs import (
     ReasoningItem,
     parse_items,
 )
+from lmspd.store.conn import Conn
 from lmspd.store.db import Database
 from lmspd.store.echo import EchoStore
 
@@ -154,9 +154,7 @@ class ReasoningEcho:
             request = s.replace(request, input=raw)
         return history, request, [key for _, key in hits]
 
-    def finish_job(
-        self, owner: str, response: s.Response, used: Sequence[str] = ()
-    ) -> Callable[[sqlite3.Connection], None] | None:
+    def finish_job(self, owner: str, response: s.Response, used: Sequence[str] = ()) -> Callable[[Conn], None] | None:
         """The write for a finished response: remember its reasoning, mark ``used`` keys as
         used; to run in the transaction that finishes the task. None when there is nothing."""
         if self.store is None:

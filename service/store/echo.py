@@ -9,30 +9,29 @@ remembering costs no commit of its own, and a failure in it never fails that tra
 from __future__ import annotations
 
 import logging
-import sqlite3
 from collections.abc import Callable, Sequence
 
 import msgspec
 
+from lmspd.store.conn import Conn
 from lmspd.store.db import Database
-from lmspd.store.queries import q
 
 log = logging.getLogger("lmspd.store.echo")
 
 
-def _evict(conn: sqlite3.Connection, budget: int) -> int:
+def _evict(conn: Conn, budget: int) -> int:
     """Drop least recently used rows until the total fits ``budget``; returns rows dropped."""
-    excess = conn.execute(q("echo_bytes")).fetchone()[0] - budget
+    excess = conn.run("echo_bytes").fetchone()[0] - budget
     if excess <= 0:
         return 0
     victims: list[tuple[str, str]] = []
-    for row in conn.execute(q("echo_oldest")):
+    for row in conn.run("echo_oldest"):
         victims.append((row["owner"], row["key"]))
         excess -= row["size"]
         if excess <= 0:
             break
     for owner, key in victims:
-        conn.execute(q("echo_delete"), {"owner": owner, "key": key})
+        conn.run("echo_delete", {"owner": owner, "key": key})
     return len(victims)
 
 
@@ -46,27 +45,27 @@ class EchoStore:
         if not keys:
             return {}
         params = {"owner": owner, "keys": msgspec.json.encode(list(keys)).decode()}
-        return {r["key"]: bytes(r["item"]) for r in await self.db.fetchall(q("echo_lookup"), params)}
+        return {r["key"]: bytes(r["item"]) for r in await self.db.all("echo_lookup", params)}
 
     def job(
         self, owner: str, remember: Sequence[tuple[str, bytes]], touch: Sequence[str] = ()
-    ) -> Callable[[sqlite3.Connection], None]:
+    ) -> Callable[[Conn], None]:
         """A write job: store ``remember`` (key, item JSON) pairs, mark ``touch`` keys used,
         then evict down to the budget. An item larger than the whole budget is not stored.
-        Runs in its own savepoint and swallows SQLite errors (logged): the echo is an
+        Runs in its own savepoint and swallows the database's errors (logged): the echo is an
         optimisation, and the transaction it rides in must not fail for it."""
         fits = [(key, item) for key, item in remember if len(item) <= self.max_bytes]
         budget = self.max_bytes
 
-        def run(conn: sqlite3.Connection) -> None:
+        def run(conn: Conn) -> None:
             conn.execute("SAVEPOINT echo")
             try:
                 for key in touch:
-                    conn.execute(q("echo_touch"), {"owner": owner, "key": key})
+                    conn.run("echo_touch", {"owner": owner, "key": key})
                 for key, item in fits:
-                    conn.execute(q("echo_put"), {"owner": owner, "key": key, "item": item})
+                    conn.run("echo_put", {"owner": owner, "key": key, "item": item})
                 _evict(conn, budget)
-            except sqlite3.Error:
+            except conn.Error:
                 log.exception("reasoning echo: not remembered")
                 conn.execute("ROLLBACK TO echo")
             conn.execute("RELEASE echo")
@@ -82,5 +81,5 @@ class EchoStore:
         return await self.db.writer.submit(lambda conn: _evict(conn, budget))
 
     async def total_bytes(self) -> int:
-        row = await self.db.fetchone(q("echo_bytes"))
+        row = await self.db.one("echo_bytes")
         return int(row[0]) if row else 0

@@ -16,7 +16,8 @@ SELECT coalesce(sum(n), 0) FROM task_counts WHERE status IN {ACTIVE};
 INSERT INTO tasks (id, owner, status, on_restart, request, response_id, next_seq, created_at, updated_at,
                    kind, background, stored, previous_response_id, conversation, expires_at)
 VALUES (:id, :owner, 'queued', :on_restart, :request, :response_id, 0, :now, :now,
-        :kind, :background, :stored, :previous_response_id, :conversation, :expires_at);
+        :kind, :background, :stored, :previous_response_id, :conversation, :expires_at)
+RETURNING *;
 
 -- name: conversation_turns
 SELECT * FROM tasks WHERE owner = :owner AND conversation = :conversation ORDER BY id;
@@ -30,6 +31,12 @@ UPDATE tasks SET status = :to, updated_at = :now, response = coalesce(:response,
                  error = coalesce(:error, error),
                  finished_at = CASE WHEN :to IN {TERMINAL} THEN :now ELSE finished_at END
 WHERE id = :id AND status IN (SELECT value FROM json_each(:sources));
+
+-- name: claim
+-- A queued task taken to run (PostgreSQL's also records the node: queries_pg.sql). One writer
+-- here, so a claim is the transition itself.
+UPDATE tasks SET status = :to, updated_at = :now
+WHERE id = :id AND status = 'queued' AND status IN (SELECT value FROM json_each(:sources));
 
 -- name: delete_finished_unstored
 -- Foreground store:false responses whose request ended (their reader is gone).
@@ -47,15 +54,18 @@ DELETE FROM tasks WHERE id = :id;
 SELECT * FROM tasks WHERE id = :id;
 
 -- name: insert_idempotency_key
+-- A key already there (another request with it committed first) inserts nothing: rowcount 0.
 INSERT INTO idempotency_keys (owner, key, fingerprint, task_id, created_at)
-VALUES (:owner, :key, :fingerprint, :task_id, :now);
+VALUES (:owner, :key, :fingerprint, :task_id, :now)
+ON CONFLICT (owner, key) DO NOTHING;
 
 -- name: get_idempotency_key
 SELECT fingerprint, task_id FROM idempotency_keys WHERE owner = :owner AND key = :key;
 
 -- name: advance_seq
 -- Appending events is a compare-and-set on next_seq: a writer with a stale view fails.
-UPDATE tasks SET next_seq = :new_next, updated_at = :now WHERE id = :id AND next_seq = :expected;
+UPDATE tasks SET next_seq = :new_next, updated_at = :now WHERE id = :id AND next_seq = :expected
+RETURNING *;
 
 -- name: insert_event
 INSERT INTO events (task_id, seq, type, data, tokens) VALUES (:task_id, :seq, :type, :data, :tokens);

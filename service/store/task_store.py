@@ -1,4 +1,4 @@
-"""The task store: tasks, their event logs and idempotency keys, in SQLite.
+"""The task store: tasks, their event logs and idempotency keys, in SQLite or PostgreSQL.
 
 Status changes are compare-and-set updates (``WHERE id = ? AND status IN (...)``)
 so the first committed transition wins and terminal states never change.
@@ -8,7 +8,6 @@ store only guarantees that sequence numbers are gap-free and never reused.
 
 from __future__ import annotations
 
-import sqlite3
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -18,6 +17,7 @@ from ulid import monotonic as ulid
 
 from lmspd.errors import (
     IdempotencyKeyReusedError,
+    LeaseLostError,
     QueueFullError,
     SequenceConflictError,
     TaskNotCancelableError,
@@ -25,8 +25,8 @@ from lmspd.errors import (
     TooManyBackgroundJobsError,
 )
 from lmspd.metrics import Metrics
+from lmspd.store.conn import Conn, Row
 from lmspd.store.db import Database
-from lmspd.store.queries import q
 from lmspd.store.status import STATUSES, TERMINAL, OnRestart, TaskStatus, sources
 
 
@@ -72,10 +72,12 @@ class TaskRecord(msgspec.Struct, kw_only=True):
     previous_response_id: str | None = None
     expires_at: int | None = None
     conversation: str | None = None
+    node: str | None = None  # PostgreSQL: the node that claimed it, and its lease epoch then
+    epoch: int | None = None
 
     @classmethod
-    def from_row(cls, row: sqlite3.Row) -> TaskRecord:
-        return cls(**{k: row[k] for k in row.keys()})  # noqa: SIM118 - sqlite3.Row is not a Mapping
+    def from_row(cls, row: Row) -> TaskRecord:
+        return cls(**{k: row[k] for k in row.keys()})  # noqa: SIM118 - a row is not a Mapping
 
 
 class Event(msgspec.Struct, array_like=True, frozen=True):
@@ -106,35 +108,57 @@ class _Lost(Exception):
     """A transition's compare-and-set found another status: the job's savepoint undoes it."""
 
 
+class _Raced(Exception):
+    """Another request with the same idempotency key committed while this one was being written
+    (another node's, on PostgreSQL): the job's savepoint undoes this one, which then replays."""
+
+
 def _now() -> int:
     return int(time.time())
 
 
-def _get(conn: sqlite3.Connection, task_id: str) -> TaskRecord:
-    row = conn.execute(q("get_task"), {"id": task_id}).fetchone()
+def _get(conn: Conn, task_id: str) -> TaskRecord:
+    row = conn.run("get_task", {"id": task_id}).fetchone()
     if row is None:
         raise TaskNotFoundError(f"task {task_id} not found")
     return TaskRecord.from_row(row)
 
 
-def _append(conn: sqlite3.Connection, task: TaskRecord, builders: Sequence[EventBuilder]) -> TaskRecord:
+class Fence(msgspec.Struct, kw_only=True):
+    """Whose writes these are (PostgreSQL, SPEC §15): this node and its current lease epoch. A
+    write into a task claimed under another node or epoch finds no row (queries_pg.sql)."""
+
+    me: str | None = None
+    epoch: int | None = None
+
+    def params(self) -> dict[str, Any]:
+        return {"me": self.me, "epoch": self.epoch}
+
+
+def _append(conn: Conn, task: TaskRecord, builders: Sequence[EventBuilder], fence: Fence) -> TaskRecord:
+    if not builders:  # nothing to append (a cancel from any node is such a write: never fenced)
+        return _get(conn, task.id)
     seq = task.next_seq
     for build in builders:
         ev = build(task, seq)
         tokens = msgspec.json.encode(ev.tokens) if ev.tokens is not None else None
-        conn.execute(
-            q("insert_event"), {"task_id": task.id, "seq": seq, "type": ev.type, "data": ev.data, "tokens": tokens}
-        )
+        conn.run("insert_event", {"task_id": task.id, "seq": seq, "type": ev.type, "data": ev.data, "tokens": tokens})
         seq += 1
-    cur = conn.execute(q("advance_seq"), {"id": task.id, "new_next": seq, "expected": task.next_seq, "now": _now()})
-    if cur.rowcount != 1:
+    # RETURNING: the task as it now is, without another round trip (on PostgreSQL, each counts).
+    rows = conn.run(
+        "advance_seq", {"id": task.id, "new_next": seq, "expected": task.next_seq, "now": _now(), **fence.params()}
+    ).fetchall()
+    if len(rows) != 1:
+        now = _get(conn, task.id)
+        if now.node is not None and (now.node, now.epoch) != (fence.me, fence.epoch):
+            raise LeaseLostError(f"task {task.id} is node {now.node}'s now: this node's lease on it was lost")
         raise SequenceConflictError(f"task {task.id}: events appended concurrently")
-    return _get(conn, task.id)
+    return TaskRecord.from_row(rows[0])
 
 
-def _rowcount(sql: str, params: dict[str, Any]) -> Callable[[sqlite3.Connection], int]:
-    def job(conn: sqlite3.Connection) -> int:
-        return int(conn.execute(sql, params).rowcount)
+def _rowcount(name: str, params: dict[str, Any]) -> Callable[[Conn], int]:
+    def job(conn: Conn) -> int:
+        return int(conn.run(name, params).rowcount)
 
     return job
 
@@ -155,6 +179,7 @@ class TaskStore:
         self.db = db
         self.max_queued = max_queued
         self.metrics = metrics or Metrics()
+        self.fence = Fence()  # set by the node's lease (lmspd.core.cluster); unset on SQLite
 
     async def create(
         self,
@@ -178,25 +203,27 @@ class TaskStore:
         """
         task_id, response_id = new_ids()
 
-        def job(conn: sqlite3.Connection) -> tuple[TaskRecord, bool]:
+        fence = self.fence
+
+        def job(conn: Conn) -> tuple[TaskRecord, bool]:
             now = _now()
             if idempotency is not None:
                 key, fingerprint = idempotency
-                row = conn.execute(q("get_idempotency_key"), {"owner": owner, "key": key}).fetchone()
+                row = conn.run("get_idempotency_key", {"owner": owner, "key": key}).fetchone()
                 if row is not None:
                     if row["fingerprint"] != fingerprint:
                         raise IdempotencyKeyReusedError(
                             "this Idempotency-Key was used with a different request body", param="Idempotency-Key"
                         )
                     return _get(conn, row["task_id"]), True
-            if conn.execute(q("count_queued")).fetchone()[0] >= self.max_queued:
+            if conn.run("count_queued").fetchone()[0] >= self.max_queued:
                 raise QueueFullError(f"the task queue is full ({self.max_queued} queued)")
             fields = response or ResponseFields(kind="task")
             limited = fields.background and max_background is not None
-            if limited and conn.execute(q("count_active_background")).fetchone()[0] >= max_background:
+            if limited and conn.run("count_active_background").fetchone()[0] >= max_background:
                 raise TooManyBackgroundJobsError(f"{max_background} background responses are already active")
-            conn.execute(
-                q("insert_task"),
+            inserted = conn.run(
+                "insert_task",
                 {
                     "id": task_id,
                     "owner": owner,
@@ -206,29 +233,25 @@ class TaskStore:
                     "now": now,
                     **msgspec.structs.asdict(fields),
                 },
-            )
+            ).fetchall()[0]
             if idempotency is not None:
-                conn.execute(
-                    q("insert_idempotency_key"),
-                    {
-                        "owner": owner,
-                        "key": idempotency[0],
-                        "fingerprint": idempotency[1],
-                        "task_id": task_id,
-                        "now": now,
-                    },
-                )
+                key_row = {"owner": owner, "key": idempotency[0], "fingerprint": idempotency[1], "task_id": task_id}
+                if conn.run("insert_idempotency_key", {**key_row, "now": now}).rowcount != 1:
+                    raise _Raced
             events = [first_event]
-            if waiting_event is not None and conn.execute(q("count_active")).fetchone()[0] > slots:
+            if waiting_event is not None and conn.run("count_active").fetchone()[0] > slots:
                 events.append(waiting_event)  # counted after the insert: this task included
-            task = _append(conn, _get(conn, task_id), events)
+            task = _append(conn, TaskRecord.from_row(inserted), events, fence)
             self.metrics.tasks_created.labels(fields.kind).inc()
             return task, False
 
-        return await self.db.writer.submit(job)
+        try:
+            return await self.db.writer.submit(job)
+        except _Raced:
+            return await self.db.writer.submit(job)  # the key is there now: this replays it
 
     async def get(self, task_id: str, owner: str | None = None) -> TaskRecord:
-        row = await self.db.fetchone(q("get_task"), {"id": task_id})
+        row = await self.db.one("get_task", {"id": task_id})
         if row is None or (owner is not None and row["owner"] != owner):
             raise TaskNotFoundError(f"task {task_id} not found", param="task_id")
         return TaskRecord.from_row(row)
@@ -241,7 +264,7 @@ class TaskStore:
         events: Sequence[EventBuilder] = (),
         response: bytes | None = None,
         error: bytes | None = None,
-        also: Callable[[sqlite3.Connection], object] | None = None,
+        also: Callable[[Conn], object] | None = None,
         via: TaskStatus | None = None,
     ) -> TaskRecord | None:
         """Move a task to ``to`` if its current status allows; None if another transition won.
@@ -254,15 +277,18 @@ class TaskStore:
 
         steps = ([params(via)] if via else []) + [params(to, response, error)]
 
-        def job(conn: sqlite3.Connection) -> TaskRecord | None:
+        fence = self.fence
+
+        def job(conn: Conn) -> TaskRecord | None:
             for step in steps:
-                if conn.execute(q("transition"), {**step, "now": _now()}).rowcount != 1:
+                query = "claim" if step["to"] == "loading" else "transition"  # out of queued: a claim
+                if conn.run(query, {**step, "now": _now(), **fence.params()}).rowcount != 1:
                     # Another transition committed first, or the task is terminal; an earlier
                     # step is undone with the job's savepoint.
                     raise _Lost
             if also is not None:
                 also(conn)
-            task = _append(conn, _get(conn, task_id), events)
+            task = _append(conn, _get(conn, task_id), events, fence)
             if to in TERMINAL:
                 self.metrics.tasks_finished.labels(to).inc()
             return task
@@ -274,7 +300,8 @@ class TaskStore:
 
     async def append_events(self, task_id: str, events: Sequence[EventBuilder]) -> TaskRecord:
         """Append events (group-committed with whatever else is being written)."""
-        return await self.db.writer.submit(lambda conn: _append(conn, _get(conn, task_id), events))
+        fence = self.fence  # as it is now: a lease lost before this is written fences it out
+        return await self.db.writer.submit(lambda conn: _append(conn, _get(conn, task_id), events, fence))
 
     async def cancel(
         self,
@@ -287,23 +314,28 @@ class TaskStore:
         """docs/lmsp.md §7.3: queued → cancelled now (with ``final_events`` and the final ``response``);
         loading/running → cancelling; idempotent; 409 if finished."""
 
-        def job(conn: sqlite3.Connection) -> TaskRecord:
-            task = _get(conn, task_id)
-            if owner is not None and task.owner != owner:
-                raise TaskNotFoundError(f"task {task_id} not found", param="task_id")
-            if task.status in ("cancelling", "cancelled"):
-                return task
-            if task.status in TERMINAL:
-                raise TaskNotCancelableError(f"task {task_id} already {task.status}")
-            now = _now()
-            queued = task.status == "queued"
-            params = {"id": task_id, "to": "cancelled" if queued else "cancelling", "from": task.status}
-            cur = conn.execute(q("cancel_task"), {**params, "now": now, "response": response if queued else None})
-            assert cur.rowcount == 1  # the writer serialises jobs, so the status read above holds
-            task = _append(conn, _get(conn, task_id), final_events if queued else [])
-            if queued:
-                self.metrics.tasks_finished.labels("cancelled").inc()
-            return task
+        fence = self.fence
+
+        def job(conn: Conn) -> TaskRecord:
+            # The status read may be stale by the UPDATE (another node claimed or finished the
+            # task meanwhile): then read again. A status only moves forward, so this ends.
+            for _ in STATUSES:
+                task = _get(conn, task_id)
+                if owner is not None and task.owner != owner:
+                    raise TaskNotFoundError(f"task {task_id} not found", param="task_id")
+                if task.status in ("cancelling", "cancelled"):
+                    return task
+                if task.status in TERMINAL:
+                    raise TaskNotCancelableError(f"task {task_id} already {task.status}")
+                queued = task.status == "queued"
+                params = {"id": task_id, "to": "cancelled" if queued else "cancelling", "from": task.status}
+                cur = conn.run("cancel_task", {**params, "now": _now(), "response": response if queued else None})
+                if cur.rowcount == 1:
+                    task = _append(conn, _get(conn, task_id), final_events if queued else [], fence)
+                    if queued:
+                        self.metrics.tasks_finished.labels("cancelled").inc()
+                    return task
+            raise SequenceConflictError(f"task {task_id}: its status kept changing under a cancel")
 
         return await self.db.writer.submit(job)
 
@@ -312,30 +344,32 @@ class TaskStore:
     ) -> TaskRecord | None:
         """Put a started task back in the queue (restart or engine crash); None if it had moved on."""
 
-        def job(conn: sqlite3.Connection) -> TaskRecord | None:
-            cur = conn.execute(q("requeue"), {"id": task_id, "bump": int(new_attempt), "now": _now()})
-            return _append(conn, _get(conn, task_id), events) if cur.rowcount == 1 else None
+        fence = self.fence
+
+        def job(conn: Conn) -> TaskRecord | None:
+            cur = conn.run("requeue", {"id": task_id, "bump": int(new_attempt), "now": _now(), **fence.params()})
+            return _append(conn, _get(conn, task_id), events, fence) if cur.rowcount == 1 else None
 
         return await self.db.writer.submit(job)
 
     async def get_by_response(self, response_id: str, owner: str | None = None) -> TaskRecord | None:
-        row = await self.db.fetchone(q("get_task_by_response"), {"response_id": response_id})
+        row = await self.db.one("get_task_by_response", {"response_id": response_id})
         if row is None or (owner is not None and row["owner"] != owner):
             return None
         return TaskRecord.from_row(row)
 
     async def delete_finished_unstored(self, limit: int = 500) -> int:
-        return await self.db.writer.submit(_rowcount(q("delete_finished_unstored"), {"limit": limit}))
+        return await self.db.writer.submit(_rowcount("delete_finished_unstored", {"limit": limit}))
 
     async def delete(self, task_id: str) -> bool:
-        return await self.db.writer.submit(_rowcount(q("delete_task"), {"id": task_id})) == 1
+        return await self.db.writer.submit(_rowcount("delete_task", {"id": task_id})) == 1
 
     async def conversation(self, owner: str, conversation: str) -> list[TaskRecord]:
-        rows = await self.db.fetchall(q("conversation_turns"), {"owner": owner, "conversation": conversation})
+        rows = await self.db.all("conversation_turns", {"owner": owner, "conversation": conversation})
         return [TaskRecord.from_row(r) for r in rows]
 
     async def active_background(self) -> int:
-        row = await self.db.fetchone(q("count_active_background"))
+        row = await self.db.one("count_active_background")
         return int(row[0]) if row else 0
 
     async def enforce_response_limits(self, limits: ResponseLimits, now: int | None = None) -> int:
@@ -352,30 +386,30 @@ class TaskStore:
         steps.append(("conversations_over_bytes", {"budget": limits.conversation_store_max_bytes}))
         changed = 0
         for query, params in steps:
-            changed += await self.db.writer.submit(_rowcount(q(query), params))
+            changed += await self.db.writer.submit(_rowcount(query, params))
         return changed
 
     async def status_counts(self) -> dict[str, int]:
         """How many tasks the database holds in each status (a table its triggers maintain), every
         status named, so a scrape sets a status back to zero once its last task leaves it."""
-        counts = {r["status"]: int(r["n"]) for r in await self.db.fetchall(q("status_counts"))}
+        counts = {r["status"]: int(r["n"]) for r in await self.db.all("status_counts")}
         return {status: counts.get(status, 0) for status in STATUSES}
 
     async def owner_status_counts(self, owner: str) -> dict[str, int]:
         """How many of ``owner``'s tasks are in each status, every status named (the console's
         summary: one token sees its own queue, never another's)."""
-        rows = await self.db.fetchall(q("owner_status_counts"), {"owner": owner})
+        rows = await self.db.all("owner_status_counts", {"owner": owner})
         counts = {r["status"]: int(r["n"]) for r in rows}
         return {status: counts.get(status, 0) for status in STATUSES}
 
     async def queued_ids(self, limit: int) -> list[str]:
-        return [r["id"] for r in await self.db.fetchall(q("queued_ids"), {"limit": limit})]
+        return [r["id"] for r in await self.db.all("queued_ids", {"limit": limit})]
 
     async def unfinished_ids(self) -> list[str]:
-        return [r["id"] for r in await self.db.fetchall(q("unfinished_ids"))]
+        return [r["id"] for r in await self.db.all("unfinished_ids", self.fence.params())]
 
     async def events_after(self, task_id: str, after: int, limit: int = 1000) -> list[Event]:
-        rows = await self.db.fetchall(q("events_after"), {"task_id": task_id, "after": after, "limit": limit})
+        rows = await self.db.all("events_after", {"task_id": task_id, "after": after, "limit": limit})
         return [
             Event(r["seq"], r["type"], r["data"], msgspec.json.decode(r["tokens"]) if r["tokens"] else None)
             for r in rows
@@ -386,7 +420,7 @@ class TaskStore:
     ) -> list[TaskRecord]:
         filt = msgspec.json.encode(statuses).decode() if statuses else None
         params = {"owner": owner, "after": after, "limit": limit, "statuses": filt}
-        rows = await self.db.fetchall(q("list_tasks_by_owner"), params)
+        rows = await self.db.all("list_tasks_by_owner", params)
         return [TaskRecord.from_row(r) for r in rows]
 
     async def purge(
@@ -410,7 +444,7 @@ class TaskStore:
         ]
         for query, field, cutoff in steps:
             while True:
-                done = await self.db.writer.submit(_rowcount(q(query), {"cutoff": cutoff, "limit": batch}))
+                done = await self.db.writer.submit(_rowcount(query, {"cutoff": cutoff, "limit": batch}))
                 setattr(counts, field, getattr(counts, field) + done)
                 if done < batch:
                     break

@@ -23,7 +23,7 @@ from support.wait import wait_until
 
 from lmspd.config import Config, EngineConfig
 from lmspd.models.registry import ResolvedModel
-from lmspd.store.db import Database, on_thread
+from lmspd.store.db import Database, SqliteDatabase, on_thread
 
 ENGINE = EngineConfig(weight_dtype="quantized")
 TERMINAL = ("succeeded", "failed", "cancelled")
@@ -42,7 +42,7 @@ def client(host: Host, config: Config) -> Iterator[TestClient]:
 
 def set_room(host: Host, client: TestClient, pages: int | None) -> None:
     """Let the database grow by ``pages`` more pages from now (None: without a limit)."""
-    db: Database = client.app.state.lmsp.core.store.db  # type: ignore[attr-defined]
+    db: SqliteDatabase = client.app.state.lmsp.core.store.db  # type: ignore[attr-defined]
 
     def limit(conn: sqlite3.Connection) -> None:
         now = conn.execute("PRAGMA page_count").fetchone()[0]

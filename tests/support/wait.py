@@ -9,9 +9,10 @@ run never waits longer than the condition takes.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar, overload
 
 T = TypeVar("T")
 
@@ -40,17 +41,42 @@ def wait_until(
     return value
 
 
+@overload
+async def wait_until_async(
+    condition: Callable[[], Awaitable[T | None]],
+    what: str | Callable[[], object] = ...,
+    *,
+    timeout: float = ...,
+    interval: float = ...,
+) -> T: ...
+
+
+@overload
 async def wait_until_async(
     condition: Callable[[], T | None],
+    what: str | Callable[[], object] = ...,
+    *,
+    timeout: float = ...,
+    interval: float = ...,
+) -> T: ...
+
+
+async def wait_until_async(
+    condition: Callable[[], Any],
     what: str | Callable[[], object] = "the condition",
     *,
     timeout: float = TIMEOUT_SECS,
     interval: float = INTERVAL_SECS,
-) -> T:
+) -> Any:
     """``wait_until`` on an event loop: the loop runs while it waits (for state that the
-    loop's own tasks change)."""
+    loop's own tasks change). ``condition`` may be a coroutine function (a database read)."""
     deadline = time.monotonic() + timeout
-    while not (value := condition()):
+
+    async def check() -> Any:
+        found = condition()
+        return await found if inspect.isawaitable(found) else found
+
+    while not (value := await check()):
         if time.monotonic() >= deadline:
             raise _failure(what, timeout)
         await asyncio.sleep(interval)

@@ -38,6 +38,7 @@ from lmspd.engine.process import EngineClient
 from lmspd.errors import EngineCrashedError
 from lmspd.models.registry import ModelRegistry, ResolvedModel
 from lmspd.store.check import DatabaseUnusableError
+from lmspd.store.conn import Conn
 from lmspd.store.db import Database
 from lmspd.store.task_store import NewEvent, TaskRecord, TaskStore
 
@@ -286,7 +287,7 @@ async def test_one_unreadable_task_fails_alone(tmp_path: Path, tiny: ResolvedMod
     ids = [(await core.submit("alice", request, kind="task", on_restart="retry"))[0].id for _ in range(3)]
     empty, garbled, sound = ids
 
-    def damage(conn: sqlite3.Connection) -> None:
+    def damage(conn: Conn) -> None:
         conn.execute("UPDATE tasks SET status = 'running'")
         conn.execute("DELETE FROM events WHERE task_id = ?", (empty,))
         conn.execute("UPDATE events SET data = x'00ff' WHERE task_id = ?", (garbled,))

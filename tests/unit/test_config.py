@@ -30,6 +30,8 @@ def test_example_config_loads_and_documents_every_key() -> None:
         *config.engine.__struct_fields__,
         *config.server.__struct_fields__,
         *config.responses.__struct_fields__,
+        *config.store.__struct_fields__,
+        *config.cluster.__struct_fields__,
     ):
         assert key in text
 

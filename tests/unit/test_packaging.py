@@ -17,7 +17,11 @@ def test_every_source_package_is_in_the_wheel() -> None:
         ".".join(("lmspd", *init.parent.relative_to(ROOT / "service").parts)).rstrip(".")
         for init in (ROOT / "service").rglob("__init__.py")
     }
-    assert set(setuptools["packages"]) == source | {"lmspd.migrations"}
+    migrations = {
+        ".".join(("lmspd", *init.parent.relative_to(ROOT).parts)) for init in (ROOT / "migrations").rglob("__init__.py")
+    }
+    assert migrations == {"lmspd.migrations", "lmspd.migrations.postgresql"}  # SQLite's, PostgreSQL's
+    assert set(setuptools["packages"]) == source | migrations
     assert setuptools["package-dir"] == {"lmspd": "service", "lmspd.migrations": "migrations"}
 
 
@@ -40,4 +44,4 @@ def test_every_data_file_is_package_data() -> None:
                 declared = any(fnmatch(relative, glob) for glob in data.get(package, []))
                 break
         assert declared, path
-    assert data["lmspd.migrations"] == ["*.sql"]
+    assert data["lmspd.migrations"] == data["lmspd.migrations.postgresql"] == ["*.sql"]

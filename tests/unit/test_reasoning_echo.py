@@ -3,7 +3,6 @@ file (byte bound, LRU, owners, restarts). The API acceptance is in test_api_resp
 
 from __future__ import annotations
 
-import sqlite3
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -18,8 +17,11 @@ from lmspd.prompting.prompt import build_prompt
 from lmspd.responses import schema as s
 from lmspd.responses.inputs import ReasoningItem, parse_items, to_messages
 from lmspd.responses.reasoning_echo import ReasoningEcho, enabled, missing, to_remember, turn_key, turns
+from lmspd.store.conn import Conn
 from lmspd.store.db import Database
 from lmspd.store.echo import EchoStore
+from lmspd.store.opening import open_database
+from lmspd.store.url import StoreUrl
 
 REASONING = {
     "type": "reasoning",
@@ -102,8 +104,9 @@ def test_enabled_needs_the_prompt_cache_and_a_budget() -> None:
 
 
 @pytest.fixture
-async def db(tmp_path: Path) -> AsyncIterator[Database]:
-    database = await Database.open(tmp_path / "lmspd.db")
+async def db(store_url: StoreUrl) -> AsyncIterator[Database]:
+    """On both databases (tests/conftest.py's ``store_url``)."""
+    database = await open_database(store_url)
     yield database
     await database.close()
 
@@ -140,11 +143,11 @@ async def test_store_is_bounded_in_bytes_least_recently_used_out(db: Database) -
     assert set(await store.lookup("alice", ["k2", "k3"])) == {"k2"}
 
 
-async def test_store_keeps_owners_apart_and_survives_reopening(tmp_path: Path) -> None:
-    db = await Database.open(tmp_path / "echo.db")
+async def test_store_keeps_owners_apart_and_survives_reopening(store_url: StoreUrl) -> None:
+    db = await open_database(store_url)
     await EchoStore(db, 1 << 20).remember("alice", [("k", item(1))])
     await db.close()
-    db = await Database.open(tmp_path / "echo.db")
+    db = await open_database(store_url)
     store = EchoStore(db, 1 << 20)
     assert await store.lookup("alice", ["k"]) == {"k": item(1)}
     assert await store.lookup("bob", ["k"]) == {}
@@ -154,7 +157,7 @@ async def test_store_keeps_owners_apart_and_survives_reopening(tmp_path: Path) -
 async def test_a_failing_echo_write_does_not_fail_its_transaction(db: Database) -> None:
     job = EchoStore(db, 1000).job("alice", [("k", item(1))])
 
-    def with_task(conn: sqlite3.Connection) -> int:
+    def with_task(conn: Conn) -> int:
         conn.execute("DROP TABLE reasoning_echo")  # the echo's write will fail
         job(conn)
         return int(conn.execute("SELECT count(*) FROM tasks").fetchone()[0])

@@ -1,4 +1,5 @@
-"""The task store on a real SQLite file: schema, state machine, idempotency, event log."""
+"""The task store on both databases: a real SQLite file and a real PostgreSQL (the ``store_url``
+fixture, tests/conftest.py): schema, state machine, idempotency, event log, retention."""
 
 from __future__ import annotations
 
@@ -16,10 +17,13 @@ from lmspd.errors import (
     TaskNotCancelableError,
     TaskNotFoundError,
 )
-from lmspd.store.db import Database
+from lmspd.store.conn import Conn
 from lmspd.store.migrate import MigrationError, migrate, migrations_dir
+from lmspd.store.opening import open_database
+from lmspd.store.pg_migrate import latest_version
 from lmspd.store.status import TERMINAL, TRANSITIONS
 from lmspd.store.task_store import NewEvent, TaskRecord, TaskStore
+from lmspd.store.url import StoreUrl
 
 EXPECTED_SCHEMA = {
     "tasks": [
@@ -78,9 +82,15 @@ def event(etype: str):  # type: ignore[no-untyped-def]
     return build
 
 
+# SQLite's counters kept by triggers; PostgreSQL counts from its indexes (migrations/postgresql).
+SQLITE_ONLY = {"task_counts", "reasoning_echo_bytes"}
+# PostgreSQL's own: the nodes' leases (migrations/postgresql/002_nodes.sql).
+NODES = ["id", "epoch", "host", "pid", "url", "models", "running", "started_at", "heartbeat_at", "expires_at"]
+
+
 @pytest.fixture
-async def store(tmp_path: Path) -> AsyncIterator[TaskStore]:
-    db = await Database.open(tmp_path / "lmspd.db")
+async def store(store_url: StoreUrl) -> AsyncIterator[TaskStore]:
+    db = await open_database(store_url)
     yield TaskStore(db, max_queued=50)
     await db.close()
 
@@ -118,20 +128,51 @@ def test_migrations_produce_exactly_the_schema(tmp_path: Path) -> None:
     assert migrate(conn) == 6  # idempotent
 
 
-async def test_wal_and_full_sync(store: TaskStore) -> None:
-    assert (await store.db.fetchone("PRAGMA journal_mode"))[0] == "wal"  # type: ignore[index]
+async def test_pg_migration_makes_the_same_tables_and_columns(store_url: StoreUrl) -> None:
+    if store_url.dialect != "postgresql":
+        return  # SQLite's schema: test_migrations_produce_exactly_the_schema
+    db = await open_database(store_url)
+    try:
+        rows = await db.fetchall(
+            "SELECT table_name, column_name FROM information_schema.columns WHERE table_schema = 'public'"
+            " ORDER BY table_name, ordinal_position"
+        )
+        found: dict[str, list[str]] = {}
+        for table, column in rows:
+            found.setdefault(table, []).append(column)
+        assert found.pop("lmspd_schema") == ["version"]
+        assert found.pop("nodes") == NODES
+        assert found.pop("tasks") == [*EXPECTED_SCHEMA["tasks"], "node", "epoch"]
+        assert found == {t: c for t, c in EXPECTED_SCHEMA.items() if t not in {*SQLITE_ONLY, "tasks"}}
+        version = await db.fetchone("SELECT version FROM lmspd_schema")
+        assert version is not None and version[0] == latest_version() == 2
+    finally:
+        await db.close()
+    again = await open_database(store_url)  # migrating again changes nothing
+    assert [tuple(r) for r in await again.fetchall("SELECT version FROM lmspd_schema")] == [(2,)]
+    await again.close()
 
 
-async def test_create_persists_task_and_first_event(store: TaskStore, tmp_path: Path) -> None:
+async def test_commits_wait_for_the_disk(store: TaskStore) -> None:
+    if store.db.dialect == "sqlite":
+        assert (await store.db.fetchone("PRAGMA journal_mode"))[0] == "wal"  # type: ignore[index]
+    else:  # the writer's session: every COMMIT waits for its WAL flush
+        assert await store.db.writer.submit(lambda conn: conn.execute("SHOW synchronous_commit").fetchone()[0]) == "on"
+
+
+async def test_create_persists_task_and_first_event(store: TaskStore, store_url: StoreUrl) -> None:
     task, replayed = await create(store)
     assert not replayed and task.status == "queued" and task.next_seq == 1
     assert task.id.startswith("task_") and task.response_id.startswith("resp_")
-    # Visible to a separate connection: committed, not just buffered.
-    other = sqlite3.connect(tmp_path / "lmspd.db")
-    assert other.execute("SELECT status FROM tasks WHERE id = ?", (task.id,)).fetchone() == ("queued",)
-    assert other.execute("SELECT seq, type FROM events WHERE task_id = ?", (task.id,)).fetchall() == [
-        (0, "response.created")
-    ]
+    # Visible to separate connections: committed, not just buffered.
+    other = await open_database(store_url)
+    try:
+        found = await other.fetchone(other.q("get_task"), {"id": task.id})
+        assert found is not None and found["status"] == "queued"
+        events = await other.fetchall(other.q("events_after"), {"task_id": task.id, "after": -1, "limit": 10})
+        assert [(e["seq"], e["type"]) for e in events] == [(0, "response.created")]
+    finally:
+        await other.close()
 
 
 async def test_state_machine_first_committed_transition_wins(store: TaskStore) -> None:
@@ -301,6 +342,20 @@ async def test_status_counts_follow_every_change(store: TaskStore) -> None:
     await store.transition(ids[1], "cancelled")
     await store.cancel(ids[2], "alice", final_events=[event("response.cancelled")])
     await store.purge(event_retention_secs=0, task_retention_secs=-10, idempotency_retention_secs=0)
-    counts = {status: n for status, n in await store.db.fetchall("SELECT status, n FROM task_counts WHERE n > 0")}
+    counts = {status: n for status, n in (await store.status_counts()).items() if n > 0}
     actual = {status: n for status, n in await store.db.fetchall("SELECT status, count(*) FROM tasks GROUP BY status")}
     assert counts == actual == {"queued": 1, "loading": 1}
+
+
+async def test_a_failing_job_fails_alone_in_its_group_commit(store: TaskStore) -> None:
+    task, _ = await create(store)
+
+    def orphan(conn: Conn) -> None:  # an event of no task: the foreign key refuses it
+        conn.run("insert_event", {"task_id": "task_nope", "seq": 0, "type": "x", "data": b"{}", "tokens": None})
+
+    jobs = [store.append_events(task.id, [event(f"e{i}")]) for i in range(5)]
+    before = store.db.writer.commits
+    results = await asyncio.gather(*jobs[:2], store.db.writer.submit(orphan), *jobs[2:], return_exceptions=True)
+    assert [isinstance(r, Exception) for r in results] == [False, False, True, False, False, False]
+    assert store.db.writer.commits - before < 6  # they shared commits
+    assert [e.type for e in await store.events_after(task.id, -1)] == ["response.created"] + [f"e{i}" for i in range(5)]

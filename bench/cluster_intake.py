@@ -1,0 +1,125 @@
+"""Task intake on SQLite (one node) and on PostgreSQL with 1, 2 and 3 nodes, side by side in one run.
+
+    python -m bench.tasks --store postgresql://user@host/postgres [--clients 32] [--tasks 2000]
+    python -m bench.tasks --store auto      # a PostgreSQL of its own (initdb/pg_ctl), fsync on
+
+Each row starts that many real ``lmspd serve`` processes on one fresh database (on PostgreSQL each is
+a node, SPEC §15), spreads ``--clients`` concurrent HTTP clients over them round robin, and posts
+``--tasks`` one-token tasks: accepted tasks/s and p50/p99 of one POST (202 = committed). The
+default model serves; with ``--store URL`` the rows share that database, with ``auto`` each gets its own;
+on one machine the nodes share its cores, so the rows say what the store costs, not what more
+machines add (docs/operations.md, "Several nodes").
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+from bench.serving import free_port
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from support.postgres import PostgresServer, bin_dir
+
+BODY = {"type": "response", "input": {"input": "Hi", "max_output_tokens": 1}}
+
+
+@contextlib.contextmanager
+def nodes(tmp: Path, count: int, store: str | None) -> Iterator[list[str]]:
+    procs: list[subprocess.Popen[bytes]] = []
+    urls = []
+    try:
+        for n in range(count):
+            data = tmp / f"node{n}"
+            data.mkdir()
+            cfg = data / "bench.toml"
+            text = "[server]\nmax_queued_tasks = 1000000\n"
+            if store:
+                text += f'[store]\nurl = "{store}"\n[cluster]\nnode_id = "bench-{n}"\n'
+            cfg.write_text(text)
+            port = free_port()
+            env = {**os.environ, "LMSPD_DATA_DIR": str(data), "LMSPD_WEIGHT_DTYPE": "quantized"}
+            cmd = [sys.executable, "-m", "lmspd.cli", "serve", "--port", str(port), "--config", str(cfg)]
+            procs.append(subprocess.Popen(cmd, env=env, stderr=(data / "log").open("wb")))
+            urls.append(f"http://127.0.0.1:{port}")
+        for url, proc in zip(urls, procs, strict=True):
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                if proc.poll() is not None:
+                    raise SystemExit(f"a node exited: {(tmp / 'node0' / 'log').read_text()[-2000:]}")
+                with contextlib.suppress(httpx.TransportError):
+                    if httpx.get(f"{url}/readyz").status_code == 200:
+                        break
+                time.sleep(0.1)
+        yield urls
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(30)
+
+
+async def intake(urls: list[str], clients: int, total: int) -> tuple[float, float, float, list[str]]:
+    latencies: list[float] = []
+    ids: list[str] = []
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(limits=limits, timeout=60) as client:
+
+        async def one_client(url: str, n: int) -> None:
+            for _ in range(n):
+                t = time.perf_counter()
+                r = await client.post(f"{url}/lmsp/v1/tasks", json=BODY)
+                latencies.append(time.perf_counter() - t)
+                assert r.status_code == 202, r.text
+                ids.append(r.json()["id"])
+
+        start = time.perf_counter()
+        await asyncio.gather(*(one_client(urls[i % len(urls)], total // clients) for i in range(clients)))
+        elapsed = time.perf_counter() - start
+    q = statistics.quantiles(latencies, n=100)
+    return len(latencies) / elapsed, q[49] * 1e3, q[98] * 1e3, ids
+
+
+def main(args: argparse.Namespace) -> None:
+    server: PostgresServer | None = None
+    base = args.store
+    if args.store == "auto":
+        found = bin_dir()
+        if found is None:
+            raise SystemExit("no PostgreSQL here: pass --store postgresql://…, or apt install postgresql")
+        server = PostgresServer(found, durable=True)
+        server.start()
+        base = server.url()
+    rows: list[tuple[str, float, float, float]] = []
+    try:
+        for label, count, pg in [
+            ("SQLite", 1, False),
+            ("PostgreSQL", 1, True),
+            ("PostgreSQL", 2, True),
+            ("PostgreSQL", 3, True),
+        ]:
+            url = None
+            if pg:
+                url = server.create_database() if server else base
+            with tempfile.TemporaryDirectory() as tmp, nodes(Path(tmp), count, url) as urls:
+                asyncio.run(intake(urls, args.clients, args.clients * 4))  # warm-up
+                rate, p50, p99, _ = asyncio.run(intake(urls, args.clients, args.tasks))
+                rows.append((f"{label}, {count} node{'s' if count > 1 else ''}", rate, p50, p99))
+    finally:
+        if server is not None:
+            server.stop()
+    print(f"intake, {args.clients} clients over the nodes, {args.tasks} one-token tasks")
+    print(f"{'store':<22} {'tasks/s':>9} {'p50 ms':>8} {'p99 ms':>8}")
+    for name, rate, p50, p99 in rows:
+        print(f"{name:<22} {rate:>9.0f} {p50:>8.1f} {p99:>8.1f}")

@@ -1,0 +1,136 @@
+"""Nodes on one real PostgreSQL (store/nodes.py, queries_pg.sql): leases and their epochs, the
+claim, fencing of a node whose lease was taken over, take-over by one survivor only, and
+LISTEN/NOTIFY after commit. Each "node" is a Database of its own (its own connections)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import msgspec
+import pytest
+from support.wait import wait_until_async
+
+from lmspd.errors import LeaseLostError
+from lmspd.store.nodes import NodeStore
+from lmspd.store.opening import open_database
+from lmspd.store.pg import PgDatabase
+from lmspd.store.task_store import Fence, NewEvent, TaskRecord, TaskStore
+from lmspd.store.url import StoreUrl
+
+
+def event(etype: str):  # type: ignore[no-untyped-def]
+    def build(task: TaskRecord, seq: int) -> NewEvent:
+        return NewEvent(etype, msgspec.json.encode({"type": etype, "sequence_number": seq}))
+
+    return build
+
+
+class Node:
+    def __init__(self, db: PgDatabase, name: str, lease: float) -> None:
+        self.db = db
+        self.store = TaskStore(db)
+        self.nodes = NodeStore(db, name, lease)
+
+    async def join(self) -> Fence:
+        self.store.fence = await self.nodes.register(host="h", pid=1, url="http://x", models=["tiny"])
+        return self.store.fence
+
+
+@pytest.fixture
+async def nodes(pg_url: str) -> AsyncIterator[list[Node]]:
+    url = StoreUrl.parse(pg_url, None)  # type: ignore[arg-type]
+    dbs = [await open_database(url) for _ in range(3)]
+    assert all(isinstance(db, PgDatabase) for db in dbs)
+    # Node a's lease is short: the tests let it expire; b's and c's outlive them.
+    yield [Node(db, name, lease) for db, name, lease in zip(dbs, "abc", (0.5, 60, 60), strict=True)]  # type: ignore[arg-type]
+    for db in dbs:
+        await db.close()
+
+
+async def create(store: TaskStore) -> TaskRecord:
+    task, _ = await store.create(owner="o", request=b"{}", on_restart="resume", first_event=event("response.created"))
+    return task
+
+
+async def test_a_node_restarting_gets_a_new_epoch_and_fences_its_old_run(nodes: list[Node]) -> None:
+    a, b, _ = nodes
+    old = await a.join()
+    task = await create(a.store)
+    assert await a.store.transition(task.id, "loading") is not None
+    claimed = await a.store.get(task.id)
+    assert (claimed.node, claimed.epoch) == ("a", old.epoch)
+    new = await a.join()  # the same node id started again
+    assert new.epoch is not None and old.epoch is not None and new.epoch > old.epoch
+    assert (await a.store.get(task.id)).epoch == new.epoch  # its own again, under the new epoch
+    assert not await a.nodes.heartbeat(old, 0, [])  # the old run's lease is gone
+    assert await a.nodes.heartbeat(new, 0, [])
+    a.store.fence = old
+    with pytest.raises(LeaseLostError):
+        await a.store.append_events(task.id, [event("stale")])
+    assert await a.store.transition(task.id, "running") is None
+    await b.join()
+    assert await b.store.transition(task.id, "running") is None  # another node's task: fenced too
+    assert (await b.store.get(task.id)).status == "loading"
+
+
+async def test_one_survivor_takes_over_a_dead_nodes_tasks(nodes: list[Node]) -> None:
+    a, b, c = nodes
+    fence_a = await a.join()
+    await b.join()
+    await c.join()
+    tasks = [await create(a.store) for _ in range(4)]
+    for task in tasks[:3]:
+        assert await a.store.transition(task.id, "running", via="loading") is not None
+    await wait_until_async(lambda: _expired(b), "node a's lease to expire", timeout=10)
+    taken = await asyncio.gather(b.nodes.take_over("a", b.store.fence), c.nodes.take_over("a", c.store.fence))
+    assert sorted(taken[0] + taken[1]) == sorted(t.id for t in tasks[:3])
+    assert [] in taken  # one survivor took them all, the other found nothing
+    winner = b if taken[0] else c
+    assert {(await winner.store.get(t.id)).node for t in tasks[:3]} == {"b" if winner is b else "c"}
+    assert (await a.store.get(tasks[3].id)).node is None  # a queued task was nobody's
+    # Node a comes back (it was only paused): it writes nothing into what it lost.
+    with pytest.raises(LeaseLostError):
+        await a.store.append_events(tasks[0].id, [event("late")])
+    assert await a.store.transition(tasks[1].id, "succeeded") is None
+    assert not await a.nodes.heartbeat(fence_a, 0, [])
+    assert [e.type for e in await a.store.events_after(tasks[0].id, -1)] == ["response.created"]
+    # The new holder moves them by its lease.
+    assert await winner.store.requeue(tasks[0].id, new_attempt=False) is not None
+    requeued = await winner.store.get(tasks[0].id)
+    assert (requeued.status, requeued.node, requeued.epoch) == ("queued", None, None)
+
+
+async def _expired(node: Node) -> bool:
+    return "a" in await node.nodes.expired()
+
+
+async def test_each_queued_task_is_claimed_by_one_node(nodes: list[Node]) -> None:
+    for node in nodes:
+        await node.join()
+    tasks = [await create(nodes[0].store) for _ in range(20)]
+    claims = await asyncio.gather(
+        *(node.store.transition(t.id, "loading") for t in tasks for node in nodes),
+    )
+    won = [claim for claim in claims if claim is not None]
+    assert sorted(t.id for t in won) == sorted(t.id for t in tasks)  # each once, by someone
+    for task in won:
+        assert task.node in ("a", "b", "c") and task.epoch is not None
+
+
+async def test_listeners_hear_commits_of_other_nodes(nodes: list[Node]) -> None:
+    a, b, _ = nodes
+    await a.join()
+    heard: list[str] = []
+    gaps: list[int] = []
+    listener = asyncio.create_task(b.db.listen("lmspd", heard.append, lambda: gaps.append(1)))
+    try:
+        await wait_until_async(lambda: bool(gaps), "the listener to start", timeout=10)
+        task = await create(a.store)
+        await a.store.append_events(task.id, [event("e1")])
+        assert await a.store.cancel(task.id, "o", final_events=[event("response.cancelled")])
+        expected = [f"q:{task.id}", f"e:{task.id}", f"s:{task.id}:cancelled"]
+        await wait_until_async(lambda: all(x in heard for x in expected), lambda: f"{expected} in {heard}", timeout=10)
+    finally:
+        listener.cancel()
+        await asyncio.gather(listener, return_exceptions=True)

@@ -78,6 +78,7 @@ class Core:
         supervisor: Supervisor,
         registry: ModelRegistry,
         metrics: Metrics | None = None,
+        sealer: Sealer | None = None,
     ) -> None:
         self.config = config
         self.store = store
@@ -87,7 +88,7 @@ class Core:
         self.registry = registry
         self.metrics = metrics or store.metrics
         self.echo = ReasoningEcho.of(config, store.db)
-        self.sealer = Sealer.at(config.server.database_path.parent)
+        self.sealer = sealer or Sealer.at(config.server.database_path.parent)
         self.items = ItemIndex(store.db)
         self.budget = SchemaBudget.of(config.responses)
         self.accepting = True

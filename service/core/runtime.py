@@ -23,6 +23,8 @@ from lmspd.errors import LmspdError, StorageFullError
 from lmspd.metrics import Metrics
 from lmspd.models.registry import ModelRegistry
 from lmspd.prompting.generation import check_request
+from lmspd.responses.sealing import KEY_FILE, Sealer
+from lmspd.store import secrets
 from lmspd.store.opening import open_database
 from lmspd.store.task_store import TaskStore
 from lmspd.store.url import StoreUrl
@@ -50,9 +52,12 @@ async def started(
         hub = Hub()
         registry = ModelRegistry(config)
         runner = engine or EngineClient(config.engine, config.server.prompt_cache_dir)
-        supervisor = Supervisor(config, store, runner, hub, registry, metrics)
+        # Reasoning sealed for clients that keep no state: one key for every node of a cluster.
+        pg = db.dialect == "postgresql"
+        sealer = Sealer(await secrets.shared(db, KEY_FILE, Sealer.new_key)) if pg else None
+        supervisor = Supervisor(config, store, runner, hub, registry, metrics, sealer)
         cluster: Cluster | None = None
-        if db.dialect == "postgresql":  # one node of several (SPEC §15): its lease first
+        if pg:  # one node of several (SPEC §15): its lease first
             from lmspd.core.cluster import Cluster  # psycopg only when on PostgreSQL
 
             cluster = Cluster(config, db, store, hub)  # type: ignore[arg-type]
@@ -67,7 +72,7 @@ async def started(
         # at start: while serving, a slow reader may still be streaming a finished one.
         with contextlib.suppress(StorageFullError):  # deleting needs room too: the janitor retries
             await store.delete_finished_unstored()
-        core = Core(config, store, hub, supervisor, registry, metrics)
+        core = Core(config, store, hub, supervisor, registry, metrics, sealer)
         core.cluster = cluster
         stack.push_async_callback(core.close)
         await asyncio.to_thread(_warm_up, config, registry)

@@ -66,6 +66,7 @@ class Supervisor:
         hub: Hub,
         registry: ModelRegistry,
         metrics: Metrics | None = None,
+        sealer: Sealer | None = None,
     ) -> None:
         self.config = config
         self.store = store
@@ -75,7 +76,7 @@ class Supervisor:
         self.metrics = metrics or store.metrics
         self.echo = ReasoningEcho.of(config, store.db)
         # Reasoning sealed for clients that keep no state (docs/responses.md, "Coding agents").
-        self.sealer = Sealer.at(config.server.database_path.parent)
+        self.sealer = sealer or Sealer.at(config.server.database_path.parent)
         self.items = ItemIndex(store.db)
         self.running: dict[str, asyncio.Task[None]] = {}
         self._wake = asyncio.Event()

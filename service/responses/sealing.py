@@ -6,7 +6,8 @@ item's text and id sealed into ``encrypted_content``, and sends the item back wi
 Opened again, the reasoning renders exactly as it was generated, so the prompt cache keeps
 matching the history.
 
-The seal is AES-256-GCM with a key kept in the data directory (made on first use, mode 0600):
+The seal is AES-256-GCM with a key kept in the data directory (made on first use, mode 0600;
+on PostgreSQL, in the database, so every node opens what any node sealed: store/secrets.py):
 authenticated, so a client cannot pass its own text off as the model's reasoning; bound to the
 owner (as associated data), so one token's holder cannot replay another's; and unreadable
 without this server's key.
@@ -42,6 +43,10 @@ class Sealer:
     def __init__(self, key: bytes) -> None:
         self._aead = AESGCM(key)
 
+    @staticmethod
+    def new_key() -> bytes:
+        return AESGCM.generate_key(bit_length=256)
+
     @classmethod
     def at(cls, data_dir: Path) -> Sealer:
         """The data directory's sealer; its key is made the first time (by one process only)."""
@@ -53,7 +58,7 @@ class Sealer:
             draft = data_dir / f".{KEY_FILE}.{os.getpid()}"
             fd = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             try:
-                os.write(fd, AESGCM.generate_key(bit_length=256))
+                os.write(fd, cls.new_key())
                 os.fsync(fd)
             finally:
                 os.close(fd)

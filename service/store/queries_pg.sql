@@ -258,3 +258,9 @@ FROM nodes ORDER BY id;
 
 -- name: clock
 SELECT extract(epoch FROM now()) AS now;
+
+-- name: secret_put
+INSERT INTO secrets (name, value) VALUES (:name, :value) ON CONFLICT (name) DO NOTHING;
+
+-- name: secret_get
+SELECT value FROM secrets WHERE name = :name;

@@ -142,14 +142,15 @@ async def test_pg_migration_makes_the_same_tables_and_columns(store_url: StoreUr
             found.setdefault(table, []).append(column)
         assert found.pop("lmspd_schema") == ["version"]
         assert found.pop("nodes") == NODES
+        assert found.pop("secrets") == ["name", "value"]  # the nodes' shared reasoning key
         assert found.pop("tasks") == [*EXPECTED_SCHEMA["tasks"], "node", "epoch"]
         assert found == {t: c for t, c in EXPECTED_SCHEMA.items() if t not in {*SQLITE_ONLY, "tasks"}}
         version = await db.fetchone("SELECT version FROM lmspd_schema")
-        assert version is not None and version[0] == latest_version() == 2
+        assert version is not None and version[0] == latest_version() == 3
     finally:
         await db.close()
     again = await open_database(store_url)  # migrating again changes nothing
-    assert [tuple(r) for r in await again.fetchall("SELECT version FROM lmspd_schema")] == [(2,)]
+    assert [tuple(r) for r in await again.fetchall("SELECT version FROM lmspd_schema")] == [(3,)]
     await again.close()
 
 

@@ -201,6 +201,29 @@ class Metrics:
             "lmspd_engine_rss_bytes", "The engine process's resident set size (read at scrape time)", registry=r
         )
         self.sse_streams = Gauge("lmspd_sse_streams_open", "Event streams open, by API", ["api"], registry=r)
+        # Several nodes on one PostgreSQL (docs/operations.md, "Several nodes"); absent on SQLite.
+        self.node_info = Gauge(
+            "lmspd_node_info",
+            "This node of several: its id and current lease epoch (always 1)",
+            ["node", "epoch"],
+            registry=r,
+        )
+        self.cluster_nodes = Gauge(
+            "lmspd_cluster_nodes",
+            "Nodes on the database by lease, as this node's last heartbeat saw them",
+            ["lease"],
+            registry=r,
+        )
+        self.node_leases_lost = Counter(
+            "lmspd_node_leases_lost",
+            "Times this node found its lease taken over (it was paused past lease_secs)",
+            registry=r,
+        )
+        self.node_tasks_taken_over = Counter(
+            "lmspd_node_tasks_taken_over",
+            "Unfinished tasks this node took over from nodes whose lease expired",
+            registry=r,
+        )
         self.store_commit = Histogram(
             "lmspd_store_commit_seconds",
             "Duration of one group commit of the store's writer (its jobs, COMMIT and fsync)",
@@ -239,6 +262,14 @@ class Metrics:
         self.model_resident_bytes.clear()  # an unloaded model's series ends
         for model, nbytes in resident.items():
             self.model_resident_bytes.labels(model).set(nbytes)
+
+    def observe_node(self, node: str, epoch: int) -> None:
+        self.node_info.clear()  # the previous epoch's series ends
+        self.node_info.labels(node, str(epoch)).set(1)
+
+    def observe_cluster(self, live: int, expired: int) -> None:
+        self.cluster_nodes.labels("live").set(live)
+        self.cluster_nodes.labels("expired").set(expired)
 
     async def render(self, store: StatusCounts, *, engine_alive: bool) -> bytes:
         """The text exposition, with the scrape-time gauges read first."""

@@ -65,6 +65,7 @@ class Cluster:
             host=socket.gethostname(), pid=os.getpid(), url=self.url, models=self.models()
         )
         log.info("node %s joined the cluster (lease epoch %s)", self.node_id, self.store.fence.epoch)
+        self.store.metrics.observe_node(self.node_id, self.store.fence.epoch or 0)
 
     def start(self, supervisor: Supervisor) -> None:
         """Serving: other nodes' changes are heard, dead nodes' tasks taken over."""
@@ -101,6 +102,7 @@ class Cluster:
         running = len(supervisor.running) if supervisor is not None else 0
         if not await self.nodes.heartbeat(self.store.fence, running, self.models()):
             self.lost += 1
+            self.store.metrics.node_leases_lost.inc()
             log.error(
                 "node %s: its lease (epoch %s) was taken over by another node: stopping its generations",
                 self.node_id,
@@ -112,12 +114,14 @@ class Cluster:
             if supervisor is not None:
                 await supervisor.recover()
                 supervisor.wake()
+        self.store.metrics.observe_cluster(*await self.nodes.counts())
         if supervisor is None:
             return  # still starting: taking over dead nodes' work waits until this one serves
         for dead in await self.nodes.expired():
             taken = await self.nodes.take_over(dead, self.store.fence)
             if taken:
                 self.taken_over += len(taken)
+                self.store.metrics.node_tasks_taken_over.inc(len(taken))
                 log.warning("node %s's lease expired: %d unfinished tasks taken over here", dead, len(taken))
                 await supervisor.recover(taken)
                 supervisor.wake()

@@ -93,6 +93,11 @@ class NodeStore:
         rows = await self.db.all("nodes_list")
         return [msgspec.convert({k: r[k] for k in r.keys()}, NodeInfo) for r in rows]  # noqa: SIM118
 
+    async def counts(self) -> tuple[int, int]:
+        """Nodes whose lease is live, and those whose lease expired (not yet taken over)."""
+        row = await self.db.one("nodes_count")
+        return (int(row["live"]), int(row["expired"])) if row else (0, 0)
+
     async def clock(self) -> float:
         """The database's clock (Unix seconds): what leases are measured by."""
         row = await self.db.one("clock")

@@ -264,3 +264,7 @@ INSERT INTO secrets (name, value) VALUES (:name, :value) ON CONFLICT (name) DO N
 
 -- name: secret_get
 SELECT value FROM secrets WHERE name = :name;
+
+-- name: nodes_count
+SELECT count(*) FILTER (WHERE expires_at >= now()) AS live, count(*) FILTER (WHERE expires_at < now()) AS expired
+FROM nodes;

@@ -123,3 +123,18 @@ def test_the_cluster_route_lists_this_node_to_operators(client: TestClient) -> N
     [node] = body["nodes"]
     assert (node["id"], node["epoch"], node["expired"]) == (body["node"], body["epoch"], False)
     assert node["models"] == ["tiny"] and node["expires_at"] > node["heartbeat_at"]
+
+
+def test_metrics_name_this_node_and_count_the_nodes_by_lease(client: TestClient) -> None:
+    ops = {"Authorization": "Bearer ops-secret-token"}
+    body = client.get("/lmsp/v1/cluster", headers=ops).json()
+
+    def metrics() -> str:
+        return client.get("/metrics", headers=ALICE).text
+
+    assert f'lmspd_node_info{{epoch="{body["epoch"]}",node="{body["node"]}"}} 1.0' in metrics()  # labels sorted
+    assert "lmspd_node_leases_lost_total 0.0" in metrics()
+    assert "lmspd_node_tasks_taken_over_total 0.0" in metrics()
+    # Counted at each heartbeat: this node alone, its lease live.
+    wait_until(lambda: 'lmspd_cluster_nodes{lease="live"} 1.0' in metrics(), "a heartbeat to count the nodes")
+    assert 'lmspd_cluster_nodes{lease="expired"} 0.0' in metrics()

@@ -33,6 +33,7 @@ from lmspd.errors import (
     LeaseLostError,
     LmspdError,
     StorageFullError,
+    StoreUnavailableError,
     error_for,
 )
 from lmspd.metrics import Metrics
@@ -166,7 +167,14 @@ class Supervisor:
             room = 2 * self.config.engine.max_concurrency - len(self.running)
             if room <= 0:
                 continue
-            for task_id in await self.store.queued_ids(room + len(self.running)):
+            try:
+                queued = await self.store.queued_ids(room + len(self.running))
+            except StoreUnavailableError as exc:  # PostgreSQL away: this loop must outlive it
+                log.warning("the queue cannot be read (%s); again in 1s", exc.message)
+                await asyncio.sleep(1.0)
+                self.wake()
+                continue
+            for task_id in queued:
                 if task_id not in self.running and room > 0:
                     self.running[task_id] = asyncio.create_task(self._run(task_id), name=f"run {task_id}")
                     room -= 1

@@ -122,6 +122,54 @@ class PostgresServer:
             **quiet,  # type: ignore[call-overload]
         )
 
+    def pause(self) -> None:
+        """The server stopped at once (as a crash or a pulled cable would), its data kept:
+        :meth:`resume` starts it again on the same port."""
+        assert self.bindir is not None and self.root is not None and self.external is None
+        subprocess.run(
+            [
+                *self._as_owner(),
+                str(self.bindir / "pg_ctl"),
+                "-D",
+                str(self.root / "data"),
+                "-m",
+                "immediate",
+                "-w",
+                "stop",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            timeout=60,
+            check=True,
+        )
+
+    def resume(self) -> None:
+        assert self.bindir is not None and self.root is not None and self.external is None
+        options = (
+            f"-c port={self.port} -c listen_addresses=127.0.0.1 -c unix_socket_directories={self.root} "
+            "-c max_connections=200 -c shared_buffers=64MB"
+        )
+        subprocess.run(
+            [
+                *self._as_owner(),
+                str(self.bindir / "pg_ctl"),
+                "-D",
+                str(self.root / "data"),
+                "-l",
+                str(self.root / "log"),
+                "-o",
+                options,
+                "-w",
+                "-t",
+                "60",
+                "start",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            timeout=120,
+            check=True,
+        )
+
     def stop(self) -> None:
         if self.external is not None or self.root is None:
             return

@@ -52,9 +52,10 @@ WHERE id = (SELECT id FROM tasks WHERE id = :id AND status = 'queued' AND node I
   AND status IN (SELECT jsonb_array_elements_text(CAST(:sources AS jsonb)));
 
 -- name: delete_finished_unstored
+-- This node's own (or never claimed): another node's may still be streaming to its reader.
 DELETE FROM tasks WHERE id IN (
     SELECT id FROM tasks WHERE kind = 'response' AND stored = 0 AND background = 0
-      AND status IN {TERMINAL} LIMIT :limit);
+      AND status IN {TERMINAL} AND (node = CAST(:me AS text) OR node IS NULL) LIMIT :limit);
 
 -- name: get_task_by_response
 SELECT * FROM tasks WHERE response_id = :response_id;

@@ -359,7 +359,9 @@ class TaskStore:
         return TaskRecord.from_row(row)
 
     async def delete_finished_unstored(self, limit: int = 500) -> int:
-        return await self.db.writer.submit(_rowcount("delete_finished_unstored", {"limit": limit}))
+        """Foreground store:false responses a crash left finished; on PostgreSQL this node's only."""
+        params = {"limit": limit, **self.fence.params()}
+        return await self.db.writer.submit(_rowcount("delete_finished_unstored", params))
 
     async def delete(self, task_id: str) -> bool:
         return await self.db.writer.submit(_rowcount("delete_task", {"id": task_id})) == 1

@@ -15,7 +15,7 @@ from lmspd.errors import LeaseLostError
 from lmspd.store.nodes import NodeStore
 from lmspd.store.opening import open_database
 from lmspd.store.pg import PgDatabase
-from lmspd.store.task_store import Fence, NewEvent, TaskRecord, TaskStore
+from lmspd.store.task_store import Fence, NewEvent, ResponseFields, TaskRecord, TaskStore
 from lmspd.store.url import StoreUrl
 
 
@@ -116,6 +116,26 @@ async def test_each_queued_task_is_claimed_by_one_node(nodes: list[Node]) -> Non
     assert sorted(t.id for t in won) == sorted(t.id for t in tasks)  # each once, by someone
     for task in won:
         assert task.node in ("a", "b", "c") and task.epoch is not None
+
+
+async def test_a_node_clears_only_its_own_finished_unstored_responses(nodes: list[Node]) -> None:
+    """At start a node removes the foreground store:false responses a crash left finished: its
+    own, never another node's, whose reader may still be streaming it."""
+    a, b, _ = nodes
+    await a.join()
+    await b.join()
+    task, _ = await a.store.create(
+        owner="o",
+        request=b"{}",
+        on_restart="fail",
+        first_event=event("response.created"),
+        response=ResponseFields(background=False, stored=False),
+    )
+    for step in ("loading", "running", "succeeded"):
+        assert await a.store.transition(task.id, step) is not None
+    assert await b.store.delete_finished_unstored() == 0
+    assert (await b.store.get(task.id)).status == "succeeded"
+    assert await a.store.delete_finished_unstored() == 1
 
 
 async def test_listeners_hear_commits_of_other_nodes(nodes: list[Node]) -> None:

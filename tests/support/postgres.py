@@ -96,6 +96,10 @@ class PostgresServer:
             ],
             **quiet,  # type: ignore[call-overload]
         )
+        self._pg_ctl_start()
+
+    def _pg_ctl_start(self) -> None:
+        assert self.bindir is not None and self.root is not None
         # fsync off: the tests prove what the store commits and reads, not the disk's durability
         # (synchronous_commit stays on, as in production); a small cluster starts fast.
         options = (
@@ -104,14 +108,15 @@ class PostgresServer:
         )
         if not self.durable:
             options += " -c fsync=off -c full_page_writes=off"
+        data, log = str(self.root / "data"), str(self.root / "log")
         subprocess.run(
             [
                 *self._as_owner(),
                 str(self.bindir / "pg_ctl"),
                 "-D",
-                str(data),
+                data,
                 "-l",
-                str(self.root / "log"),
+                log,
                 "-o",
                 options,
                 "-w",
@@ -119,77 +124,38 @@ class PostgresServer:
                 "60",
                 "start",
             ],
-            **quiet,  # type: ignore[call-overload]
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            check=True,
+            timeout=120,
+        )
+
+    def _pg_ctl_stop(self, *, check: bool) -> None:
+        assert self.bindir is not None and self.root is not None
+        data = str(self.root / "data")
+        subprocess.run(
+            [*self._as_owner(), str(self.bindir / "pg_ctl"), "-D", data, "-m", "immediate", "-w", "stop"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE if check else subprocess.DEVNULL,
+            timeout=60,
+            check=check,
         )
 
     def pause(self) -> None:
         """The server stopped at once (as a crash or a pulled cable would), its data kept:
         :meth:`resume` starts it again on the same port."""
-        assert self.bindir is not None and self.root is not None and self.external is None
-        subprocess.run(
-            [
-                *self._as_owner(),
-                str(self.bindir / "pg_ctl"),
-                "-D",
-                str(self.root / "data"),
-                "-m",
-                "immediate",
-                "-w",
-                "stop",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            timeout=60,
-            check=True,
-        )
+        assert self.external is None
+        self._pg_ctl_stop(check=True)
 
     def resume(self) -> None:
-        assert self.bindir is not None and self.root is not None and self.external is None
-        options = (
-            f"-c port={self.port} -c listen_addresses=127.0.0.1 -c unix_socket_directories={self.root} "
-            "-c max_connections=200 -c shared_buffers=64MB"
-        )
-        subprocess.run(
-            [
-                *self._as_owner(),
-                str(self.bindir / "pg_ctl"),
-                "-D",
-                str(self.root / "data"),
-                "-l",
-                str(self.root / "log"),
-                "-o",
-                options,
-                "-w",
-                "-t",
-                "60",
-                "start",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            timeout=120,
-            check=True,
-        )
+        assert self.external is None
+        self._pg_ctl_start()
 
     def stop(self) -> None:
         if self.external is not None or self.root is None:
             return
-        assert self.bindir is not None
         with contextlib.suppress(subprocess.SubprocessError):
-            subprocess.run(
-                [
-                    *self._as_owner(),
-                    str(self.bindir / "pg_ctl"),
-                    "-D",
-                    str(self.root / "data"),
-                    "-m",
-                    "immediate",
-                    "stop",
-                ],
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                timeout=60,
-                check=False,
-            )
+            self._pg_ctl_stop(check=False)
         shutil.rmtree(self.root, ignore_errors=True)
         self.root = None
 

@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 from starlette.testclient import TestClient
-from support.engine_host import Host
+from support.engine_host import Host, tiny_config
 from support.wait import wait_until
 
 from lmspd import __version__
 from lmspd.api.console import ASSETS, CSP
-from lmspd.config import Config, EngineConfig, ModelEntry, ServerConfig
+from lmspd.config import EngineConfig
 from lmspd.models.registry import ResolvedModel
 from lmspd.store.status import STATUSES
 
@@ -30,13 +30,7 @@ BOB = {"Authorization": f"Bearer {TOKENS['bob']}"}
 def client(
     host: Host, tmp_path_factory: pytest.TempPathFactory, model_cache: Path, tiny: ResolvedModel
 ) -> Iterator[TestClient]:
-    config = Config(
-        default_model="tiny",
-        cache_dir=str(model_cache),
-        models={"tiny": ModelEntry(path=str(tiny.path))},
-        engine=ENGINE,
-        server=ServerConfig(data_dir=str(tmp_path_factory.mktemp("console") / "data"), tokens=TOKENS),
-    )
+    config = tiny_config(tiny, model_cache, tmp_path_factory.mktemp("console") / "data", ENGINE, tokens=TOKENS)
     with host.serve(config) as c:
         yield c
 

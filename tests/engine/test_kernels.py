@@ -207,3 +207,38 @@ def test_a_build_leaves_no_temporary_directory_neither_its_own_nor_a_killed_ones
     with pytest.raises(kernels.KernelUnavailable, match="did not compile"):
         kernels.build(tmp_path / "cache")
     assert not list((tmp_path / "cache").glob(f"*/{kernels.BUILD_PREFIX}*"))  # at start and on error
+
+
+def test_activations_in_any_layout_are_read_as_their_values(ext: ModuleType) -> None:
+    """Activations reach the primitives without a Contiguous node (fused.h, rows_of): a
+    transposed, sliced or broadcast x gives the bits its contiguous copy gives."""
+    q, s, b = _quantized(96, 128, 32, 4, mx.float16)
+    base = mx.random.normal((128, 6), key=mx.random.key(11))
+    layouts = {
+        "transposed": base.T,  # (6, 128), column-major
+        "sliced": mx.random.normal((6, 256), key=mx.random.key(12))[:, ::2],
+        "broadcast": mx.broadcast_to(base[:, 0], (6, 128)),
+    }
+    cos, sin = packed.rope_tables(128, 10000.0, 1.0, 64)
+    at = mx.array(5, dtype=mx.int32)
+    norm_w = mx.random.normal((128,), key=mx.random.key(13))
+    for name, x in layouts.items():
+        dense = mx.array(x.tolist())  # the same values, row-contiguous
+        pairs = [
+            (ext.quantized_matvec(x, q, s, b, 32, 4), ext.quantized_matvec(dense, q, s, b, 32, 4)),
+            (
+                ext.quantized_matvecs(x, q, s, b, 32, 4, [32, 64])[1],
+                ext.quantized_matvecs(dense, q, s, b, 32, 4, [32, 64])[1],
+            ),
+            (ext.rms_norm(x, norm_w, 1e-5), ext.rms_norm(dense, norm_w, 1e-5)),
+            (
+                ext.rope(x.reshape(1, 6, 1, 128), cos, sin, at, 128, False),
+                ext.rope(dense.reshape(1, 6, 1, 128), cos, sin, at, 128, False),
+            ),
+            (
+                ext.rope(x[None, :, None], cos, sin, at, 128, True),
+                ext.rope(dense[None, :, None], cos, sin, at, 128, True),
+            ),
+        ]
+        for i, (got, want) in enumerate(pairs):
+            assert got.shape == want.shape and mx.array_equal(got, want).item(), (name, i)

@@ -24,6 +24,33 @@
 
 namespace {
 
+// An activation's elements in row-major order, for the kernels, which read rows. Activations
+// reach the primitives as they come: a Contiguous node per activation per call was 242 of a
+// decode step's 1,340 primitives (docs/benchmarks.md, "Step profile"), and at evaluation they
+// are nearly always row-contiguous already (MLX flags a transposed axis of size 1 so); only
+// otherwise are they copied, here.
+inline const float* rows_of(const mx::array& x, std::vector<float>& copy) {
+  if (x.flags().row_contiguous || x.size() == 0) return x.data<float>();
+  copy.resize(x.size());
+  const auto& shape = x.shape();
+  const auto& strides = x.strides();
+  const int nd = x.ndim();
+  const float* base = x.data<float>();
+  const size_t inner = shape[nd - 1];
+  const int64_t step = strides[nd - 1];
+  std::vector<int> at(nd, 0);
+  for (size_t done = 0; done < x.size(); done += inner) {
+    int64_t offset = 0;
+    for (int d = 0; d < nd - 1; ++d) offset += int64_t(at[d]) * strides[d];
+    for (size_t i = 0; i < inner; ++i) copy[done + i] = base[offset + int64_t(i) * step];
+    for (int d = nd - 2; d >= 0; --d) {
+      if (++at[d] < shape[d]) break;
+      at[d] = 0;
+    }
+  }
+  return copy.data();
+}
+
 // x: (B, H, T, D) row-contiguous; cs, sn: (P, dims / 2); offset: B positions, or one for all.
 LMSPD_NO_CONTRACT_ATTR void rope_rows(const float* x, const float* cs, const float* sn, const int32_t* offset,
                                       int n_offsets, float* out, int B, int H, int T, int D, int dims, int P,
@@ -72,7 +99,8 @@ class TableRope : public mx::UnaryPrimitive {
                   s = mx::array::unsafe_weak_copy(inputs[2]), off = mx::array::unsafe_weak_copy(inputs[3]),
                   out = mx::array::unsafe_weak_copy(out), B, H, T, D, P, n_offsets, dims = dims_,
                   trad = traditional_]() mutable {
-      rope_rows(x.data<float>(), c.data<float>(), s.data<float>(), off.data<int32_t>(), n_offsets, out.data<float>(),
+      std::vector<float> copy;
+      rope_rows(rows_of(x, copy), c.data<float>(), s.data<float>(), off.data<int32_t>(), n_offsets, out.data<float>(),
                 B, H, T, D, dims, P, trad);
     });
   }
@@ -128,7 +156,8 @@ class RmsNorm : public mx::UnaryPrimitive {
     const int D = x.shape(-1);
     enc.dispatch([x = mx::array::unsafe_weak_copy(x), w = mx::array::unsafe_weak_copy(inputs[1]),
                   out = mx::array::unsafe_weak_copy(out), D, eps = eps_]() mutable {
-      rms_norm_rows(x.data<float>(), w.data<float>(), out.data<float>(), x.size() / D, D, eps);
+      std::vector<float> copy;
+      rms_norm_rows(rows_of(x, copy), w.data<float>(), out.data<float>(), x.size() / D, D, eps);
     });
   }
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {

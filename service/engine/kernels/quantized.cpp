@@ -270,7 +270,8 @@ class QuantizedMatvec : public mx::UnaryPrimitive {
     enc.dispatch([x = mx::array::unsafe_weak_copy(x), w = mx::array::unsafe_weak_copy(w),
                   sc = mx::array::unsafe_weak_copy(sc), bi = mx::array::unsafe_weak_copy(bi),
                   out = mx::array::unsafe_weak_copy(out), M, N, K, GS, kernel, split]() mutable {
-      const float* xp = x.data<float>();
+      std::vector<float> copy;
+      const float* xp = rows_of(x, copy);
       const uint32_t* wp = w.data<uint32_t>();
       const void* sp = sc.data<uint8_t>();
       const void* bp = bi.data<uint8_t>();
@@ -324,7 +325,8 @@ class QuantizedMatvecs : public mx::Primitive {
     for (const auto& a : inputs) weak.push_back(mx::array::unsafe_weak_copy(a));
     for (const auto& o : outputs) weak.push_back(mx::array::unsafe_weak_copy(o));
     enc.dispatch([weak = std::move(weak), widths, M, K, W, G, GS, item, kernel]() mutable {
-      const float* xp = weak[0].data<float>();
+      std::vector<float> copy;
+      const float* xp = rows_of(weak[0], copy);
       const uint32_t* wp = weak[1].data<uint32_t>();
       const uint8_t* sp = weak[2].data<uint8_t>();
       const uint8_t* bp = weak[3].data<uint8_t>();
@@ -404,8 +406,9 @@ void check(const mx::array& w, const mx::array& scales, const mx::array& biases,
     throw std::invalid_argument("w, scales and biases do not match");
 }
 
-// An input as the kernels read it: row-contiguous. A weight already evaluated that way is
-// passed as it is: a Contiguous node per weight per product was ~630 of a decode step's graph.
+// A weight, table or offset as the kernels read it: row-contiguous. One already evaluated that
+// way is passed as it is: a Contiguous node per weight per product was ~630 of a decode step's
+// graph. Activations (x) are passed as they come and read through rows_of (fused.h).
 mx::array row_contiguous(const mx::array& a, mx::Stream s) {
   if (a.is_available() && a.flags().row_contiguous) return a;
   return mx::contiguous(a, false, s);
@@ -430,7 +433,7 @@ mx::array quantized_matvec(const mx::array& x, const mx::array& w, const mx::arr
   auto s = mx::default_stream(mx::Device::cpu);
   auto shape = x.shape();
   shape.back() = N;
-  std::vector<mx::array> inputs = {row_contiguous(x, s), row_contiguous(w, s), row_contiguous(scales, s),
+  std::vector<mx::array> inputs = {x, row_contiguous(w, s), row_contiguous(scales, s),
                                    row_contiguous(biases, s)};
   return mx::array(shape, mx::float32, std::make_shared<QuantizedMatvec>(s, bits, group_size, split, simd), inputs);
 }
@@ -446,7 +449,7 @@ mx::array rope(const mx::array& x, const mx::array& cos, const mx::array& sin, c
   if (offset.dtype() != mx::int32 || offset.ndim() > 1 || (offset.size() != 1 && offset.size() != x.size() / (x.shape(-1) * x.shape(-2) * x.shape(-3))))
     throw std::invalid_argument("offset must be int32, one or one per batch row");
   auto s = mx::default_stream(mx::Device::cpu);
-  std::vector<mx::array> inputs = {row_contiguous(x, s), row_contiguous(cos, s), row_contiguous(sin, s),
+  std::vector<mx::array> inputs = {x, row_contiguous(cos, s), row_contiguous(sin, s),
                                    row_contiguous(offset, s)};
   return mx::array(x.shape(), mx::float32, std::make_shared<TableRope>(s, dims, traditional), inputs);
 }
@@ -467,7 +470,7 @@ std::vector<mx::array> quantized_matvecs(const mx::array& x, const mx::array& w,
     shape.back() = n;
     shapes.push_back(shape);
   }
-  std::vector<mx::array> inputs = {row_contiguous(x, s), row_contiguous(w, s), row_contiguous(scales, s),
+  std::vector<mx::array> inputs = {x, row_contiguous(w, s), row_contiguous(scales, s),
                                    row_contiguous(biases, s)};
   return mx::array::make_arrays(std::move(shapes), std::vector<mx::Dtype>(widths.size(), mx::float32),
                                 std::make_shared<QuantizedMatvecs>(s, bits, group_size, widths), inputs);
@@ -480,7 +483,7 @@ mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps) {
     throw std::invalid_argument("x and weight must be float32, the weight 1-D and as wide as x");
   auto s = mx::default_stream(mx::Device::cpu);
   return mx::array(x.shape(), mx::float32, std::make_shared<RmsNorm>(s, eps),
-                   {row_contiguous(x, s), row_contiguous(weight, s)});
+                   {x, row_contiguous(weight, s)});
 }
 
 // Seconds to read all of a's bytes once on both threads: the memory bandwidth a matvec's

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import re
 import statistics
+import sys
 import tempfile
 import time
 from collections import Counter
@@ -119,10 +120,13 @@ def row(name: str, ms: float, total: float, note: str = "") -> None:
 def decode_profile(model: Any, batch: int, reps: int) -> None:
     import mlx.core as mx
     from mlx_lm.models.activations import swiglu
-    from mlx_lm.models.base import scaled_dot_product_attention
     from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
     args = model.args
+    # The attention the model's layers call (packed.DecodeAttention where lmspd's kernels run).
+    scaled_dot_product_attention = sys.modules[
+        type(model.model.layers[0].self_attn).__module__
+    ].scaled_dot_product_attention
     heads, kv_heads = args.num_attention_heads, args.num_key_value_heads
     head_dim = getattr(args, "head_dim", None) or args.hidden_size // heads
     cache = make_prompt_cache(model)

@@ -7,6 +7,9 @@ and biases as they are, and multiplies through lmspd's kernels (``kernels/quanti
   once for all rows;
 - a prefill's many rows go through ``dequantize`` into a transient float32 matrix and BLAS,
   as fast as dense float32 weights;
+- a decode step's attention goes through ``decode_attention``, one primitive where
+  mx.fast.scaled_dot_product_attention on the CPU builds a dozen, with the very BLAS calls
+  and softmax of that fallback (``kernels/attention.h``);
 - a decode step's rotary embeddings go through ``rope``, one primitive where mx.fast.rope on
   the CPU is its ~15-primitive fallback, from tables of the fallback's own cos and sin; every
   RMSNorm through ``rms_norm``, one primitive for mx.fast.rms_norm's eight.
@@ -19,6 +22,7 @@ against ~90 MB packed).
 
 from __future__ import annotations
 
+import sys
 from types import ModuleType
 from typing import Any
 
@@ -184,6 +188,56 @@ class FusedRMSNorm(nn.Module):  # type: ignore[misc]  # mlx is untyped
         return mx.fast.rms_norm(x, self.weight, self.eps)
 
 
+class DecodeAttention:
+    """mlx-lm's ``scaled_dot_product_attention`` with a decode step's calls (one query row,
+    float32, no attention sinks, a plain KV cache) in one primitive, bit for bit the fallback
+    mx.fast.scaled_dot_product_attention runs on the CPU (tests/engine/test_kernels.py); every
+    other call goes to mlx-lm's own."""
+
+    def __init__(self, original: Any, ext: ModuleType) -> None:
+        self.original = original
+        self._ext = ext
+
+    def __call__(
+        self,
+        queries: mx.array,
+        keys: mx.array,
+        values: mx.array,
+        cache: Any,
+        scale: float,
+        mask: Any,
+        sinks: Any = None,
+    ) -> mx.array:
+        f32 = queries.dtype == keys.dtype == values.dtype == mx.float32
+        if (
+            sinks is None
+            and f32
+            and queries.ndim == keys.ndim == 4
+            and queries.shape[2] == 1
+            and not hasattr(cache, "bits")
+        ):
+            if mask is None or isinstance(mask, str):  # one query row: "causal" masks nothing
+                out: mx.array = self._ext.decode_attention(queries, keys, values, None, scale)
+                return out
+            if isinstance(mask, mx.array) and mask.dtype in (mx.bool_, mx.float32) and mask.ndim <= 4:
+                out = self._ext.decode_attention(queries, keys, values, mask, scale)
+                return out
+        result: mx.array = self.original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+        return result
+
+
+def use_decode_attention(model: nn.Module, ext: ModuleType) -> None:
+    """Point the model's mlx-lm modules at DecodeAttention: each binds mlx-lm's
+    ``scaled_dot_product_attention`` as a module global at import. Process-wide, and harmless to
+    other models there: the calls it takes get the bits they got."""
+    from mlx_lm.models import base
+
+    for _, module in model.named_modules():
+        namespace = sys.modules.get(type(module).__module__)
+        if getattr(namespace, "scaled_dot_product_attention", None) is base.scaled_dot_product_attention:
+            namespace.scaled_dot_product_attention = DecodeAttention(base.scaled_dot_product_attention, ext)  # type: ignore[union-attr]
+
+
 def rope_tables(dims: int, base: float, scale: float, positions: int) -> tuple[mx.array, mx.array]:
     """cos and sin of every position's angles, as mx.fast.rope's fallback computes them."""
     half = dims // 2
@@ -255,3 +309,4 @@ def pack(model: nn.Module, ext: ModuleType) -> None:
     model.update_modules(tree_unflatten(norms))
     for layers in Siblings.find(model):
         Siblings(layers, ext)
+    use_decode_attention(model, ext)

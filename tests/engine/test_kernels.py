@@ -242,3 +242,42 @@ def test_activations_in_any_layout_are_read_as_their_values(ext: ModuleType) -> 
         ]
         for i, (got, want) in enumerate(pairs):
             assert got.shape == want.shape and mx.array_equal(got, want).item(), (name, i)
+
+
+@pytest.mark.parametrize(
+    ("batch", "heads", "kv_heads", "keys", "dim"),
+    [(1, 9, 3, 101, 64), (8, 9, 3, 37, 64), (2, 4, 4, 1, 32), (3, 8, 2, 700, 128)],
+)
+def test_decode_attention_is_mx_fast_attention_bit_for_bit(
+    ext: ModuleType, batch: int, heads: int, kv_heads: int, keys: int, dim: int
+) -> None:
+    """One query row per sequence, against MLX's own CPU fallback: no mask, a boolean one (a
+    batch's left padding), an additive one; keys as a KV cache's slice of a longer buffer, and
+    stored transposed (the fallback's other BLAS call)."""
+    q = mx.random.normal((batch, heads, 1, dim), key=mx.random.key(1))
+    k = mx.random.normal((batch, kv_heads, keys + 50, dim), key=mx.random.key(2))[..., :keys, :]
+    v = mx.random.normal((batch, kv_heads, keys + 50, dim), key=mx.random.key(3))[..., :keys, :]
+    masks = [
+        None,
+        mx.random.uniform(shape=(batch, 1, 1, keys), key=mx.random.key(4)) > 0.3,
+        mx.random.normal((batch, heads, 1, keys), key=mx.random.key(5)),
+        mx.random.normal((keys,), key=mx.random.key(6)),
+    ]
+    column_major = mx.swapaxes(mx.swapaxes(k, 2, 3) + 0, 2, 3)
+    for kk, vv in ((k, v), (column_major, column_major)):
+        for mask in masks:
+            want = mx.fast.scaled_dot_product_attention(q, kk, vv, scale=dim**-0.5, mask=mask)
+            got = ext.decode_attention(q, kk, vv, mask, dim**-0.5)
+            assert got.shape == want.shape and mx.array_equal(got, want).item(), None if mask is None else mask.shape
+
+
+def test_decode_attention_refuses_what_it_cannot_take(ext: ModuleType) -> None:
+    q, k = mx.zeros((1, 4, 1, 8)), mx.zeros((1, 2, 5, 8))
+    with pytest.raises(ValueError, match="one query row"):
+        ext.decode_attention(mx.zeros((1, 4, 2, 8)), k, k, None, 1.0)
+    with pytest.raises(ValueError, match="do not match"):
+        ext.decode_attention(mx.zeros((1, 3, 1, 8)), k, k, None, 1.0)
+    with pytest.raises(ValueError, match="broadcast"):
+        ext.decode_attention(q, k, k, mx.zeros((1, 4, 1, 6)), 1.0)
+    with pytest.raises(ValueError, match="bool or float32"):
+        ext.decode_attention(q, k, k, mx.zeros((5,), dtype=mx.int32), 1.0)

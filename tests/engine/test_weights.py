@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
@@ -64,6 +67,41 @@ def test_packed_float32_decodes_a_batch_of_uneven_prompts_as_the_quantized_model
     attention = packed_model.model.layers[0].self_attn
     assert attention.q_proj._siblings is attention.v_proj._siblings is not None  # one call for q, k, v
     assert tokens(packed_model) == tokens(quantized)
+
+
+def test_a_decode_steps_attention_is_one_primitive_with_the_fallbacks_bits(tiny: ResolvedModel, tmp_path: Path) -> None:
+    """packed.DecodeAttention takes each decode step's attention (one primitive in the step's
+    graph) and computes the logits mlx-lm's own attention computes, bit for bit."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, _ = load_model(tiny.path)
+    apply_weight_dtype(model, "quantized_float32")
+    namespace = sys.modules[type(model.model.layers[0].self_attn).__module__]
+    fused = namespace.scaled_dot_product_attention
+    assert isinstance(fused, packed.DecodeAttention)
+    prompt = mx.array([[(7 * i) % 900 + 3 for i in range(23)]])
+
+    def decode(attention: object, steps: int = 6) -> list[mx.array]:
+        setattr(namespace, "scaled_dot_product_attention", attention)  # noqa: B010  # mlx-lm is untyped
+        cache = make_prompt_cache(model)
+        token = mx.argmax(model(prompt, cache=cache)[:, -1], axis=-1)[:, None]
+        out = []
+        for _ in range(steps):
+            logits = model(token, cache=cache)[:, -1]
+            mx.eval(logits)
+            out.append(logits)
+            token = mx.argmax(logits, axis=-1)[:, None]
+        return out
+
+    try:
+        cache = make_prompt_cache(model)
+        model(prompt, cache=cache)
+        mx.export_to_dot(str(tmp_path / "step.dot"), model(prompt[:, :1], cache=cache))
+        assert "LmspdDecodeAttention" in (tmp_path / "step.dot").read_text()
+        got, want = decode(fused), decode(fused.original)
+    finally:
+        setattr(namespace, "scaled_dot_product_attention", fused)  # noqa: B010
+    assert all(mx.array_equal(g, w).item() for g, w in zip(got, want, strict=True))
 
 
 def test_packed_float32_prefills_through_the_dense_product(tiny: ResolvedModel) -> None:

@@ -21,8 +21,10 @@
 // extensions (qmv_portable, which any target builds); both compute the same bits, and the tests
 // hold them to it. The engine builds this on the machine that runs it (kernels/__init__.py).
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/vector.h>
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -143,6 +145,12 @@ Pool& pool() {
   static Pool* p = new Pool();  // never destroyed: its thread outlives static teardown
   return *p;
 }
+
+}  // namespace
+
+#include "attention.h"  // uses the Pool
+
+namespace {
 
 // Chunks of about this many weights x rows: a few microseconds each, and enough of them to share.
 constexpr int CHUNK_WORK = 1 << 15;
@@ -486,6 +494,34 @@ mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps) {
                    {x, row_contiguous(weight, s)});
 }
 
+// mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask) for one query row per
+// sequence: q (B, H, 1, D), k (B, kvH, Lk, D), v (B, kvH, Lk, Dv), float32; mask None, bool or
+// float32, broadcastable to (B, H, 1, Lk).
+mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::array& v,
+                           const std::optional<mx::array>& mask, float scale) {
+  const bool f32 = q.dtype() == mx::float32 && k.dtype() == mx::float32 && v.dtype() == mx::float32;
+  if (!f32 || q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4 || q.shape(2) != 1)
+    throw std::invalid_argument("q, k and v must be 4-D float32, with one query row");
+  if (k.shape(0) != q.shape(0) || v.shape(0) != q.shape(0) || k.shape(3) != q.shape(3) || v.shape(1) != k.shape(1) ||
+      v.shape(2) != k.shape(2) || k.shape(1) == 0 || q.shape(1) % k.shape(1) != 0)
+    throw std::invalid_argument("q, k and v do not match");
+  auto s = mx::default_stream(mx::Device::cpu);
+  std::vector<mx::array> inputs = {q, k, v};
+  auto kind = DecodeAttention::kNone;
+  if (mask) {
+    const auto& m = *mask;
+    if (m.dtype() != mx::bool_ && m.dtype() != mx::float32) throw std::invalid_argument("mask must be bool or float32");
+    const mx::Shape target = {q.shape(0), q.shape(1), 1, k.shape(2)};
+    bool fits = m.ndim() <= 4;
+    for (int d = 0; fits && d < m.ndim(); ++d) fits = m.shape(d) == 1 || m.shape(d) == target[4 - m.ndim() + d];
+    if (!fits) throw std::invalid_argument("mask must broadcast to (B, H, 1, keys)");
+    kind = m.dtype() == mx::bool_ ? DecodeAttention::kBool : DecodeAttention::kAdd;
+    inputs.push_back(m);
+  }
+  return mx::array({q.shape(0), q.shape(1), 1, v.shape(3)}, mx::float32, std::make_shared<DecodeAttention>(s, scale, kind),
+                   inputs);
+}
+
 // Seconds to read all of a's bytes once on both threads: the memory bandwidth a matvec's
 // weights stream at, for bench.matvec's bound.
 double read_seconds(const mx::array& a) {
@@ -520,6 +556,8 @@ NB_MODULE(quantized_ext, m) {
   m.def("rms_norm", &rms_norm, nb::arg("x"), nb::arg("weight"), nb::arg("eps"));
   m.def("rope", &rope, nb::arg("x"), nb::arg("cos"), nb::arg("sin"), nb::arg("offset"), nb::arg("dims"),
         nb::arg("traditional"));
+  m.def("decode_attention", &decode_attention, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("mask").none(),
+        nb::arg("scale"));
   m.def("dequantize", &dequantize, nb::arg("w"), nb::arg("scales"), nb::arg("biases"), nb::arg("group_size"),
         nb::arg("bits"));
 }

@@ -124,9 +124,8 @@ def decode_profile(model: Any, batch: int, reps: int) -> None:
 
     args = model.args
     # The attention the model's layers call (packed.DecodeAttention where lmspd's kernels run).
-    scaled_dot_product_attention = sys.modules[
-        type(model.model.layers[0].self_attn).__module__
-    ].scaled_dot_product_attention
+    layer_module = sys.modules[type(model.model.layers[0].self_attn).__module__]
+    scaled_dot_product_attention = layer_module.scaled_dot_product_attention
     heads, kv_heads = args.num_attention_heads, args.num_key_value_heads
     head_dim = getattr(args, "head_dim", None) or args.hidden_size // heads
     cache = make_prompt_cache(model)
@@ -202,6 +201,26 @@ def decode_profile(model: Any, batch: int, reps: int) -> None:
     note = f"{compute_us:.1f} us per op, {view_us:.1f} per view; part of the rows above"
     row(f"  MLX per-primitive cost x {n_prims}", fixed, engine_ms, note)
     print("  primitives: " + ", ".join(f"{n} {c}" for n, c in graph.most_common(14)))
+    if hasattr(scaled_dot_product_attention, "original"):  # packed.DecodeAttention
+        # The same step with mlx-lm's own attention (MLX's fallback graph), alternating step by
+        # step in this process: a neighbour's load falls on both alike.
+        sides = {
+            "mlx-lm's attention": scaled_dot_product_attention.original,
+            "DecodeAttention": scaled_dot_product_attention,
+        }
+        steps: dict[str, list[float]] = {name: [] for name in sides}
+        try:
+            for _ in range(2 * reps):
+                for name, attention in sides.items():
+                    setattr(layer_module, "scaled_dot_product_attention", attention)  # noqa: B010
+                    start = time.perf_counter()
+                    mx.eval(build())
+                    steps[name].append(time.perf_counter() - start)
+                    trim_prompt_cache(cache, 1)
+        finally:
+            setattr(layer_module, "scaled_dot_product_attention", scaled_dot_product_attention)  # noqa: B010
+        a, b = (statistics.median(v) * 1e3 for v in steps.values())
+        print(f"  step, alternating: mlx-lm's attention {a:.2f} ms, DecodeAttention {b:.2f} ms ({a / b:.2f}x)")
 
 
 class _Counting:

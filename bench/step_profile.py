@@ -119,13 +119,13 @@ def row(name: str, ms: float, total: float, note: str = "") -> None:
 
 def decode_profile(model: Any, batch: int, reps: int) -> None:
     import mlx.core as mx
-    from mlx_lm.models.activations import swiglu
     from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
     args = model.args
     # The attention the model's layers call (packed.DecodeAttention where lmspd's kernels run).
     layer_module = sys.modules[type(model.model.layers[0].self_attn).__module__]
     scaled_dot_product_attention = layer_module.scaled_dot_product_attention
+    swiglu = layer_module.swiglu  # the layers' own (packed.SwiGLU where lmspd's kernels run)
     heads, kv_heads = args.num_attention_heads, args.num_key_value_heads
     head_dim = getattr(args, "head_dim", None) or args.hidden_size // heads
     cache = make_prompt_cache(model)
@@ -201,26 +201,38 @@ def decode_profile(model: Any, batch: int, reps: int) -> None:
     note = f"{compute_us:.1f} us per op, {view_us:.1f} per view; part of the rows above"
     row(f"  MLX per-primitive cost x {n_prims}", fixed, engine_ms, note)
     print("  primitives: " + ", ".join(f"{n} {c}" for n, c in graph.most_common(14)))
-    if hasattr(scaled_dot_product_attention, "original"):  # packed.DecodeAttention
-        # The same step with mlx-lm's own attention (MLX's fallback graph), alternating step by
-        # step in this process: a neighbour's load falls on both alike.
-        sides = {
-            "mlx-lm's attention": scaled_dot_product_attention.original,
-            "DecodeAttention": scaled_dot_product_attention,
-        }
-        steps: dict[str, list[float]] = {name: [] for name in sides}
+    # The same step with each of mlx-lm's functions that lmspd's kernels replace (packed.py:
+    # DecodeAttention, SwiGLU) put back alone, then all of them, alternating step by step in
+    # this process, so a neighbour's load falls on every side alike.
+    ours = {
+        n: f for n in ("scaled_dot_product_attention", "swiglu") if hasattr(f := getattr(layer_module, n), "original")
+    }
+    if ours:
+        sides: dict[str, dict[str, Any]] = {"lmspd's kernels": dict(ours)}
+        for name, function in ours.items():
+            sides[f"mlx-lm's {name}"] = {**ours, name: function.original}
+        sides["mlx-lm's, all"] = {name: function.original for name, function in ours.items()}
+        steps: dict[str, list[float]] = {side: [] for side in sides}
         try:
             for _ in range(2 * reps):
-                for name, attention in sides.items():
-                    setattr(layer_module, "scaled_dot_product_attention", attention)  # noqa: B010
+                for side, functions in sides.items():
+                    for name, function in functions.items():
+                        setattr(layer_module, name, function)
                     start = time.perf_counter()
                     mx.eval(build())
-                    steps[name].append(time.perf_counter() - start)
+                    steps[side].append(time.perf_counter() - start)
                     trim_prompt_cache(cache, 1)
         finally:
-            setattr(layer_module, "scaled_dot_product_attention", scaled_dot_product_attention)  # noqa: B010
-        a, b = (statistics.median(v) * 1e3 for v in steps.values())
-        print(f"  step, alternating: mlx-lm's attention {a:.2f} ms, DecodeAttention {b:.2f} ms ({a / b:.2f}x)")
+            for name, function in ours.items():
+                setattr(layer_module, name, function)
+        base = statistics.median(steps["lmspd's kernels"]) * 1e3
+        print(
+            "  the step, alternating: "
+            + ", ".join(
+                f"{side} {statistics.median(v) * 1e3:.2f} ms ({statistics.median(v) * 1e3 / base:.2f}x)"
+                for side, v in steps.items()
+            )
+        )
 
 
 class _Counting:

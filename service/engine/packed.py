@@ -10,6 +10,8 @@ and biases as they are, and multiplies through lmspd's kernels (``kernels/quanti
 - a decode step's attention goes through ``decode_attention``, one primitive where
   mx.fast.scaled_dot_product_attention on the CPU builds a dozen, with the very BLAS calls
   and softmax of that fallback (``kernels/attention.h``);
+- mlx-lm's ``swiglu`` goes through ``swiglu``, MLX's sigmoid on eight elements at a time on
+  both cores where MLX runs it one at a time on one (``kernels/elementwise.h``);
 - a decode step's rotary embeddings go through ``rope``, one primitive where mx.fast.rope on
   the CPU is its ~15-primitive fallback, from tables of the fallback's own cos and sin; every
   RMSNorm through ``rms_norm``, one primitive for mx.fast.rms_norm's eight.
@@ -226,16 +228,37 @@ class DecodeAttention:
         return result
 
 
-def use_decode_attention(model: nn.Module, ext: ModuleType) -> None:
-    """Point the model's mlx-lm modules at DecodeAttention: each binds mlx-lm's
-    ``scaled_dot_product_attention`` as a module global at import. Process-wide, and harmless to
-    other models there: the calls it takes get the bits they got."""
-    from mlx_lm.models import base
+class SwiGLU:
+    """mlx-lm's ``swiglu(gate, x)`` in one primitive on both cores for float32 arrays of one
+    shape (``kernels/elementwise.h``), bit for bit; anything else goes to mlx-lm's own."""
 
+    def __init__(self, original: Any, ext: ModuleType) -> None:
+        self.original = original
+        self._ext = ext
+
+    def __call__(self, gate: mx.array, x: mx.array) -> mx.array:
+        if gate.dtype == x.dtype == mx.float32 and gate.shape == x.shape:
+            out: mx.array = self._ext.swiglu(gate, x)
+            return out
+        result: mx.array = self.original(gate, x)
+        return result
+
+
+def use_module_kernels(model: nn.Module, ext: ModuleType) -> None:
+    """Point the model's mlx-lm modules at DecodeAttention and SwiGLU: each module binds mlx-lm's
+    ``scaled_dot_product_attention`` and ``swiglu`` as globals at import. Process-wide, and
+    harmless to other models there: the calls these take get the bits they got."""
+    from mlx_lm.models import activations, base
+
+    kernels = (
+        ("scaled_dot_product_attention", base.scaled_dot_product_attention, DecodeAttention),
+        ("swiglu", activations.swiglu, SwiGLU),
+    )
     for _, module in model.named_modules():
         namespace = sys.modules.get(type(module).__module__)
-        if getattr(namespace, "scaled_dot_product_attention", None) is base.scaled_dot_product_attention:
-            namespace.scaled_dot_product_attention = DecodeAttention(base.scaled_dot_product_attention, ext)  # type: ignore[union-attr]
+        for name, original, wrapper in kernels:
+            if getattr(namespace, name, None) is original:
+                setattr(namespace, name, wrapper(original, ext))
 
 
 def rope_tables(dims: int, base: float, scale: float, positions: int) -> tuple[mx.array, mx.array]:
@@ -309,4 +332,4 @@ def pack(model: nn.Module, ext: ModuleType) -> None:
     model.update_modules(tree_unflatten(norms))
     for layers in Siblings.find(model):
         Siblings(layers, ext)
-    use_decode_attention(model, ext)
+    use_module_kernels(model, ext)

@@ -281,3 +281,23 @@ def test_decode_attention_refuses_what_it_cannot_take(ext: ModuleType) -> None:
         ext.decode_attention(q, k, k, mx.zeros((1, 4, 1, 6)), 1.0)
     with pytest.raises(ValueError, match="bool or float32"):
         ext.decode_attention(q, k, k, mx.zeros((5,), dtype=mx.int32), 1.0)
+
+
+def test_swiglu_is_mlx_lms_bit_for_bit(ext: ModuleType) -> None:
+    """mlx-lm's compiled swiglu against the kernel, on both its paths (eight lanes at once and
+    the scalar tail): wide ranges, and the values the exp polynomial treats apart (signed zeros,
+    subnormals, beyond +-88, infinities, NaN), each at every lane position."""
+    from mlx_lm.models.activations import swiglu
+
+    for seed in range(8):
+        scale = mx.random.normal((8, 1, 1539), key=mx.random.key(30 + seed)) * (1 + 40 * (seed % 4))
+        gate = mx.random.normal((8, 1, 1539), key=mx.random.key(seed)) * scale
+        x = mx.random.normal((8, 1, 1539), key=mx.random.key(10 + seed))
+        assert mx.array_equal(ext.swiglu(gate, x), swiglu(gate, x)).item(), seed
+    special = [0.0, -0.0, 1e-40, -1e-40, 88.0, -88.0, 88.1, -88.1, 1e4, -1e4, float("inf"), -float("inf"), float("nan")]
+    for shift in range(9):
+        gate = mx.array([1.5] * shift + special * 2)
+        x = mx.linspace(-2, 2, gate.size)
+        assert mx.array_equal(ext.swiglu(gate, x), swiglu(gate, x), equal_nan=True).item(), shift
+    with pytest.raises(ValueError, match="one shape"):
+        ext.swiglu(mx.zeros((2, 3)), mx.zeros((3,)))

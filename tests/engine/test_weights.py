@@ -69,20 +69,26 @@ def test_packed_float32_decodes_a_batch_of_uneven_prompts_as_the_quantized_model
     assert tokens(packed_model) == tokens(quantized)
 
 
-def test_a_decode_steps_attention_is_one_primitive_with_the_fallbacks_bits(tiny: ResolvedModel, tmp_path: Path) -> None:
-    """packed.DecodeAttention takes each decode step's attention (one primitive in the step's
-    graph) and computes the logits mlx-lm's own attention computes, bit for bit."""
+def test_a_decode_steps_attention_and_swiglu_are_lmspds_primitives_with_mlx_lms_bits(
+    tiny: ResolvedModel, tmp_path: Path
+) -> None:
+    """packed.DecodeAttention and packed.SwiGLU take each decode step's attention and swiglu
+    (their primitives are in the step's graph) and compute the logits mlx-lm's own functions
+    compute, bit for bit."""
     from mlx_lm.models.cache import make_prompt_cache
 
     model, _ = load_model(tiny.path)
     apply_weight_dtype(model, "quantized_float32")
     namespace = sys.modules[type(model.model.layers[0].self_attn).__module__]
-    fused = namespace.scaled_dot_product_attention
-    assert isinstance(fused, packed.DecodeAttention)
+    names = ("scaled_dot_product_attention", "swiglu")
+    ours = {name: getattr(namespace, name) for name in names}
+    assert isinstance(ours["scaled_dot_product_attention"], packed.DecodeAttention)
+    assert isinstance(ours["swiglu"], packed.SwiGLU)
     prompt = mx.array([[(7 * i) % 900 + 3 for i in range(23)]])
 
-    def decode(attention: object, steps: int = 6) -> list[mx.array]:
-        setattr(namespace, "scaled_dot_product_attention", attention)  # noqa: B010  # mlx-lm is untyped
+    def decode(functions: dict[str, object], steps: int = 6) -> list[mx.array]:
+        for name, function in functions.items():
+            setattr(namespace, name, function)
         cache = make_prompt_cache(model)
         token = mx.argmax(model(prompt, cache=cache)[:, -1], axis=-1)[:, None]
         out = []
@@ -97,10 +103,13 @@ def test_a_decode_steps_attention_is_one_primitive_with_the_fallbacks_bits(tiny:
         cache = make_prompt_cache(model)
         model(prompt, cache=cache)
         mx.export_to_dot(str(tmp_path / "step.dot"), model(prompt[:, :1], cache=cache))
-        assert "LmspdDecodeAttention" in (tmp_path / "step.dot").read_text()
-        got, want = decode(fused), decode(fused.original)
+        graph = (tmp_path / "step.dot").read_text()
+        assert "LmspdDecodeAttention" in graph and "LmspdSwiGLU" in graph
+        got = decode(ours)
+        want = decode({name: function.original for name, function in ours.items()})
     finally:
-        setattr(namespace, "scaled_dot_product_attention", fused)  # noqa: B010
+        for name, function in ours.items():
+            setattr(namespace, name, function)
     assert all(mx.array_equal(g, w).item() for g, w in zip(got, want, strict=True))
 
 

@@ -148,7 +148,8 @@ Pool& pool() {
 
 }  // namespace
 
-#include "attention.h"  // uses the Pool
+#include "attention.h"  // these two use the Pool
+#include "elementwise.h"
 
 namespace {
 
@@ -522,6 +523,14 @@ mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::arr
                    inputs);
 }
 
+// mlx-lm's swiglu(gate, x) for float32 arrays of one shape.
+mx::array swiglu(const mx::array& gate, const mx::array& x) {
+  if (gate.dtype() != mx::float32 || x.dtype() != mx::float32 || gate.shape() != x.shape())
+    throw std::invalid_argument("gate and x must be float32 arrays of one shape");
+  auto s = mx::default_stream(mx::Device::cpu);
+  return mx::array(x.shape(), mx::float32, std::make_shared<SwiGLU>(s), {gate, x});
+}
+
 // Seconds to read all of a's bytes once on both threads: the memory bandwidth a matvec's
 // weights stream at, for bench.matvec's bound.
 double read_seconds(const mx::array& a) {
@@ -558,6 +567,7 @@ NB_MODULE(quantized_ext, m) {
         nb::arg("traditional"));
   m.def("decode_attention", &decode_attention, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("mask").none(),
         nb::arg("scale"));
+  m.def("swiglu", &swiglu, nb::arg("gate"), nb::arg("x"));
   m.def("dequantize", &dequantize, nb::arg("w"), nb::arg("scales"), nb::arg("biases"), nb::arg("group_size"),
         nb::arg("bits"));
 }

@@ -1,0 +1,105 @@
+// SwiGLU: mlx-lm's swiglu(gate, x) = silu(gate) * x = (gate * sigmoid(gate)) * x, bit for bit,
+// in one primitive on both cores.
+//
+// MLX's CPU unary ops run its simd functions one element at a time on Linux (Simd<float, 1>),
+// and its exp there costs ~16 ns an element: a decode step's 30 swiglu calls of SmolLM2-135M
+// took 0.9 ms at batch 1 and 10.5 at batch 8 (docs/benchmarks.md, "Step profile": the
+// "elementwise" row). This computes each element with the same functions from MLX's headers
+// (unary_ops.h's Sigmoid, simd::exp), each product rounded to float32 as MLX's separate
+// multiplies are; on AVX2 eight elements at a time, by the same IEEE operations (exp8); the
+// elements shared between the MLX stream thread and the Pool's helper.
+#pragma once
+
+// Included by quantized.cpp, after MLX's headers, the mx alias, fused.h (rows_of) and the Pool.
+
+#include <limits>
+
+#include "mlx/backend/cpu/unary_ops.h"
+
+namespace {
+
+#if defined(LMSPD_SIMD_AVX2)
+// MLX's simd::exp (simd/math.h) for 8 floats at once, operation for operation: x * log2(e) in
+// float; floor(x + 0.5) in double, as Simd<float, 1> + 0.5 promotes there; the polynomial by
+// fused multiply-adds (std::fma, exactly rounded either way); 2^ipart by the exponent bits;
+// the same selects for NaN and beyond +-88. Every step is one IEEE operation, so each lane is
+// the scalar function's value.
+inline __m256 exp8(__m256 x_init) {
+  const __m256 x = _mm256_mul_ps(x_init, _mm256_set1_ps(1.442695f));
+  const __m256d half = _mm256_set1_pd(0.5);
+  const __m256d lo = _mm256_floor_pd(_mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(x)), half));
+  const __m256d hi = _mm256_floor_pd(_mm256_add_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(x, 1)), half));
+  const __m256 ipart = _mm256_set_m128(_mm256_cvtpd_ps(hi), _mm256_cvtpd_ps(lo));
+  const __m256 fpart = _mm256_sub_ps(x, ipart);
+  __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
+  p = _mm256_fmadd_ps(p, fpart, _mm256_set1_ps(1.339887440266574e-3f));
+  p = _mm256_fmadd_ps(p, fpart, _mm256_set1_ps(9.618437357674640e-3f));
+  p = _mm256_fmadd_ps(p, fpart, _mm256_set1_ps(5.550332471162809e-2f));
+  p = _mm256_fmadd_ps(p, fpart, _mm256_set1_ps(2.402264791363012e-1f));
+  p = _mm256_fmadd_ps(p, fpart, _mm256_set1_ps(6.931472028550421e-1f));
+  p = _mm256_fmadd_ps(p, fpart, _mm256_set1_ps(1.000000000000000f));
+  const __m256i epart = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(ipart), _mm256_set1_epi32(127)), 23);
+  __m256 result = _mm256_mul_ps(_mm256_castsi256_ps(epart), p);
+  result = _mm256_blendv_ps(result, x_init, _mm256_cmp_ps(x_init, x_init, _CMP_UNORD_Q));
+  result = _mm256_blendv_ps(result, _mm256_set1_ps(std::numeric_limits<float>::infinity()),
+                            _mm256_cmp_ps(x_init, _mm256_set1_ps(88.0f), _CMP_GT_OQ));
+  return _mm256_blendv_ps(result, _mm256_setzero_ps(), _mm256_cmp_ps(x_init, _mm256_set1_ps(-88.0f), _CMP_LT_OQ));
+}
+
+// unary_ops.h's Sigmoid: 1 / (1 + exp(|x|)), then y below zero, 1 - y above.
+inline __m256 sigmoid8(__m256 x) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256 abs = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x);
+  const __m256 y = _mm256_div_ps(one, _mm256_add_ps(one, exp8(abs)));
+  return _mm256_blendv_ps(_mm256_sub_ps(one, y), y, _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ));
+}
+#endif
+
+LMSPD_NO_CONTRACT_ATTR void swiglu_range(const float* gate, const float* x, float* out, size_t i0, size_t i1) {
+  LMSPD_NO_CONTRACT
+  size_t i = i0;
+#if defined(LMSPD_SIMD_AVX2)
+  for (; i + 8 <= i1; i += 8) {
+    const __m256 g = _mm256_loadu_ps(gate + i);
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(g, sigmoid8(g)), _mm256_loadu_ps(x + i)));
+  }
+#endif
+  using F = mlx::core::simd::Simd<float, 1>;
+  mlx::core::detail::Sigmoid sigmoid;
+  for (; i < i1; ++i) {
+    const float s = sigmoid(F(gate[i])).value;
+    const float silu = gate[i] * s;
+    out[i] = silu * x[i];
+  }
+}
+
+class SwiGLU : public mx::UnaryPrimitive {
+ public:
+  explicit SwiGLU(mx::Stream s) : mx::UnaryPrimitive(s) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs) enc.set_input_array(a);
+    enc.set_output_array(out);
+    enc.dispatch([g = mx::array::unsafe_weak_copy(inputs[0]), x = mx::array::unsafe_weak_copy(inputs[1]),
+                  out = mx::array::unsafe_weak_copy(out)]() mutable {
+      std::vector<float> g_copy, x_copy;
+      const float *gp = rows_of(g, g_copy), *xp = rows_of(x, x_copy);
+      float* op = out.data<float>();
+      const size_t n = out.size();
+      constexpr int kBlock = 1024;  // elements a chunk: a few microseconds
+      const int blocks = static_cast<int>((n + kBlock - 1) / kBlock);
+      pool().parallel_for(blocks, 2, [=](int b0, int b1) {
+        swiglu_range(gp, xp, op, size_t(b0) * kBlock, std::min(n, size_t(b1) * kBlock));
+      });
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("lmspd swiglu runs on the CPU only");
+  }
+  const char* name() const override { return "LmspdSwiGLU"; }
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+};
+
+}  // namespace

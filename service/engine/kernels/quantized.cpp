@@ -148,8 +148,8 @@ Pool& pool() {
 
 }  // namespace
 
-#include "attention.h"  // these two use the Pool
-#include "elementwise.h"
+#include "elementwise.h"  // these two use the Pool
+#include "attention.h"    // and exp8, from elementwise.h
 
 namespace {
 

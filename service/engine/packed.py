@@ -254,6 +254,9 @@ def use_module_kernels(model: nn.Module, ext: ModuleType) -> None:
         ("scaled_dot_product_attention", base.scaled_dot_product_attention, DecodeAttention),
         ("swiglu", activations.swiglu, SwiGLU),
     )
+    from lmspd.engine.upstream import logsumexp
+
+    logsumexp.install(ext)  # and mlx-lm's sampling, its logits' logsumexp
     for _, module in model.named_modules():
         namespace = sys.modules.get(type(module).__module__)
         for name, original, wrapper in kernels:

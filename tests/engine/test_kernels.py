@@ -301,3 +301,15 @@ def test_swiglu_is_mlx_lms_bit_for_bit(ext: ModuleType) -> None:
         assert mx.array_equal(ext.swiglu(gate, x), swiglu(gate, x), equal_nan=True).item(), shift
     with pytest.raises(ValueError, match="one shape"):
         ext.swiglu(mx.zeros((2, 3)), mx.zeros((3,)))
+
+
+def test_logsumexp_is_mx_logsumexp_bit_for_bit(ext: ModuleType) -> None:
+    """Over a vocabulary's width at several scales, and rows with infinities and NaN."""
+    for seed in range(4):
+        x = mx.random.normal((8, 49152 + seed), key=mx.random.key(seed)) * (1 + 30 * seed)
+        assert mx.array_equal(ext.logsumexp(x), mx.logsumexp(x, axis=-1, keepdims=True)).item(), seed
+    inf, nan = float("inf"), float("nan")
+    rows = mx.array([[0.0, inf, 1.0], [-inf, -inf, -inf], [nan, 1.0, 2.0], [1.0, 2.0, nan], [-1e30, 5.0, 88.0]])
+    assert mx.array_equal(ext.logsumexp(rows), mx.logsumexp(rows, axis=-1, keepdims=True), equal_nan=True).item()
+    with pytest.raises(ValueError, match="float32"):
+        ext.logsumexp(mx.zeros((2, 0)))

@@ -113,6 +113,38 @@ def test_a_decode_steps_attention_and_swiglu_are_lmspds_primitives_with_mlx_lms_
     assert all(mx.array_equal(g, w).item() for g, w in zip(got, want, strict=True))
 
 
+def test_sampling_normalizes_through_the_kernel_with_mlxs_bits(tiny: ResolvedModel) -> None:
+    """mlx-lm's batches normalize each step's logits through lmspd's logsumexp
+    (upstream/logsumexp.py): the same tokens and logprobs, bit for bit, as with mlx.core's."""
+    from mlx_lm.generate import BatchGenerator
+
+    from lmspd.engine.upstream import logsumexp
+
+    model, _ = load_model(tiny.path)
+    apply_weight_dtype(model, "quantized_float32")
+    assert isinstance(logsumexp.generate.mx, logsumexp.KernelMx)
+    prompts = [[(5 * i + j) % 700 + 3 for j in range(n)] for i, n in enumerate((3, 9, 14))]
+
+    def run() -> list[tuple[int, int, mx.array]]:
+        gen = BatchGenerator(model, completion_batch_size=3, prefill_batch_size=3)
+        gen.insert(prompts, max_tokens=[8] * 3)
+        out: list[tuple[int, int, mx.array]] = []
+        while len(out) < 24:
+            out += [(r.uid, r.token, r.logprobs) for r in gen.next_generated()]
+        gen.close()
+        return out
+
+    kernel_mx = logsumexp.generate.mx
+    try:
+        got = run()
+        logsumexp.generate.mx = mx
+        want = run()
+    finally:
+        logsumexp.generate.mx = kernel_mx
+    assert [(u, t) for u, t, _ in got] == [(u, t) for u, t, _ in want]
+    assert all(mx.array_equal(g, w).item() for (_, _, g), (_, _, w) in zip(got, want, strict=True))
+
+
 def test_packed_float32_prefills_through_the_dense_product(tiny: ResolvedModel) -> None:
     """A prompt longer than the matvec's rows takes the dequantize + BLAS path; both paths
     agree with the quantized model's greedy answer."""

@@ -531,6 +531,16 @@ mx::array swiglu(const mx::array& gate, const mx::array& x) {
   return mx::array(x.shape(), mx::float32, std::make_shared<SwiGLU>(s), {gate, x});
 }
 
+// mx.logsumexp(x, axis=-1, keepdims=True) for float32 x with at least one element a row.
+mx::array logsumexp(const mx::array& x) {
+  if (x.dtype() != mx::float32 || x.ndim() < 1 || x.shape(-1) == 0)
+    throw std::invalid_argument("x must be float32 with a last axis of at least one element");
+  auto s = mx::default_stream(mx::Device::cpu);
+  auto shape = x.shape();
+  shape.back() = 1;
+  return mx::array(shape, mx::float32, std::make_shared<LogSumExp>(s), {x});
+}
+
 // Seconds to read all of a's bytes once on both threads: the memory bandwidth a matvec's
 // weights stream at, for bench.matvec's bound.
 double read_seconds(const mx::array& a) {
@@ -568,6 +578,7 @@ NB_MODULE(quantized_ext, m) {
   m.def("decode_attention", &decode_attention, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("mask").none(),
         nb::arg("scale"));
   m.def("swiglu", &swiglu, nb::arg("gate"), nb::arg("x"));
+  m.def("logsumexp", &logsumexp, nb::arg("x"));
   m.def("dequantize", &dequantize, nb::arg("w"), nb::arg("scales"), nb::arg("biases"), nb::arg("group_size"),
         nb::arg("bits"));
 }

@@ -126,6 +126,8 @@ def decode_profile(model: Any, batch: int, reps: int) -> None:
     layer_module = sys.modules[type(model.model.layers[0].self_attn).__module__]
     scaled_dot_product_attention = layer_module.scaled_dot_product_attention
     swiglu = layer_module.swiglu  # the layers' own (packed.SwiGLU where lmspd's kernels run)
+    generate = sys.modules["mlx_lm.generate"]
+    sampling_mx = generate.mx  # mlx-lm's sampling's (upstream/logsumexp.py's where the kernels run)
     heads, kv_heads = args.num_attention_heads, args.num_key_value_heads
     head_dim = getattr(args, "head_dim", None) or args.hidden_size // heads
     cache = make_prompt_cache(model)
@@ -136,7 +138,7 @@ def decode_profile(model: Any, batch: int, reps: int) -> None:
 
     def build() -> tuple[Any, Any]:
         logits = model(y[:, None], cache=cache)[:, -1, :]
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        logprobs = logits - generate.mx.logsumexp(logits, axis=-1, keepdims=True)  # as mlx-lm's step
         return mx.argmax(logprobs, axis=-1), logprobs
 
     graph = primitives(list(build()))
@@ -180,7 +182,7 @@ def decode_profile(model: Any, batch: int, reps: int) -> None:
         "elementwise (swiglu, residual adds)": lambda: (
             [swiglu(gate, gate) for _ in range(layers)] + [hidden + hidden for _ in range(2 * layers)]
         ),
-        "sampling": lambda: mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1),
+        "sampling": lambda: mx.argmax(logits - generate.mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1),
         "compute": lambda: [t * 2 for t in tiny],
         "view": lambda: [t.reshape(1, 1, 1) for t in tiny],
     }
@@ -204,27 +206,35 @@ def decode_profile(model: Any, batch: int, reps: int) -> None:
     # The same step with each of mlx-lm's functions that lmspd's kernels replace (packed.py:
     # DecodeAttention, SwiGLU) put back alone, then all of them, alternating step by step in
     # this process, so a neighbour's load falls on every side alike.
-    ours = {
-        n: f for n in ("scaled_dot_product_attention", "swiglu") if hasattr(f := getattr(layer_module, n), "original")
-    }
-    if ours:
-        sides: dict[str, dict[str, Any]] = {"lmspd's kernels": dict(ours)}
-        for name, function in ours.items():
-            sides[f"mlx-lm's {name}"] = {**ours, name: function.original}
-        sides["mlx-lm's, all"] = {name: function.original for name, function in ours.items()}
+    # (namespace, name, lmspd's, mlx-lm's) for each function a kernel took over.
+    swaps = [
+        (layer_module, n, f, f.original)
+        for n in ("scaled_dot_product_attention", "swiglu")
+        if hasattr(f := getattr(layer_module, n), "original")
+    ]
+    if sampling_mx is not mx:
+        swaps.append((generate, "mx", sampling_mx, mx))
+    if swaps:
+        labels = {"mx": "logsumexp"}
+        sides: dict[str, list[Any]] = {"lmspd's kernels": [ours for *_, ours, _ in swaps]}
+        for i, (_, name, _, original) in enumerate(swaps):
+            sides[f"mlx-lm's {labels.get(name, name)}"] = [
+                o if j != i else original for j, (*_, o, _) in enumerate(swaps)
+            ]
+        sides["mlx-lm's, all"] = [original for *_, original in swaps]
         steps: dict[str, list[float]] = {side: [] for side in sides}
         try:
             for _ in range(2 * reps):
                 for side, functions in sides.items():
-                    for name, function in functions.items():
-                        setattr(layer_module, name, function)
+                    for (namespace, name, _, _), function in zip(swaps, functions, strict=True):
+                        setattr(namespace, name, function)
                     start = time.perf_counter()
                     mx.eval(build())
                     steps[side].append(time.perf_counter() - start)
                     trim_prompt_cache(cache, 1)
         finally:
-            for name, function in ours.items():
-                setattr(layer_module, name, function)
+            for namespace, name, ours, _ in swaps:
+                setattr(namespace, name, ours)
         base = statistics.median(steps["lmspd's kernels"]) * 1e3
         print(
             "  the step, alternating: "

@@ -179,6 +179,8 @@ class Core:
                 previous_response_id=request.previous_response_id,
                 conversation=request.conversation_id,
                 expires_at=expires,
+                model=model,
+                cache_key=request.prompt_cache_key,
             ),
         )
         if not replayed:

@@ -39,6 +39,8 @@ class ResponseFields(msgspec.Struct, frozen=True, kw_only=True):
     previous_response_id: str | None = None
     conversation: str | None = None
     expires_at: int | None = None  # a store:false background result stays readable until then
+    model: str | None = None  # as asked for: on PostgreSQL only a node serving it claims the task
+    cache_key: str | None = None  # its prompt_cache_key: the node holding that cache is preferred
 
 
 class ResponseLimits(Protocol):
@@ -74,6 +76,10 @@ class TaskRecord(msgspec.Struct, kw_only=True):
     conversation: str | None = None
     node: str | None = None  # PostgreSQL: the node that claimed it, and its lease epoch then
     epoch: int | None = None
+    model: str | None = None  # PostgreSQL: the model asked for, the node holding its prompt
+    cache_key: str | None = None  # cache (affinity), and when it last became queued
+    affinity: str | None = None
+    queued_at: float | None = None
 
     @classmethod
     def from_row(cls, row: Row) -> TaskRecord:
@@ -180,6 +186,9 @@ class TaskStore:
         self.max_queued = max_queued
         self.metrics = metrics or Metrics()
         self.fence = Fence()  # set by the node's lease (lmspd.core.cluster); unset on SQLite
+        # PostgreSQL: how long a task waits for the node holding its prompt cache before this
+        # node takes it (lmspd.core.cluster sets one heartbeat; docs/operations.md).
+        self.affinity_hold = 0.0
 
     async def create(
         self,
@@ -277,12 +286,12 @@ class TaskStore:
 
         steps = ([params(via)] if via else []) + [params(to, response, error)]
 
-        fence = self.fence
+        fence, hold = self.fence, self.affinity_hold
 
         def job(conn: Conn) -> TaskRecord | None:
             for step in steps:
                 query = "claim" if step["to"] == "loading" else "transition"  # out of queued: a claim
-                if conn.run(query, {**step, "now": _now(), **fence.params()}).rowcount != 1:
+                if conn.run(query, {**step, "now": _now(), "hold": hold, **fence.params()}).rowcount != 1:
                     # Another transition committed first, or the task is terminal; an earlier
                     # step is undone with the job's savepoint.
                     raise _Lost
@@ -405,7 +414,8 @@ class TaskStore:
         return {status: counts.get(status, 0) for status in STATUSES}
 
     async def queued_ids(self, limit: int) -> list[str]:
-        return [r["id"] for r in await self.db.all("queued_ids", {"limit": limit})]
+        params = {"limit": limit, "hold": self.affinity_hold, **self.fence.params()}
+        return [r["id"] for r in await self.db.all("queued_ids", params)]
 
     async def unfinished_ids(self) -> list[str]:
         return [r["id"] for r in await self.db.all("unfinished_ids", self.fence.params())]

@@ -143,14 +143,16 @@ async def test_pg_migration_makes_the_same_tables_and_columns(store_url: StoreUr
         assert found.pop("lmspd_schema") == ["version"]
         assert found.pop("nodes") == NODES
         assert found.pop("secrets") == ["name", "value"]  # the nodes' shared reasoning key
-        assert found.pop("tasks") == [*EXPECTED_SCHEMA["tasks"], "node", "epoch"]
+        # The claim's: who holds it (002), its model and prompt cache's node (004).
+        claims = ["node", "epoch", "model", "cache_key", "affinity", "queued_at"]
+        assert found.pop("tasks") == [*EXPECTED_SCHEMA["tasks"], *claims]
         assert found == {t: c for t, c in EXPECTED_SCHEMA.items() if t not in {*SQLITE_ONLY, "tasks"}}
         version = await db.fetchone("SELECT version FROM lmspd_schema")
-        assert version is not None and version[0] == latest_version() == 3
+        assert version is not None and version[0] == latest_version() == 4
     finally:
         await db.close()
     again = await open_database(store_url)  # migrating again changes nothing
-    assert [tuple(r) for r in await again.fetchall("SELECT version FROM lmspd_schema")] == [(3,)]
+    assert [tuple(r) for r in await again.fetchall("SELECT version FROM lmspd_schema")] == [(4,)]
     await again.close()
 
 

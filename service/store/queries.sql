@@ -12,6 +12,10 @@ SELECT status, count(*) AS n FROM tasks WHERE owner = :owner GROUP BY status;
 -- name: count_active
 SELECT coalesce(sum(n), 0) FROM task_counts WHERE status IN {ACTIVE};
 
+-- name: intake_lock
+-- One writer here: the count and the insert are one at a time already (queries_pg.sql's locks).
+SELECT 1;
+
 -- name: insert_task
 -- (:model and :cache_key go unused: one node serves every task it accepted; queries_pg.sql.)
 INSERT INTO tasks (id, owner, status, on_restart, request, response_id, next_seq, created_at, updated_at,

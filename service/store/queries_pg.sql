@@ -13,6 +13,15 @@ SELECT status, count(*) AS n FROM tasks WHERE owner = :owner GROUP BY status;
 -- name: count_active
 SELECT count(*) FROM tasks WHERE status IN {ACTIVE};
 
+-- name: intake_lock
+-- Several nodes count the queue and insert at once: each node's writer sees only its own
+-- uncommitted tasks, so without this the queue bound (and background_max_jobs) could be overshot
+-- by a batch per node. Held to the end of the transaction, so the next node's count sees this
+-- one's tasks committed; taken by intake first in its batch (Writer.submit(first=True)), before
+-- any row lock, so waiting for it holds nothing another node waits for (no deadlock). The key
+-- is "lmspq" in ASCII (pg_migrate.py's is "lmspd").
+SELECT pg_advisory_xact_lock(465692749937);
+
 -- name: insert_task
 -- Its affinity: the node that ran its previous response, else the one that last ran a task of
 -- its owner with its prompt_cache_key (that node's prompt cache holds its prefix).

@@ -208,7 +208,8 @@ class TaskStore:
         ``waiting_event`` follows the first event when ``slots`` or more tasks are already
         active (the task will wait for a slot). ``max_background`` bounds the active
         background responses; it is checked in the same transaction as the insert, so
-        concurrent requests cannot overshoot it.
+        concurrent requests cannot overshoot it, nor (PostgreSQL) can other nodes': the job
+        takes the intake lock first, and runs first in its batch, before any row lock.
         """
         task_id, response_id = new_ids()
 
@@ -216,6 +217,7 @@ class TaskStore:
 
         def job(conn: Conn) -> tuple[TaskRecord, bool]:
             now = _now()
+            conn.run("intake_lock")  # the bounds hold across nodes (queries_pg.sql)
             if idempotency is not None:
                 key, fingerprint = idempotency
                 row = conn.run("get_idempotency_key", {"owner": owner, "key": key}).fetchone()
@@ -255,9 +257,9 @@ class TaskStore:
             return task, False
 
         try:
-            return await self.db.writer.submit(job)
+            return await self.db.writer.submit(job, first=True)
         except _Raced:
-            return await self.db.writer.submit(job)  # the key is there now: this replays it
+            return await self.db.writer.submit(job, first=True)  # the key is there now: this replays it
 
     async def get(self, task_id: str, owner: str | None = None) -> TaskRecord:
         row = await self.db.one("get_task", {"id": task_id})

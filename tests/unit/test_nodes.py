@@ -11,7 +11,7 @@ import msgspec
 import pytest
 from support.wait import wait_until_async
 
-from lmspd.errors import LeaseLostError
+from lmspd.errors import LeaseLostError, QueueFullError
 from lmspd.store.nodes import NodeStore
 from lmspd.store.opening import open_database
 from lmspd.store.pg import PgDatabase
@@ -223,3 +223,17 @@ async def test_a_dead_holder_is_not_waited_for(nodes: list[Node]) -> None:
     await wait_until_async(lambda: _expired(b), "node a's lease to expire", timeout=10)
     assert await b.store.queued_ids(10) == [second.id]  # at once: a is not live
     assert (await b.store.transition(second.id, "loading")) is not None
+
+
+async def test_the_queue_bound_holds_across_nodes(nodes: list[Node]) -> None:
+    """Each node's writer sees only its own uncommitted tasks: without the intake lock three
+    nodes creating at once would each count a queue with room and together overshoot it."""
+    for node in nodes:
+        await node.join()
+        node.store.max_queued = 20
+    tries = [create(node.store) for node in nodes for _ in range(15)]
+    results = await asyncio.gather(*tries, return_exceptions=True)
+    made = [r for r in results if isinstance(r, TaskRecord)]
+    refused = [r for r in results if isinstance(r, QueueFullError)]
+    assert (len(made), len(refused)) == (20, 25), [r for r in results if not isinstance(r, TaskRecord | QueueFullError)]
+    assert await nodes[0].store.queued_ids(100) == sorted(t.id for t in made)

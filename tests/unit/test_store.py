@@ -362,3 +362,24 @@ async def test_a_failing_job_fails_alone_in_its_group_commit(store: TaskStore) -
     assert [isinstance(r, Exception) for r in results] == [False, False, True, False, False, False]
     assert store.db.writer.commits - before < 6  # they shared commits
     assert [e.type for e in await store.events_after(task.id, -1)] == ["response.created"] + [f"e{i}" for i in range(5)]
+
+
+async def test_intake_runs_first_in_its_group_commit(store: TaskStore) -> None:
+    """A job submitted ``first`` (intake: its lock comes before any row lock on PostgreSQL) runs
+    before the batch's others, which keep their order; each still gets its own result."""
+    ran: list[str] = []
+
+    def job(name: str):  # type: ignore[no-untyped-def]
+        def run(conn: Conn) -> str:
+            ran.append(name)
+            return name
+
+        return run
+
+    writer = store.db.writer
+    before = writer.commits
+    names = ["a", "b", "intake-1", "c", "intake-2"]
+    results = await asyncio.gather(*(writer.submit(job(n), first=n.startswith("intake")) for n in names))
+    assert results == names
+    assert writer.commits - before == 1  # one batch, so its order is the writer's doing
+    assert ran == ["intake-1", "intake-2", "a", "b", "c"]

@@ -1,4 +1,5 @@
-"""Task intake on SQLite (one node) and on PostgreSQL with 1, 2 and 3 nodes, side by side in one run.
+"""Task intake on SQLite (one node) and on PostgreSQL with 1, 2 and 3 nodes, side by side in one run;
+and the replay of a finished task's events (``Last-Event-ID``) on SQLite and on PostgreSQL.
 
     python -m bench.tasks --store postgresql://user@host/postgres [--clients 32] [--tasks 2000]
     python -m bench.tasks --store auto      # a PostgreSQL of its own (initdb/pg_ctl), fsync on
@@ -9,6 +10,12 @@ a node, SPEC §15), spreads ``--clients`` concurrent HTTP clients over them roun
 default model serves; with ``--store URL`` the rows share that database, with ``auto`` each gets its own;
 on one machine the nodes share its cores, so the rows say what the store costs, not what more
 machines add (docs/operations.md, "Several nodes").
+
+Replay, after the intake rows: one idle node on SQLite and one on PostgreSQL, up at once, each with
+a finished task of ``--history`` events written through the store; each task is read back over
+SSE with ``Last-Event-ID: 0`` (all but its first event), as a client resuming it would, the two
+alternating ``REPLAYS`` times; events/s, the median of each. (With ``--store URL`` that node's
+database is the URL's, where the intake rows may have left tasks queued: it runs them meanwhile.)
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ from bench.serving import free_port
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from support.postgres import PostgresServer, bin_dir
 
+from bench.tasks import replay, seed_history
+
 BODY = {"type": "response", "input": {"input": "Hi", "max_output_tokens": 1}}
 
 
@@ -42,7 +51,7 @@ def nodes(tmp: Path, count: int, store: str | None) -> Iterator[list[str]]:
     try:
         for n in range(count):
             data = tmp / f"node{n}"
-            data.mkdir()
+            data.mkdir(exist_ok=True)  # the replay's history is seeded in it already
             cfg = data / "bench.toml"
             text = "[server]\nmax_queued_tasks = 1000000\n"
             if store:
@@ -102,6 +111,7 @@ def main(args: argparse.Namespace) -> None:
         server.start()
         base = server.url()
     rows: list[tuple[str, float, float, float]] = []
+    replays: list[tuple[str, int, float]] = []
     try:
         for label, count, pg in [
             ("SQLite", 1, False),
@@ -113,9 +123,8 @@ def main(args: argparse.Namespace) -> None:
             if pg:
                 url = server.create_database() if server else base
             with tempfile.TemporaryDirectory() as tmp, nodes(Path(tmp), count, url) as urls:
-                asyncio.run(intake(urls, args.clients, args.clients * 4))  # warm-up
-                rate, p50, p99, _ = asyncio.run(intake(urls, args.clients, args.tasks))
-                rows.append((f"{label}, {count} node{'s' if count > 1 else ''}", rate, p50, p99))
+                rows.append(measure(label, count, urls, args))
+        replays = replay_rows(server.create_database() if server else base, args.history)
     finally:
         if server is not None:
             server.stop()
@@ -123,3 +132,38 @@ def main(args: argparse.Namespace) -> None:
     print(f"{'store':<22} {'tasks/s':>9} {'p50 ms':>8} {'p99 ms':>8}")
     for name, rate, p50, p99 in rows:
         print(f"{name:<22} {rate:>9.0f} {p50:>8.1f} {p99:>8.1f}")
+    print(f"replay of a finished task over SSE, Last-Event-ID: 0; median of {REPLAYS}, interleaved")
+    print(f"{'store':<22} {'events':>9} {'events/s':>9}")
+    for name, events, rate in replays:
+        print(f"{name:<22} {events:>9} {rate:>9.0f}")
+
+
+REPLAYS = 7
+
+
+def replay_rows(pg_url: str, history: int) -> list[tuple[str, int, float]]:
+    """One node on SQLite and one on PostgreSQL, up at once, each with a finished task of
+    ``history`` events; their replays alternate, so a neighbour's load falls on both alike."""
+    with tempfile.TemporaryDirectory() as lite, tempfile.TemporaryDirectory() as pg:
+        (Path(lite) / "node0").mkdir()
+        (Path(pg) / "node0").mkdir()
+        seeded = [
+            asyncio.run(seed_history(Path(lite) / "node0" / "lmspd.db", history)),
+            asyncio.run(seed_history(Path(pg) / "node0" / "unused.db", history, pg_url)),
+        ]
+        with nodes(Path(lite), 1, None) as on_lite, nodes(Path(pg), 1, pg_url) as on_pg:
+            urls = [on_lite[0], on_pg[0]]
+            runs: list[list[tuple[int, float]]] = [[], []]
+            for _ in range(REPLAYS):
+                for i in (0, 1):
+                    runs[i].append(asyncio.run(replay(urls[i], seeded[i], last_event_id=0)))
+    return [
+        (label, found[0][0], statistics.median(n / secs for n, secs in found))
+        for label, found in zip(("SQLite", "PostgreSQL"), runs, strict=True)
+    ]
+
+
+def measure(label: str, count: int, urls: list[str], args: argparse.Namespace) -> tuple[str, float, float, float]:
+    asyncio.run(intake(urls, args.clients, args.clients * 4))  # warm-up
+    rate, p50, p99, _ = asyncio.run(intake(urls, args.clients, args.tasks))
+    return f"{label}, {count} node{'s' if count > 1 else ''}", rate, p50, p99

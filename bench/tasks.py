@@ -32,15 +32,17 @@ from lmspd.config import load_config
 from lmspd.models.registry import ModelRegistry
 from lmspd.responses.builder import ResponseState, initial_response
 from lmspd.responses.schema import ResponseRequest
-from lmspd.store.db import Database
+from lmspd.store.opening import open_database
 from lmspd.store.task_store import TaskStore
+from lmspd.store.url import StoreUrl
 
 PROMPT = "Write a long story about a dragon and a knight."
 
 
-async def seed_history(db_path: Path, n: int) -> str:
-    """A finished task with ``n`` events, written through the store before the server starts."""
-    db = await Database.open(db_path)
+async def seed_history(db_path: Path, n: int, url: str | None = None) -> str:
+    """A finished task with ``n`` events, written through the store before the server starts
+    (``url``: into that PostgreSQL database instead of the SQLite file)."""
+    db = await open_database(StoreUrl.parse(url, db_path))
     store = TaskStore(db)
     request = ResponseRequest(input="history")
 
@@ -155,11 +157,13 @@ async def cancel_all(url: str) -> None:
             await asyncio.sleep(0.2)
 
 
-async def replay(url: str, task_id: str) -> tuple[int, float]:
+async def replay(url: str, task_id: str, last_event_id: int | None = None) -> tuple[int, float]:
+    """A finished task's events over SSE (after ``last_event_id``, as a resuming client asks)."""
+    headers = {"Last-Event-ID": str(last_event_id)} if last_event_id is not None else {}
     async with httpx.AsyncClient(base_url=url, timeout=120) as client:
         start = time.perf_counter()
         n = 0
-        async with client.stream("GET", f"/lmsp/v1/tasks/{task_id}/events") as r:
+        async with client.stream("GET", f"/lmsp/v1/tasks/{task_id}/events", headers=headers) as r:
             async for line in r.aiter_lines():
                 if line.startswith("data: "):
                     n += 1
@@ -172,7 +176,9 @@ def main() -> None:
     parser.add_argument("--tasks", type=int, default=2000)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--history", type=int, default=10_000)
-    parser.add_argument("--store", help="postgresql://… or auto: intake on SQLite and 1-3 PostgreSQL nodes")
+    parser.add_argument(
+        "--store", help="postgresql://… or auto: intake on SQLite and 1-3 PostgreSQL nodes, and replay on both"
+    )
     args = parser.parse_args()
     if args.store:
         from bench import cluster_intake

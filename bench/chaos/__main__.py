@@ -1,6 +1,10 @@
 """Chaos: ``lmspd serve`` killed with SIGKILL again and again under load, then checked.
 
     python -m bench.chaos [--cycles 20] [--engine-kills 2] [--seed 0] [--model NAME]
+    python -m bench.chaos --nodes 3 [--store postgresql://…|temp] [--cycles 6]
+
+With ``--nodes N`` the run is N nodes on one PostgreSQL, one of them killed each cycle while
+the load runs on the others (:mod:`bench.chaos.nodes`); without, one server on SQLite:
 
 Each cycle starts the server on the same data directory, runs a mixed load against it
 (:mod:`bench.chaos.load`) and kills the whole process group (server and engine) with SIGKILL
@@ -33,9 +37,11 @@ from pathlib import Path
 
 import httpx
 
-from .checks import INVARIANTS, Report, check, read_db, resumed_mid_generation, snapshot_of
+from . import nodes as nodes_db
+from .checks import INVARIANTS, NODES_ONLY, SQLITE_ONLY, Report, check, read_db, resumed_mid_generation, snapshot_of
 from .ledger import Ledger, Snapshot
 from .load import Load
+from .nodes import Spread
 from .server import Server, write_config
 
 
@@ -145,11 +151,25 @@ def table(args: argparse.Namespace, ledger: Ledger, report: Report, seconds: flo
     kinds = {k: sum(a.kind == k for a in acks) for k in ("background", "stream")}
     restarts = ", ".join(f"{n} {reason}" for reason, n in sorted(report.restarts.items())) or "none"
     received = sum(len(r.events) for r in ledger.received.values())
+    if args.nodes:
+        head = [
+            f"chaos: {args.nodes} nodes on one PostgreSQL, seed {args.seed}, "
+            f"model {args.model or 'tiny (random weights)'}, {seconds:.0f} s",
+            f"  kills       {ledger.node_kills} SIGKILL of a node (server + engine) under load, "
+            f"{ledger.running_at_node_kills} tasks running on it; {ledger.node_kills_taken_over} back only "
+            f"after a survivor took its tasks over, the others at once",
+            f"  holders     {ledger.holder_samples} samples of who holds each started task, "
+            f"{ledger.holder_changes} changes of node",
+        ]
+    else:
+        head = [
+            f"chaos: seed {args.seed}, model {args.model or 'tiny (random weights)'}, {seconds:.0f} s",
+            f"  kills       {ledger.cycles} SIGKILL of server + engine ({ledger.early_kills} during startup, "
+            f"{ledger.term_kills} during a SIGTERM shutdown); {ledger.engine_kills} of the engine alone "
+            f"({ledger.running_at_engine_kills} tasks running)",
+        ]
     lines = [
-        f"chaos: seed {args.seed}, model {args.model or 'tiny (random weights)'}, {seconds:.0f} s",
-        f"  kills       {ledger.cycles} SIGKILL of server + engine ({ledger.early_kills} during startup, "
-        f"{ledger.term_kills} during a SIGTERM shutdown); {ledger.engine_kills} of the engine alone "
-        f"({ledger.running_at_engine_kills} tasks running)",
+        *head,
         f"  tasks       {len(tasks)} acknowledged ({policies}); "
         f"{report.interrupted_by_kill} tasks/responses were loading/running at a kill",
         f"  responses   {kinds['background']} background, {kinds['stream']} streamed (/v1)",
@@ -164,6 +184,8 @@ def table(args: argparse.Namespace, ledger: Ledger, report: Report, seconds: flo
         f"  {'invariant':<48} {'checked':>9} {'violations':>11}",
     ]
     for key, title in INVARIANTS.items():
+        if key in (SQLITE_ONLY if args.nodes else NODES_ONLY):
+            continue
         lines.append(f"  {title:<48} {report.checked.get(key, 0):>9} {len(report.violations[key]):>11}")
     for key, found in report.violations.items():
         for item in found[:10]:
@@ -173,7 +195,39 @@ def table(args: argparse.Namespace, ledger: Ledger, report: Report, seconds: flo
     return "\n".join(lines)
 
 
+async def main_nodes(args: argparse.Namespace) -> int:
+    """--nodes N: several nodes on one PostgreSQL (bench.chaos.nodes)."""
+    start = time.monotonic()
+    data = Path(tempfile.mkdtemp(prefix="lmspd-chaos-"))
+    ledger = Ledger()
+    with nodes_db.database(args.store) as url:
+        cluster = nodes_db.Nodes(data, args.model, url, args.nodes)
+        say(f"chaos: data directory {data}, {args.nodes} nodes, model ready in {time.monotonic() - start:.1f}s")
+        spread = random.Random(args.seed + 2)
+        load = Load(ledger, random.Random(args.seed + 1), cluster, args.max_active, lambda: Spread(cluster, spread))
+        began = time.monotonic()
+        await asyncio.to_thread(cluster.start_all)  # the first one up has made the schema
+        say(f"{args.nodes} nodes ready in {time.monotonic() - began:.1f}s")
+        holders = nodes_db.Holders(url, ledger)
+        holders.start()
+        try:
+            await nodes_db.node_cycles(args, cluster, ledger, load, say)
+            stop_code = await nodes_db.node_final_run(args, cluster, load, say)
+        finally:
+            holders.stop()
+            cluster.kill_all()
+        report = check(cluster.read(), ledger)
+    print(table(args, ledger, report, time.monotonic() - start, stop_code))
+    if report.ok and stop_code == 0 and not args.keep:
+        shutil.rmtree(data, ignore_errors=True)
+    else:
+        print(f"data directory and node logs kept: {data} (reproduce: --seed {args.seed})")
+    return 0 if report.ok and stop_code == 0 else 1
+
+
 async def main(args: argparse.Namespace) -> int:
+    if args.nodes:
+        return await main_nodes(args)
     start = time.monotonic()
     data = Path(tempfile.mkdtemp(prefix="lmspd-chaos-"))
     server = Server(write_config(data, args.model), data)
@@ -207,6 +261,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-active", type=int, default=16, help="unfinished tasks before submitters wait")
     parser.add_argument("--drain-timeout", type=float, default=300.0)
     parser.add_argument("--keep", action="store_true", help="keep the data directory")
+    parser.add_argument("--nodes", type=int, default=0, help="N nodes on one PostgreSQL (0: one server on SQLite)")
+    parser.add_argument("--store", default=None, help="with --nodes: a postgresql:// URL, or temp (default)")
     return parser.parse_args(argv)
 
 

@@ -9,6 +9,7 @@ one. Each invariant yields a list of violations, in words; empty lists mean it h
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,10 @@ INVARIANTS: dict[str, str] = {
     "resume_text": "a resumed task's text = an uninterrupted run's",
     "integrity": "PRAGMA integrity_check is ok",
     "answers": "no 5xx, no valid request or resume refused",
+    "one_node": "a task never held by two live nodes at once",
 }
+NODES_ONLY = {"one_node"}  # checked with --nodes (several nodes on one PostgreSQL)
+SQLITE_ONLY = {"integrity"}
 # The final event each terminal status goes with.
 STATUS_OF_FINAL = {
     "response.completed": "succeeded",
@@ -73,37 +77,50 @@ def _prompt(request: dict[str, Any]) -> str:
     return msgspec.json.encode([request.get("input"), request.get("max_output_tokens")]).decode()
 
 
+TASK_COLUMNS = "id, status, on_restart, attempt, response_id, next_seq, error, response, request"
+EVENT_QUERY = "SELECT task_id, seq, type, data FROM events ORDER BY task_id, seq"
+KEY_QUERY = "SELECT key, task_id FROM idempotency_keys"
+
+
+def state_of(
+    task_rows: Iterable[Sequence[Any]],
+    event_rows: Iterable[Sequence[Any]],
+    key_rows: Iterable[Sequence[Any]],
+    integrity: str,
+) -> DbState:
+    """The rows of either database (``TASK_COLUMNS``, ``EVENT_QUERY``, ``KEY_QUERY``) as a DbState."""
+    tasks: dict[str, DbTask] = {}
+    for row in task_rows:
+        error = msgspec.json.decode(row[6]) if row[6] else None
+        request = msgspec.json.decode(row[8])
+        tasks[row[0]] = DbTask(
+            id=row[0],
+            status=row[1],
+            on_restart=row[2],
+            attempt=row[3],
+            response_id=row[4],
+            next_seq=row[5],
+            error_code=error.get("code") if isinstance(error, dict) else None,
+            response=msgspec.json.decode(row[7]) if row[7] else None,
+            marker=_marker(request),
+            prompt=_prompt(request),
+        )
+    events: dict[str, list[tuple[int, str, bytes]]] = {t: [] for t in tasks}
+    for task_id, seq, kind, data in event_rows:
+        events.setdefault(task_id, []).append((seq, kind, bytes(data)))
+    keys = {key: task_id for key, task_id in key_rows}
+    return DbState(tasks, events, keys, integrity)
+
+
 def read_db(path: Path, *, integrity: bool = True) -> DbState:
     """The whole database, read-only: a crash's WAL is read as recovery will read it, and
     nothing is checkpointed or written before the server opens it again."""
     conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
     try:
-        tasks: dict[str, DbTask] = {}
-        for row in conn.execute(
-            "SELECT id, status, on_restart, attempt, response_id, next_seq, error, response, request FROM tasks"
-        ):
-            error = msgspec.json.decode(row[6]) if row[6] else None
-            request = msgspec.json.decode(row[8])
-            tasks[row[0]] = DbTask(
-                id=row[0],
-                status=row[1],
-                on_restart=row[2],
-                attempt=row[3],
-                response_id=row[4],
-                next_seq=row[5],
-                error_code=error.get("code") if isinstance(error, dict) else None,
-                response=msgspec.json.decode(row[7]) if row[7] else None,
-                marker=_marker(request),
-                prompt=_prompt(request),
-            )
-        events: dict[str, list[tuple[int, str, bytes]]] = {t: [] for t in tasks}
-        for task_id, seq, kind, data in conn.execute(
-            "SELECT task_id, seq, type, data FROM events ORDER BY task_id, seq"
-        ):
-            events.setdefault(task_id, []).append((seq, kind, bytes(data)))
-        keys = {key: task_id for key, task_id in conn.execute("SELECT key, task_id FROM idempotency_keys")}
+        tasks = conn.execute(f"SELECT {TASK_COLUMNS} FROM tasks").fetchall()
+        events, keys = conn.execute(EVENT_QUERY).fetchall(), conn.execute(KEY_QUERY).fetchall()
         result = conn.execute("PRAGMA integrity_check").fetchall() if integrity else [("not checked",)]
-        return DbState(tasks, events, keys, "; ".join(str(r[0]) for r in result))
+        return state_of(tasks, events, keys, "; ".join(str(r[0]) for r in result))
     finally:
         conn.close()
 
@@ -187,6 +204,27 @@ def _resume_text(db: DbState) -> tuple[list[str], int]:
         elif response is None or _final_text(response) != references[prompt]:
             out.append(f"{task_id}: resumed text differs from an uninterrupted run of {prompt[:60]}")
     return out, len(resumed)
+
+
+# A started task's holder as a sample of the tasks table shows it: (node, lease epoch, queued_at).
+Holder = tuple[str, int, float | None]
+
+
+def holder_faults(before: dict[str, Holder], now: dict[str, Holder], live: dict[str, int]) -> tuple[int, list[str]]:
+    """Two samples of who holds each started task (``live``: node -> epoch of each live lease,
+    in the second sample). A task may change node only through the queue (its queued_at moved:
+    its holder let it go) or when its holder's lease is gone: expired, taken over (the row
+    deleted) or renewed under a new epoch. Any other change means two live nodes held it at
+    once. Returns the changes seen and the faults among them."""
+    changes, faults = 0, []
+    for task_id, (node, epoch, queued_at) in now.items():
+        old = before.get(task_id)
+        if old is None or old[0] == node:
+            continue
+        changes += 1
+        if old[2] == queued_at and live.get(old[0]) == old[1]:
+            faults.append(f"{task_id}: moved from {old[0]} (epoch {old[1]}, lease live) to {node} (epoch {epoch})")
+    return changes, faults
 
 
 def snapshot_of(db: DbState) -> tuple[dict[str, TaskState], dict[str, list[str]]]:
@@ -339,11 +377,13 @@ def check(db: DbState, ledger: Ledger) -> Report:
             v["idempotency"].append(f"key {ack.key}: tasks {made}, key names {db.keys.get(ack.key or '')}")
     report.checked["idempotency"] = len(keyed) + ledger.replays
     v["resume_text"], report.checked["resume_text"] = _resume_text(db)
-    if db.integrity != "ok":
+    if db.integrity not in ("ok", "not checked"):
         v["integrity"].append(db.integrity)
-    report.checked["integrity"] = 1 + len(ledger.snapshots)
+    report.checked["integrity"] = 0 if db.integrity == "not checked" else 1 + len(ledger.snapshots)
     v["answers"] += ledger.errors
     report.checked["answers"] = ledger.requests
+    v["one_node"] += ledger.holder_faults
+    report.checked["one_node"] = ledger.holder_changes
     for log in db.events.values():
         for _, kind, data in log:
             if kind == "lmsp.attempt.restarted":

@@ -102,6 +102,13 @@ class Ledger:
     cancels: int = 0
     requests: int = 0  # sent by the load (creates, SSE connections, cancels)
     refused: dict[int, int] = field(default_factory=dict)  # status -> count of refused submissions
+    # --nodes (bench/chaos/nodes.py): nodes killed, and what the sampler of holders saw.
+    node_kills: int = 0
+    node_kills_taken_over: int = 0  # kills whose node came back only after a survivor took over
+    running_at_node_kills: int = 0
+    holder_samples: int = 0
+    holder_changes: int = 0  # a started task seen held by another node than at the sample before
+    holder_faults: list[str] = field(default_factory=list)
 
     def receive(self, response_id: str) -> Received:
         return self.received.setdefault(response_id, Received())

@@ -13,14 +13,20 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterator, Coroutine
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any, Protocol
 
 import httpx
 import msgspec
 
 from .ledger import FINAL_EVENTS, Ack, Connection, Kind, Ledger, Pending, Policy, Received
-from .server import Server
+
+
+class Counts(Protocol):
+    """Where the submitters read how many tasks are unfinished (one server's file, or the nodes' database)."""
+
+    def count(self) -> int: ...
+
 
 PROMPTS = (
     "Tell me a long story about a dragon.",
@@ -54,8 +60,16 @@ async def sse(r: httpx.Response) -> AsyncIterator[tuple[str, bytes]]:
 
 
 class Load:
-    def __init__(self, ledger: Ledger, rng: random.Random, server: Server, max_active: int) -> None:
+    def __init__(
+        self,
+        ledger: Ledger,
+        rng: random.Random,
+        server: Counts,
+        max_active: int,
+        transport: Callable[[], httpx.AsyncBaseTransport] | None = None,
+    ) -> None:
         self.ledger, self.rng, self.server, self.max_active = ledger, rng, server, max_active
+        self.transport = transport  # --nodes: each life's requests spread over the live nodes
         self.reading: set[str] = set()  # response ids a reader follows now (one reader each)
         self.by_marker: dict[str, str] = {}  # request marker -> the response id it was answered with
         self.made = 0
@@ -72,7 +86,8 @@ class Load:
         self.draining, self.stopping = not submit, False
         limits = httpx.Limits(max_connections=200, max_keepalive_connections=50)
         timeout = httpx.Timeout(60, connect=5)
-        async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as client:
+        spread = self.transport() if self.transport is not None else None
+        async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits, transport=spread) as client:
             self.client = client
             async with asyncio.TaskGroup() as group:
                 self.group = group
@@ -190,6 +205,12 @@ class Load:
                         self.reading.add(rid)
                     if self._record(got, conn, kind, data):
                         return
+            except asyncio.CancelledError:
+                # The life ends (--nodes: with the other nodes serving on): this client went away
+                # from a live node, which cancels a foreground response, as documented.
+                if self.transport is not None and conn is not None:
+                    self.ledger.acks[conn.response_id].cancel_sent = True
+                raise
             finally:
                 if conn is not None:
                     self.reading.discard(conn.response_id)

@@ -34,13 +34,16 @@ def tiny_model(dest: Path) -> Path:
     return make_tiny_model(dest / "tiny", smol, seed=0, context=4096)
 
 
-def write_config(data: Path, model: str | None) -> Path:
-    """A config on ``data``: the tiny model (or ``model``), the response store unbounded so
-    nothing acknowledged is evicted during the run, SSE keep-alives every second."""
+def write_config(
+    data: Path, model: str | None, *, store: str | None = None, cluster: str = "", tiny: Path | None = None
+) -> Path:
+    """A config on ``data``: the tiny model (or ``model``; ``tiny``: the tiny model made
+    already), the response store unbounded so nothing acknowledged is evicted during the run,
+    SSE keep-alives every second. ``store``: a PostgreSQL URL, with ``cluster``'s lines."""
     if model is None:
         head = f'default_model = "tiny"\ncache_dir = "{TEST_CACHE / "models"}"\n'
         head += '[engine]\nweight_dtype = "quantized"\nmax_concurrency = 4\n'
-        tail = f'[models.tiny]\npath = "{tiny_model(data)}"\n'
+        tail = f'[models.tiny]\npath = "{tiny or tiny_model(data)}"\n'
     else:
         head = f'default_model = "{model}"\ncache_dir = "{load_config().model_cache_dir}"\n'
         head += "[engine]\nmax_concurrency = 4\n"
@@ -49,7 +52,7 @@ def write_config(data: Path, model: str | None) -> Path:
     config.write_text(
         head + f'[server]\ndata_dir = "{data / "data"}"\nkeepalive_secs = 1.0\n'
         "[responses]\nstore_max_entries = 100000000\nstore_max_bytes = 100000000000\nstore_ttl_secs = 0\n"
-        "background_max_jobs = 100000\n" + tail
+        "background_max_jobs = 100000\n" + tail + (f'[store]\nurl = "{store}"\n[cluster]\n{cluster}' if store else "")
     )
     return config
 

@@ -26,6 +26,8 @@ import socket
 from lmspd.config import Config
 from lmspd.core.hub import Hub
 from lmspd.core.supervisor import Supervisor
+from lmspd.models.catalog import BUILTIN_MODELS
+from lmspd.models.pull import is_pulled
 from lmspd.store.nodes import NodeInfo, NodeStore
 from lmspd.store.pg import PgDatabase
 from lmspd.store.task_store import TaskStore
@@ -44,6 +46,8 @@ class Cluster:
         self.node_id = config.cluster.node_id or f"{socket.gethostname()}:{server.port}"
         self.url = f"http://{server.host}:{server.port}"
         self.nodes = NodeStore(db, self.node_id, config.cluster.lease_secs)
+        # A task waits this long for the node holding its prompt cache (docs/operations.md).
+        store.affinity_hold = config.cluster.heartbeat_secs
         self.supervisor: Supervisor | None = None
         self._chores: list[asyncio.Task[None]] = []
         self._cancels: set[asyncio.Task[None]] = set()  # held until done (asyncio keeps weak refs)
@@ -51,7 +55,14 @@ class Cluster:
         self.taken_over = 0  # tasks taken over from dead nodes
 
     def models(self) -> list[str]:
-        return sorted({self.config.default_model, *self.config.models})
+        """What this node serves, as its lease row lists it (claims go by it): its default
+        model, its aliases and the built-ins pulled here, by the names requests use."""
+        cache = self.config.model_cache_dir
+        pulled = [name for name in BUILTIN_MODELS if is_pulled(cache / name)]
+        return sorted({self.config.default_model, *self.config.models, *pulled})
+
+    async def live_models(self) -> set[str]:
+        return await self.nodes.live_models()
 
     async def join(self) -> None:
         """Take this node's lease (before recovery: what the node held is then its own) and keep

@@ -30,6 +30,7 @@ from lmspd.errors import (
     ContextLengthExceededError,
     InvalidRequestError,
     LmspdError,
+    ModelNotFoundError,
     NotFoundError,
     ServerOverloadedError,
     StorageFullError,
@@ -140,10 +141,11 @@ class Core:
         encoded = msgspec.json.encode(request)
         # Checked as it will run: with the reasoning the echo puts back.
         turns, rendered, _ = await self.echo.restore(owner, turns, request)
+        here = await self._served_here(request.model)
         if len(encoded) < _INLINE_CHECK_BYTES and not turns and not _has_schemas(request):
-            self._check(rendered, turns)  # small and no grammar to check: cheaper than a thread hop
+            self._check(rendered, turns, here)  # small and no grammar to check: cheaper than a thread hop
         else:
-            await asyncio.to_thread(self._check, rendered, turns)
+            await asyncio.to_thread(self._check, rendered, turns, here)
         model = request.model or self.config.default_model
         limits = self.config.responses
         stored = request.store and self.store_enabled and limits.store_max_bytes > 0
@@ -179,6 +181,8 @@ class Core:
                 previous_response_id=request.previous_response_id,
                 conversation=request.conversation_id,
                 expires_at=expires,
+                model=model,
+                cache_key=request.prompt_cache_key,
             ),
         )
         if not replayed:
@@ -207,10 +211,26 @@ class Core:
         if request.background and 0 in (limits.background_max_jobs, limits.store_max_entries, limits.store_max_bytes):
             raise InvalidRequestError("background mode is disabled by the response store settings", param="background")
 
-    def _check(self, request: s.ResponseRequest, turns: list[Item]) -> None:
+    async def _served_here(self, name: str | None) -> bool:
+        """Whether this node checks the request against its model: yes, unless (PostgreSQL) only
+        other live nodes serve it; a model no live node serves is refused as on one node."""
+        if self.cluster is None or name is None:
+            return True
+        try:
+            self.registry.check_requested(name)
+            return True
+        except ModelNotFoundError:
+            if name in await self.cluster.live_models():
+                return False
+            raise
+
+    def _check(self, request: s.ResponseRequest, turns: list[Item], here: bool = True) -> None:
         """Runs in a worker thread: rendering a large prompt, taking schemas apart and compiling
         grammars (seconds for a large one) must not stall the event loop."""
         check_directives(request.directives, self.budget)
+        if not here:  # the node that claims it checks the prompt against the model as it runs
+            request.sampling().validate()
+            return
         self.registry.check_requested(request.model)
         model = self.registry.resolve_local(request.model or self.config.default_model)
         sampling = request.sampling()

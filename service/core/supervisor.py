@@ -369,7 +369,8 @@ class Supervisor:
         if (state := await self._state(task)) is None:
             return
         request = msgspec.json.decode(task.request, type=TaskRequest)
-        name = request.model or self.config.default_model
+        # The model named at intake (PostgreSQL: the accepting node's default, if it named none).
+        name = task.model or request.model or self.config.default_model
         # A model already in memory: claimed and running in one commit, with no round trip to
         # an engine that answers only between its decode steps. (The engine knows models by
         # their canonical names; a spelling seen before maps to one without resolving it.)

@@ -141,15 +141,17 @@ class Writer:
         self._runner = runner
         self._errors = errors
         self._on_commit = on_commit
-        self._pending: list[tuple[Job, asyncio.Future[Any]]] = []
+        self._pending: list[tuple[Job, asyncio.Future[Any], bool]] = []
         self._wake = asyncio.Event()
         self._task = asyncio.create_task(self._loop(), name=name)
         self.commits = 0
 
-    async def submit(self, job: Callable[[Conn], T]) -> T:
-        """Run ``job`` inside a write transaction; returns once that transaction committed."""
+    async def submit(self, job: Callable[[Conn], T], *, first: bool = False) -> T:
+        """Run ``job`` inside a write transaction; returns once that transaction committed.
+        ``first``: before the batch's other jobs (intake, whose lock on PostgreSQL must come
+        before any row lock of its transaction: task_store.py)."""
         fut: asyncio.Future[T] = asyncio.get_running_loop().create_future()
-        self._pending.append((job, fut))
+        self._pending.append((job, fut, first))
         self._wake.set()
         return await fut
 
@@ -162,18 +164,19 @@ class Writer:
                 self._wake.set()
             if not batch:
                 continue
+            batch.sort(key=lambda pending: not pending[2])  # stable: the rest keep their order
             try:
                 # The runner runs the batch on the connection's thread: one hop per batch.
                 start = time.perf_counter()
-                results = await self._runner([job for job, _ in batch])
+                results = await self._runner([job for job, _, _ in batch])
                 seconds = time.perf_counter() - start
                 self.commits += 1
             except Exception as exc:  # the COMMIT itself failed: nothing in the batch happened
-                for _, fut in batch:
+                for _, fut, _ in batch:
                     if not fut.done():
                         fut.set_exception(self._errors(exc))
                 continue
-            for (_, fut), (ok, value) in zip(batch, results, strict=True):
+            for (_, fut, _), (ok, value) in zip(batch, results, strict=True):
                 if fut.done():
                     continue
                 if ok:

@@ -93,6 +93,10 @@ class NodeStore:
         rows = await self.db.all("nodes_list")
         return [msgspec.convert({k: r[k] for k in r.keys()}, NodeInfo) for r in rows]  # noqa: SIM118
 
+    async def live_models(self) -> set[str]:
+        """The models the nodes with a live lease serve, this one's included."""
+        return {r["model"] for r in await self.db.all("live_models")}
+
     async def counts(self) -> tuple[int, int]:
         """Nodes whose lease is live, and those whose lease expired (not yet taken over)."""
         row = await self.db.one("nodes_count")

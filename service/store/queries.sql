@@ -12,7 +12,12 @@ SELECT status, count(*) AS n FROM tasks WHERE owner = :owner GROUP BY status;
 -- name: count_active
 SELECT coalesce(sum(n), 0) FROM task_counts WHERE status IN {ACTIVE};
 
+-- name: intake_lock
+-- One writer here: the count and the insert are one at a time already (queries_pg.sql's locks).
+SELECT 1;
+
 -- name: insert_task
+-- (:model and :cache_key go unused: one node serves every task it accepted; queries_pg.sql.)
 INSERT INTO tasks (id, owner, status, on_restart, request, response_id, next_seq, created_at, updated_at,
                    kind, background, stored, previous_response_id, conversation, expires_at)
 VALUES (:id, :owner, 'queued', :on_restart, :request, :response_id, 0, :now, :now,
@@ -33,8 +38,8 @@ UPDATE tasks SET status = :to, updated_at = :now, response = coalesce(:response,
 WHERE id = :id AND status IN (SELECT value FROM json_each(:sources));
 
 -- name: claim
--- A queued task taken to run (PostgreSQL's also records the node: queries_pg.sql). One writer
--- here, so a claim is the transition itself.
+-- A queued task taken to run (PostgreSQL's also records the node, and takes only a task of a
+-- model that node serves: queries_pg.sql). One writer, one node here: a claim is the transition.
 UPDATE tasks SET status = :to, updated_at = :now
 WHERE id = :id AND status = 'queued' AND status IN (SELECT value FROM json_each(:sources));
 
@@ -80,6 +85,7 @@ WHERE owner = :owner AND (:after IS NULL OR id < :after)
 ORDER BY id DESC LIMIT :limit;
 
 -- name: queued_ids
+-- (:me and :hold go unused: on one node every queued task is this node's to claim.)
 SELECT id FROM tasks WHERE status = 'queued' ORDER BY id LIMIT :limit;
 
 -- name: unfinished_ids

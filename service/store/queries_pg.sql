@@ -13,12 +13,29 @@ SELECT status, count(*) AS n FROM tasks WHERE owner = :owner GROUP BY status;
 -- name: count_active
 SELECT count(*) FROM tasks WHERE status IN {ACTIVE};
 
+-- name: intake_lock
+-- Several nodes count the queue and insert at once: each node's writer sees only its own
+-- uncommitted tasks, so without this the queue bound (and background_max_jobs) could be overshot
+-- by a batch per node. Held to the end of the transaction, so the next node's count sees this
+-- one's tasks committed; taken by intake first in its batch (Writer.submit(first=True)), before
+-- any row lock, so waiting for it holds nothing another node waits for (no deadlock). The key
+-- is "lmspq" in ASCII (pg_migrate.py's is "lmspd").
+SELECT pg_advisory_xact_lock(465692749937);
+
 -- name: insert_task
+-- Its affinity: the node that ran its previous response, else the one that last ran a task of
+-- its owner with its prompt_cache_key (that node's prompt cache holds its prefix).
 INSERT INTO tasks (id, owner, status, on_restart, request, response_id, next_seq, created_at, updated_at,
-                   kind, background, stored, previous_response_id, conversation, expires_at)
+                   kind, background, stored, previous_response_id, conversation, expires_at,
+                   model, cache_key, affinity, queued_at)
 VALUES (:id, :owner, 'queued', :on_restart, :request, :response_id, 0, :now, :now,
         :kind, CAST(:background AS integer), CAST(:stored AS integer), :previous_response_id, :conversation,
-        :expires_at)
+        :expires_at, CAST(:model AS text), CAST(:cache_key AS text),
+        coalesce((SELECT p.node FROM tasks p WHERE p.response_id = CAST(:previous_response_id AS text)),
+                 (SELECT p.node FROM tasks p
+                  WHERE p.owner = CAST(:owner AS text) AND p.cache_key = CAST(:cache_key AS text)
+                    AND p.node IS NOT NULL ORDER BY p.id DESC LIMIT 1)),
+        extract(epoch FROM clock_timestamp()))
 RETURNING *;
 
 -- name: conversation_turns
@@ -45,9 +62,11 @@ WHERE id = :id AND status IN (SELECT jsonb_array_elements_text(CAST(:sources AS 
 -- A queued task claimed by this node (node, epoch: its lease). One that another node is claiming
 -- this moment is skipped (SKIP LOCKED), not waited for: that node has it. NO KEY UPDATE, the lock
 -- an UPDATE takes: an event's foreign-key check (KEY SHARE) does not make a claim skip the task.
+-- Only a task this node may take now: its model, its affinity (lmspd_claimable, migration 004).
 UPDATE tasks SET status = CAST(:to AS text), updated_at = :now, node = CAST(:me AS text),
                  epoch = CAST(:epoch AS bigint)
-WHERE id = (SELECT id FROM tasks WHERE id = :id AND status = 'queued' AND node IS NULL
+WHERE id = (SELECT id FROM tasks t WHERE id = :id AND status = 'queued' AND node IS NULL
+              AND lmspd_claimable(t, CAST(:me AS text), CAST(:hold AS double precision))
             FOR NO KEY UPDATE SKIP LOCKED)
   AND status IN (SELECT jsonb_array_elements_text(CAST(:sources AS jsonb)));
 
@@ -95,7 +114,10 @@ WHERE owner = :owner AND (CAST(:after AS text) IS NULL OR id < CAST(:after AS te
 ORDER BY id DESC LIMIT :limit;
 
 -- name: queued_ids
-SELECT id FROM tasks WHERE status = 'queued' ORDER BY id LIMIT :limit;
+-- Those this node may claim now (the claim asks the same): others' are not tried in vain.
+SELECT id FROM tasks t WHERE status = 'queued'
+  AND lmspd_claimable(t, CAST(:me AS text), CAST(:hold AS double precision))
+ORDER BY id LIMIT :limit;
 
 -- name: unfinished_ids
 -- This node's to settle: those it holds (from its last run, or taken over from a dead node).
@@ -103,7 +125,8 @@ SELECT id FROM tasks WHERE status IN {ACTIVE} AND status <> 'queued' AND node = 
 
 -- name: requeue
 -- Back in line, and no node's: any node serving it claims it again.
-UPDATE tasks SET status = 'queued', attempt = attempt + :bump, updated_at = :now, node = NULL, epoch = NULL
+UPDATE tasks SET status = 'queued', attempt = attempt + :bump, updated_at = :now, node = NULL, epoch = NULL,
+                 queued_at = extract(epoch FROM clock_timestamp())
 WHERE id = :id AND status IN {STARTED}
   AND (node IS NULL OR (node = CAST(:me AS text) AND epoch = CAST(:epoch AS bigint)));
 
@@ -269,3 +292,7 @@ SELECT value FROM secrets WHERE name = :name;
 -- name: nodes_count
 SELECT count(*) FILTER (WHERE expires_at >= now()) AS live, count(*) FILTER (WHERE expires_at < now()) AS expired
 FROM nodes;
+
+-- name: live_models
+-- The models some node with a live lease serves: what intake on any node accepts.
+SELECT DISTINCT jsonb_array_elements_text(models) AS model FROM nodes WHERE expires_at >= now() ORDER BY 1;

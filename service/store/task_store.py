@@ -39,6 +39,8 @@ class ResponseFields(msgspec.Struct, frozen=True, kw_only=True):
     previous_response_id: str | None = None
     conversation: str | None = None
     expires_at: int | None = None  # a store:false background result stays readable until then
+    model: str | None = None  # as asked for: on PostgreSQL only a node serving it claims the task
+    cache_key: str | None = None  # its prompt_cache_key: the node holding that cache is preferred
 
 
 class ResponseLimits(Protocol):
@@ -74,6 +76,10 @@ class TaskRecord(msgspec.Struct, kw_only=True):
     conversation: str | None = None
     node: str | None = None  # PostgreSQL: the node that claimed it, and its lease epoch then
     epoch: int | None = None
+    model: str | None = None  # PostgreSQL: the model asked for, the node holding its prompt
+    cache_key: str | None = None  # cache (affinity), and when it last became queued
+    affinity: str | None = None
+    queued_at: float | None = None
 
     @classmethod
     def from_row(cls, row: Row) -> TaskRecord:
@@ -180,6 +186,9 @@ class TaskStore:
         self.max_queued = max_queued
         self.metrics = metrics or Metrics()
         self.fence = Fence()  # set by the node's lease (lmspd.core.cluster); unset on SQLite
+        # PostgreSQL: how long a task waits for the node holding its prompt cache before this
+        # node takes it (lmspd.core.cluster sets one heartbeat; docs/operations.md).
+        self.affinity_hold = 0.0
 
     async def create(
         self,
@@ -199,7 +208,8 @@ class TaskStore:
         ``waiting_event`` follows the first event when ``slots`` or more tasks are already
         active (the task will wait for a slot). ``max_background`` bounds the active
         background responses; it is checked in the same transaction as the insert, so
-        concurrent requests cannot overshoot it.
+        concurrent requests cannot overshoot it, nor (PostgreSQL) can other nodes': the job
+        takes the intake lock first, and runs first in its batch, before any row lock.
         """
         task_id, response_id = new_ids()
 
@@ -207,6 +217,7 @@ class TaskStore:
 
         def job(conn: Conn) -> tuple[TaskRecord, bool]:
             now = _now()
+            conn.run("intake_lock")  # the bounds hold across nodes (queries_pg.sql)
             if idempotency is not None:
                 key, fingerprint = idempotency
                 row = conn.run("get_idempotency_key", {"owner": owner, "key": key}).fetchone()
@@ -246,9 +257,9 @@ class TaskStore:
             return task, False
 
         try:
-            return await self.db.writer.submit(job)
+            return await self.db.writer.submit(job, first=True)
         except _Raced:
-            return await self.db.writer.submit(job)  # the key is there now: this replays it
+            return await self.db.writer.submit(job, first=True)  # the key is there now: this replays it
 
     async def get(self, task_id: str, owner: str | None = None) -> TaskRecord:
         row = await self.db.one("get_task", {"id": task_id})
@@ -277,12 +288,12 @@ class TaskStore:
 
         steps = ([params(via)] if via else []) + [params(to, response, error)]
 
-        fence = self.fence
+        fence, hold = self.fence, self.affinity_hold
 
         def job(conn: Conn) -> TaskRecord | None:
             for step in steps:
                 query = "claim" if step["to"] == "loading" else "transition"  # out of queued: a claim
-                if conn.run(query, {**step, "now": _now(), **fence.params()}).rowcount != 1:
+                if conn.run(query, {**step, "now": _now(), "hold": hold, **fence.params()}).rowcount != 1:
                     # Another transition committed first, or the task is terminal; an earlier
                     # step is undone with the job's savepoint.
                     raise _Lost
@@ -405,7 +416,8 @@ class TaskStore:
         return {status: counts.get(status, 0) for status in STATUSES}
 
     async def queued_ids(self, limit: int) -> list[str]:
-        return [r["id"] for r in await self.db.all("queued_ids", {"limit": limit})]
+        params = {"limit": limit, "hold": self.affinity_hold, **self.fence.params()}
+        return [r["id"] for r in await self.db.all("queued_ids", params)]
 
     async def unfinished_ids(self) -> list[str]:
         return [r["id"] for r in await self.db.all("unfinished_ids", self.fence.params())]

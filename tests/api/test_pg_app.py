@@ -16,6 +16,8 @@ from support.engine_host import Host, tiny_config
 from support.wait import wait_until
 
 from lmspd.config import Config, EngineConfig, StoreConfig
+from lmspd.models.catalog import BUILTIN_MODELS
+from lmspd.models.pull import is_pulled
 from lmspd.models.registry import ResolvedModel
 
 TOKENS = {"alice": "alice-secret-token"}
@@ -114,7 +116,7 @@ def test_cancel_and_idempotency_on_postgresql(client: TestClient, pg_config: Con
     assert rows(pg_config, "SELECT count(*) FROM idempotency_keys") == [(1,)]
 
 
-def test_the_cluster_route_lists_this_node_to_operators(client: TestClient) -> None:
+def test_the_cluster_route_lists_this_node_to_operators(client: TestClient, pg_config: Config) -> None:
     assert client.get("/lmsp/v1/cluster", headers=ALICE).status_code == 403
     r = client.get("/lmsp/v1/cluster", headers={"Authorization": "Bearer ops-secret-token"})
     assert r.status_code == 200, r.text
@@ -122,7 +124,9 @@ def test_the_cluster_route_lists_this_node_to_operators(client: TestClient) -> N
     assert body["store"] == "postgresql" and body["epoch"] is not None
     [node] = body["nodes"]
     assert (node["id"], node["epoch"], node["expired"]) == (body["node"], body["epoch"], False)
-    assert node["models"] == ["tiny"] and node["expires_at"] > node["heartbeat_at"]
+    # What it serves: its default model and aliases, and the built-ins pulled into its cache.
+    pulled = {name for name in BUILTIN_MODELS if is_pulled(pg_config.model_cache_dir / name)}
+    assert node["models"] == sorted({"tiny", *pulled}) and node["expires_at"] > node["heartbeat_at"]
 
 
 def test_metrics_name_this_node_and_count_the_nodes_by_lease(client: TestClient) -> None:

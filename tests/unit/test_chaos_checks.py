@@ -12,7 +12,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from bench.chaos.checks import check, read_db, snapshot_of
+from bench.chaos.checks import Holder, check, holder_faults, read_db, snapshot_of
 from bench.chaos.ledger import Ack, Connection, Ledger, Policy, Snapshot, TaskState
 from lmspd.store.migrate import migrate
 
@@ -228,3 +228,21 @@ def test_a_kill_snapshot_is_checked_too(run: Run) -> None:
     run.sql("UPDATE tasks SET status = 'succeeded' WHERE id = 'task_a'")
     run.ledger.snapshots.append(Snapshot(0, tasks, found))
     assert run.violated() == {"status_event"}
+
+
+def test_a_task_changes_node_only_through_the_queue_or_a_lost_lease() -> None:
+    """--nodes: the sampler's rule (``holder_faults``). Taken over (its holder's lease gone or
+    renewed under a new epoch) or requeued (queued_at moved): fine; moved while its holder's
+    lease is live, under the same epoch, without going through the queue: two nodes held it."""
+    before: dict[str, Holder] = {"t1": ("n1", 7, 1.0), "t2": ("n1", 7, 1.0), "t3": ("n2", 8, 1.0), "t4": ("n2", 8, 1.0)}
+    now: dict[str, Holder] = {
+        "t1": ("n2", 8, 1.0),  # n1's lease is gone (taken over): fine
+        "t2": ("n3", 9, 2.0),  # requeued, then claimed by n3: fine
+        "t3": ("n2", 9, 1.0),  # its own node again, under a new epoch: no change of node
+        "t4": ("n3", 9, 1.0),  # n2's lease is live under the same epoch: two nodes
+        "t5": ("n1", 10, 3.0),  # first seen: nothing to compare
+    }
+    changes, faults = holder_faults(before, now, {"n2": 8, "n3": 9})
+    assert changes == 3
+    assert faults == ["t4: moved from n2 (epoch 8, lease live) to n3 (epoch 9)"]
+    assert holder_faults(before, now, {"n2": 9, "n3": 9}) == (3, [])  # n2 joined again: its old run's lease is gone

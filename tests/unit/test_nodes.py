@@ -11,7 +11,7 @@ import msgspec
 import pytest
 from support.wait import wait_until_async
 
-from lmspd.errors import LeaseLostError
+from lmspd.errors import LeaseLostError, QueueFullError
 from lmspd.store.nodes import NodeStore
 from lmspd.store.opening import open_database
 from lmspd.store.pg import PgDatabase
@@ -32,8 +32,8 @@ class Node:
         self.store = TaskStore(db)
         self.nodes = NodeStore(db, name, lease)
 
-    async def join(self) -> Fence:
-        self.store.fence = await self.nodes.register(host="h", pid=1, url="http://x", models=["tiny"])
+    async def join(self, models: tuple[str, ...] = ("tiny",)) -> Fence:
+        self.store.fence = await self.nodes.register(host="h", pid=1, url="http://x", models=models)
         return self.store.fence
 
 
@@ -48,9 +48,20 @@ async def nodes(pg_url: str) -> AsyncIterator[list[Node]]:
         await db.close()
 
 
-async def create(store: TaskStore) -> TaskRecord:
-    task, _ = await store.create(owner="o", request=b"{}", on_restart="resume", first_event=event("response.created"))
+async def create(store: TaskStore, fields: ResponseFields | None = None) -> TaskRecord:
+    task, _ = await store.create(
+        owner="o", request=b"{}", on_restart="resume", first_event=event("response.created"), response=fields
+    )
     return task
+
+
+def asking(model: str = "tiny", **fields: str) -> ResponseFields:
+    return ResponseFields(kind="task", model=model, **fields)  # type: ignore[arg-type]
+
+
+async def run_to_the_end(node: Node, task: TaskRecord) -> None:
+    for step in ("loading", "running", "succeeded"):
+        assert await node.store.transition(task.id, step) is not None
 
 
 async def test_a_node_restarting_gets_a_new_epoch_and_fences_its_old_run(nodes: list[Node]) -> None:
@@ -154,3 +165,75 @@ async def test_listeners_hear_commits_of_other_nodes(nodes: list[Node]) -> None:
     finally:
         listener.cancel()
         await asyncio.gather(listener, return_exceptions=True)
+
+
+async def test_a_node_claims_only_the_models_it_serves(nodes: list[Node]) -> None:
+    a, b, c = nodes
+    await a.join(("tiny",))
+    await b.join(("big", "tiny"))
+    await c.join(("tiny",))
+    big = await create(a.store, asking("big"))
+    assert big.model == "big"
+    for node in (a, c):  # neither serves it: not even tried, and a claim finds nothing
+        assert big.id not in await node.store.queued_ids(10)
+        assert await node.store.transition(big.id, "loading") is None
+    assert (await a.store.get(big.id)).status == "queued"
+    assert big.id in await b.store.queued_ids(10)
+    claimed = await b.store.transition(big.id, "loading")
+    assert claimed is not None and claimed.node == "b"
+    # A model no live node serves is anyone's (it is refused at intake unless some node served it
+    # then): it must not wait for a node that may never come.
+    odd = await create(a.store, asking("odd"))
+    assert odd.id in await a.store.queued_ids(10)
+    assert (await a.store.transition(odd.id, "loading")) is not None
+    assert await a.nodes.live_models() == {"big", "tiny"}
+
+
+async def test_the_node_holding_the_prompt_cache_is_preferred_then_anyone(nodes: list[Node]) -> None:
+    _, b, c = nodes
+    for node in nodes:
+        await node.join()
+    first = await create(c.store, asking(cache_key="k"))
+    await run_to_the_end(b, first)  # b's prompt cache holds "k", and first's turn
+    by_key = await create(c.store, asking(cache_key="k"))
+    by_turn = await create(c.store, ResponseFields(kind="task", model="tiny", previous_response_id=first.response_id))
+    plain = await create(c.store, asking())
+    assert (by_key.affinity, by_turn.affinity, plain.affinity) == ("b", "b", None)
+    c.store.affinity_hold = 3600.0  # a long wait: the holder is preferred while it is live
+    assert await c.store.queued_ids(10) == [plain.id]
+    assert await c.store.transition(by_key.id, "loading") is None
+    assert await b.store.queued_ids(10) == [by_key.id, by_turn.id, plain.id]
+    assert (await b.store.transition(by_key.id, "loading")) is not None
+    # The holder did not take by_turn within the wait (it was busy): anyone takes it after it.
+    c.store.affinity_hold = 0.0
+    assert await c.store.queued_ids(10) == [by_turn.id, plain.id]
+    claimed = await c.store.transition(by_turn.id, "loading")
+    assert claimed is not None and claimed.node == "c"
+
+
+async def test_a_dead_holder_is_not_waited_for(nodes: list[Node]) -> None:
+    a, b, _ = nodes
+    await a.join()  # a's lease is short: it lapses, as a dead node's does
+    await b.join()
+    first = await create(b.store, asking(cache_key="k"))
+    await run_to_the_end(a, first)
+    second = await create(b.store, asking(cache_key="k"))
+    b.store.affinity_hold = 3600.0
+    assert second.affinity == "a" and await b.store.queued_ids(10) == []
+    await wait_until_async(lambda: _expired(b), "node a's lease to expire", timeout=10)
+    assert await b.store.queued_ids(10) == [second.id]  # at once: a is not live
+    assert (await b.store.transition(second.id, "loading")) is not None
+
+
+async def test_the_queue_bound_holds_across_nodes(nodes: list[Node]) -> None:
+    """Each node's writer sees only its own uncommitted tasks: without the intake lock three
+    nodes creating at once would each count a queue with room and together overshoot it."""
+    for node in nodes:
+        await node.join()
+        node.store.max_queued = 20
+    tries = [create(node.store) for node in nodes for _ in range(15)]
+    results = await asyncio.gather(*tries, return_exceptions=True)
+    made = [r for r in results if isinstance(r, TaskRecord)]
+    refused = [r for r in results if isinstance(r, QueueFullError)]
+    assert (len(made), len(refused)) == (20, 25), [r for r in results if not isinstance(r, TaskRecord | QueueFullError)]
+    assert await nodes[0].store.queued_ids(100) == sorted(t.id for t in made)

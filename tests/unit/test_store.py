@@ -143,14 +143,16 @@ async def test_pg_migration_makes_the_same_tables_and_columns(store_url: StoreUr
         assert found.pop("lmspd_schema") == ["version"]
         assert found.pop("nodes") == NODES
         assert found.pop("secrets") == ["name", "value"]  # the nodes' shared reasoning key
-        assert found.pop("tasks") == [*EXPECTED_SCHEMA["tasks"], "node", "epoch"]
+        # The claim's: who holds it (002), its model and prompt cache's node (004).
+        claims = ["node", "epoch", "model", "cache_key", "affinity", "queued_at"]
+        assert found.pop("tasks") == [*EXPECTED_SCHEMA["tasks"], *claims]
         assert found == {t: c for t, c in EXPECTED_SCHEMA.items() if t not in {*SQLITE_ONLY, "tasks"}}
         version = await db.fetchone("SELECT version FROM lmspd_schema")
-        assert version is not None and version[0] == latest_version() == 3
+        assert version is not None and version[0] == latest_version() == 4
     finally:
         await db.close()
     again = await open_database(store_url)  # migrating again changes nothing
-    assert [tuple(r) for r in await again.fetchall("SELECT version FROM lmspd_schema")] == [(3,)]
+    assert [tuple(r) for r in await again.fetchall("SELECT version FROM lmspd_schema")] == [(4,)]
     await again.close()
 
 
@@ -360,3 +362,24 @@ async def test_a_failing_job_fails_alone_in_its_group_commit(store: TaskStore) -
     assert [isinstance(r, Exception) for r in results] == [False, False, True, False, False, False]
     assert store.db.writer.commits - before < 6  # they shared commits
     assert [e.type for e in await store.events_after(task.id, -1)] == ["response.created"] + [f"e{i}" for i in range(5)]
+
+
+async def test_intake_runs_first_in_its_group_commit(store: TaskStore) -> None:
+    """A job submitted ``first`` (intake: its lock comes before any row lock on PostgreSQL) runs
+    before the batch's others, which keep their order; each still gets its own result."""
+    ran: list[str] = []
+
+    def job(name: str):  # type: ignore[no-untyped-def]
+        def run(conn: Conn) -> str:
+            ran.append(name)
+            return name
+
+        return run
+
+    writer = store.db.writer
+    before = writer.commits
+    names = ["a", "b", "intake-1", "c", "intake-2"]
+    results = await asyncio.gather(*(writer.submit(job(n), first=n.startswith("intake")) for n in names))
+    assert results == names
+    assert writer.commits - before == 1  # one batch, so its order is the writer's doing
+    assert ran == ["intake-1", "intake-2", "a", "b", "c"]

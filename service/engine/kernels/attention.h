@@ -23,11 +23,9 @@
 #pragma once
 
 // Included by quantized.cpp, after MLX's headers, the mx alias, fused.h (rows_of), the Pool and
-// elementwise.h (exp8).
+// elementwise.h (max_and_exps, sum_in_order: MLX's simd functions, from its headers).
 
 #include <limits>
-
-#include "mlx/backend/cpu/simd/simd.h"
 
 extern "C" void cblas_sgemm(int order, int trans_a, int trans_b, int M, int N, int K, float alpha, const float* A,
                             int lda, const float* B, int ldb, float beta, float* C, int ldc);
@@ -53,25 +51,12 @@ void row_times(const float* x, int K, const float* b, int64_t k_stride, int64_t 
   }
 }
 
-// MLX's CPU softmax of one contiguous row (softmax.cpp with Simd<float, 1>, as on Linux).
+// MLX's CPU softmax of one contiguous row, in place (softmax.cpp with Simd<float, 1>, as on
+// Linux): the exponentials of x - max (elementwise.h), their sum in order, each times 1 / sum.
 LMSPD_NO_CONTRACT_ATTR void softmax_row(float* s, int n) {
   LMSPD_NO_CONTRACT
-  namespace simd = mlx::core::simd;
-  using F = simd::Simd<float, 1>;
-  F vmaximum(-std::numeric_limits<float>::infinity());
-  for (int j = 0; j < n; ++j) vmaximum = simd::maximum(F(s[j]), vmaximum);
-  const float maximum = simd::max(vmaximum);
-  int j = 0;
-#if defined(LMSPD_SIMD_AVX2)
-  // The exponentials eight at a time (exp8: simd::exp's value in every lane), then summed in
-  // MLX's order, one after another.
-  const __m256 vmax = _mm256_set1_ps(maximum);
-  for (; j + 8 <= n; j += 8) _mm256_storeu_ps(s + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), vmax)));
-#endif
-  for (; j < n; ++j) s[j] = simd::exp(F(s[j]) - maximum).value;
-  F vnormalizer(0.0);
-  for (j = 0; j < n; ++j) vnormalizer = vnormalizer + F(s[j]);
-  float normalizer = simd::sum(vnormalizer);
+  max_and_exps(s, n, s);
+  float normalizer = sum_in_order(s, n);
   normalizer = 1 / normalizer;
   for (int j = 0; j < n; ++j) s[j] = s[j] * normalizer;
 }

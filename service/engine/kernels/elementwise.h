@@ -104,27 +104,39 @@ class SwiGLU : public mx::UnaryPrimitive {
   bool is_equivalent(const mx::Primitive&) const override { return true; }
 };
 
-// MLX's CPU logsumexp of one contiguous row (logsumexp.cpp with Simd<float, 1>): the maximum as
-// simd::maximum keeps it (a NaN wins), the exponentials of x - max (eight at a time where exp8
-// is, each simd::exp's value) summed one after another from 0, then log(sum) + max, or max
-// itself when it is infinite.
-LMSPD_NO_CONTRACT_ATTR float logsumexp_row(const float* x, int n, std::vector<float>& e) {
+// What MLX's CPU softmax and logsumexp (softmax.cpp, logsumexp.cpp with Simd<float, 1>) both
+// do first: a row's maximum as simd::maximum keeps it (a NaN wins), then exp(x - max) of every
+// element into e (which may be x), eight at a time where exp8 is (each lane simd::exp's value).
+LMSPD_NO_CONTRACT_ATTR float max_and_exps(const float* x, int n, float* e) {
   LMSPD_NO_CONTRACT
   namespace simd = mlx::core::simd;
   using F = simd::Simd<float, 1>;
   F vmaximum(-std::numeric_limits<float>::infinity());
   for (int j = 0; j < n; ++j) vmaximum = simd::maximum(F(x[j]), vmaximum);
   const float maximum = simd::max(vmaximum);
-  e.resize(n);
   int j = 0;
 #if defined(LMSPD_SIMD_AVX2)
   const __m256 vmax = _mm256_set1_ps(maximum);
-  for (; j + 8 <= n; j += 8) _mm256_storeu_ps(e.data() + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(x + j), vmax)));
+  for (; j + 8 <= n; j += 8) _mm256_storeu_ps(e + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(x + j), vmax)));
 #endif
   for (; j < n; ++j) e[j] = simd::exp(F(x[j]) - maximum).value;
+  return maximum;
+}
+
+// The exponentials summed one after another from 0, as MLX's Simd<float, 1> accumulator does.
+LMSPD_NO_CONTRACT_ATTR float sum_in_order(const float* e, int n) {
+  LMSPD_NO_CONTRACT
+  using F = mlx::core::simd::Simd<float, 1>;
   F vnormalizer(0.0);
-  for (j = 0; j < n; ++j) vnormalizer = vnormalizer + F(e[j]);
-  const float normalizer = simd::sum(vnormalizer);
+  for (int j = 0; j < n; ++j) vnormalizer = vnormalizer + F(e[j]);
+  return mlx::core::simd::sum(vnormalizer);
+}
+
+// MLX's CPU logsumexp of one contiguous row: log(sum) + max, or max itself when it is infinite.
+float logsumexp_row(const float* x, int n, std::vector<float>& e) {
+  e.resize(n);
+  const float maximum = max_and_exps(x, n, e.data());
+  const float normalizer = sum_in_order(e.data(), n);
   return std::isinf(maximum) ? maximum : std::log(normalizer) + maximum;
 }
 

@@ -10,8 +10,9 @@ and biases as they are, and multiplies through lmspd's kernels (``kernels/quanti
 - a decode step's attention goes through ``decode_attention``, one primitive where
   mx.fast.scaled_dot_product_attention on the CPU builds a dozen, with the very BLAS calls
   and softmax of that fallback (``kernels/attention.h``);
-- mlx-lm's ``swiglu`` goes through ``swiglu``, MLX's sigmoid on eight elements at a time on
-  both cores where MLX runs it one at a time on one (``kernels/elementwise.h``);
+- mlx-lm's ``swiglu``, and the logsumexp its sampling normalizes each step's logits by, go
+  through ``swiglu`` and ``logsumexp``: MLX's exp on eight elements at a time on both cores
+  where MLX runs it one at a time on one (``kernels/elementwise.h``);
 - a decode step's rotary embeddings go through ``rope``, one primitive where mx.fast.rope on
   the CPU is its ~15-primitive fallback, from tables of the fallback's own cos and sin; every
   RMSNorm through ``rms_norm``, one primitive for mx.fast.rms_norm's eight.
@@ -210,20 +211,17 @@ class DecodeAttention:
         mask: Any,
         sinks: Any = None,
     ) -> mx.array:
-        f32 = queries.dtype == keys.dtype == values.dtype == mx.float32
+        m = None if mask is None or isinstance(mask, str) else mask  # one query row: "causal" masks nothing
         if (
             sinks is None
-            and f32
+            and queries.dtype == keys.dtype == values.dtype == mx.float32
             and queries.ndim == keys.ndim == 4
             and queries.shape[2] == 1
             and not hasattr(cache, "bits")
+            and (m is None or (isinstance(m, mx.array) and m.dtype in (mx.bool_, mx.float32) and m.ndim <= 4))
         ):
-            if mask is None or isinstance(mask, str):  # one query row: "causal" masks nothing
-                out: mx.array = self._ext.decode_attention(queries, keys, values, None, scale)
-                return out
-            if isinstance(mask, mx.array) and mask.dtype in (mx.bool_, mx.float32) and mask.ndim <= 4:
-                out = self._ext.decode_attention(queries, keys, values, mask, scale)
-                return out
+            out: mx.array = self._ext.decode_attention(queries, keys, values, m, scale)
+            return out
         result: mx.array = self.original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
         return result
 
@@ -245,23 +243,24 @@ class SwiGLU:
 
 
 def use_module_kernels(model: nn.Module, ext: ModuleType) -> None:
-    """Point the model's mlx-lm modules at DecodeAttention and SwiGLU: each module binds mlx-lm's
-    ``scaled_dot_product_attention`` and ``swiglu`` as globals at import. Process-wide, and
-    harmless to other models there: the calls these take get the bits they got."""
+    """Point the model's mlx-lm modules at DecodeAttention and SwiGLU (each module binds mlx-lm's
+    ``scaled_dot_product_attention`` and ``swiglu`` as globals at import), and mlx-lm's sampling
+    at the logsumexp kernel (upstream/logsumexp.py). Process-wide, and harmless to other models
+    there: the calls these take get the bits they got."""
     from mlx_lm.models import activations, base
+
+    from lmspd.engine.upstream import logsumexp
 
     kernels = (
         ("scaled_dot_product_attention", base.scaled_dot_product_attention, DecodeAttention),
         ("swiglu", activations.swiglu, SwiGLU),
     )
-    from lmspd.engine.upstream import logsumexp
-
+    for name in {type(module).__module__ for _, module in model.named_modules()}:
+        namespace = sys.modules.get(name)
+        for attr, original, wrapper in kernels:
+            if getattr(namespace, attr, None) is original:
+                setattr(namespace, attr, wrapper(original, ext))
     logsumexp.install(ext)  # and mlx-lm's sampling, its logits' logsumexp
-    for _, module in model.named_modules():
-        namespace = sys.modules.get(type(module).__module__)
-        for name, original, wrapper in kernels:
-            if getattr(namespace, name, None) is original:
-                setattr(namespace, name, wrapper(original, ext))
 
 
 def rope_tables(dims: int, base: float, scale: float, positions: int) -> tuple[mx.array, mx.array]:

@@ -29,7 +29,9 @@ class KernelMx:
         self._ext = ext
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(mx, name)
+        value = getattr(mx, name)
+        setattr(self, name, value)  # found once: later lookups do not come here
+        return value
 
     def logsumexp(self, *args: Any, **kwargs: Any) -> Any:
         if len(args) == 1 and kwargs == {"axis": -1, "keepdims": True}:

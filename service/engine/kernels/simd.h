@@ -156,6 +156,43 @@ inline V group_dot(const float* xg, const Q& q) {
   return acc;
 }
 
+// Output columns [n, n + T) at one row, T known at compile time so that the tile's
+// accumulators stay in registers (a run-time tile width spilled them and branched per column):
+// x's group is loaded once for all T columns. sf and bf: the T columns' scales and biases,
+// widened, [column][group].
+template <int T, int BITS, int GS>
+inline void qmv_row_tile(const float* x, const float* xsum, const uint32_t* wn, const float* sf, const float* bf,
+                         float* out, int G, int W, const Unpacker<BITS>& unpack) {
+  constexpr int G_WORDS = GS * BITS / 32;
+  constexpr int VECS = GS / 8;
+  V res[T];
+  float bsum[T];
+#pragma GCC unroll 8
+  for (int t = 0; t < T; ++t) {
+    res[t] = vzero();
+    bsum[t] = 0;
+  }
+  for (int g = 0; g < G; ++g) {
+    const float* xg = x + g * GS;
+    V xv[VECS];
+#pragma GCC unroll 16
+    for (int i = 0; i < VECS; ++i) xv[i] = vload(xg + 8 * i);
+    const float xs = xsum[size_t(g) * 8];
+#pragma GCC unroll 8
+    for (int t = 0; t < T; ++t) {
+      const uint32_t* wg = wn + size_t(t) * W + g * G_WORDS;
+      __builtin_prefetch(wg + T * W);  // the next tile's group: it streams in meanwhile
+      V acc = vzero();
+#pragma GCC unroll 16
+      for (int i = 0; i < VECS; ++i) acc = vfma(xv[i], unpack(wg, i), acc);
+      res[t] = vfma(vset1(sf[t * G + g]), acc, res[t]);
+      bsum[t] = __builtin_fmaf(bf[t * G + g], xs, bsum[t]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int t = 0; t < T; ++t) out[t] = hsum(res[t]) + bsum[t];
+}
+
 // x @ dequantize(w).T for output columns [n0, n1). xsum: each group's sum of x, laid out by
 // blocks of 8 rows as [block][group][8 rows] (zero past the last row).
 template <int BITS, int GS, typename S>
@@ -163,42 +200,35 @@ void qmv_simd(const float* x, const float* xsum, const uint32_t* w, const S* sca
               int M, int N, int K, int n0, int n1) {
   constexpr int G_WORDS = GS * BITS / 32;
   constexpr int VECS = GS / 8;
-  constexpr int TILE = 4;  // output columns per pass at one row: x is loaded once for all four
   const int G = K / GS;
   const int W = K * BITS / 32;
   const Unpacker<BITS> unpack;
   thread_local std::vector<float> buffer;
-  buffer.resize(size_t(2) * TILE * G);
-  float* sf = buffer.data();
-  float* bf = sf + size_t(TILE) * G;
+  float* sf;
+  float* bf;
   if (M == 1) {
-    for (int n = n0; n < n1; n += TILE) {
-      const int tile = n1 - n < TILE ? n1 - n : TILE;
-      for (int t = 0; t < tile; ++t) {
-        widen(scales + size_t(n + t) * G, sf + t * G, G);
-        widen(biases + size_t(n + t) * G, bf + t * G, G);
-      }
-      V res[TILE] = {vzero(), vzero(), vzero(), vzero()};
-      float bsum[TILE] = {0, 0, 0, 0};
-      for (int g = 0; g < G; ++g) {
-        const float* xg = x + g * GS;
-        V xv[VECS];
-#pragma GCC unroll 16
-        for (int i = 0; i < VECS; ++i) xv[i] = vload(xg + 8 * i);
-        for (int t = 0; t < tile; ++t) {
-          const uint32_t* wg = w + size_t(n + t) * W + g * G_WORDS;
-          __builtin_prefetch(wg + TILE * W);  // the next tile's group: it streams in meanwhile
-          V acc = vzero();
-#pragma GCC unroll 16
-          for (int i = 0; i < VECS; ++i) acc = vfma(xv[i], unpack(wg, i), acc);
-          res[t] = vfma(vset1(sf[t * G + g]), acc, res[t]);
-          bsum[t] = __builtin_fmaf(bf[t * G + g], xsum[size_t(g) * 8], bsum[t]);
-        }
-      }
-      for (int t = 0; t < tile; ++t) out[n + t] = hsum(res[t]) + bsum[t];
+    // Four columns a tile, eight for 8-bit weights (fewer unpack instructions a weight leave
+    // room for more columns in flight); what is left over, one at a time.
+    constexpr int T = BITS == 8 ? 8 : 4;
+    buffer.resize(size_t(2) * T * G);
+    sf = buffer.data();
+    bf = sf + size_t(T) * G;
+    int n = n0;
+    for (; n + T <= n1; n += T) {
+      widen(scales + size_t(n) * G, sf, T * G);
+      widen(biases + size_t(n) * G, bf, T * G);
+      qmv_row_tile<T, BITS, GS>(x, xsum, w + size_t(n) * W, sf, bf, out + n, G, W, unpack);
+    }
+    for (; n < n1; ++n) {
+      widen(scales + size_t(n) * G, sf, G);
+      widen(biases + size_t(n) * G, bf, G);
+      qmv_row_tile<1, BITS, GS>(x, xsum, w + size_t(n) * W, sf, bf, out + n, G, W, unpack);
     }
     return;
   }
+  buffer.resize(size_t(2) * G);
+  sf = buffer.data();
+  bf = sf + G;
   for (int n = n0; n < n1; ++n) {
     const uint32_t* wn = w + size_t(n) * W;
     widen(scales + size_t(n) * G, sf, G);

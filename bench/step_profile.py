@@ -29,6 +29,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
+from functools import partial
 from multiprocessing import Pipe
 from pathlib import Path
 from typing import Any
@@ -122,8 +123,9 @@ def decode_profile(model: Any, batch: int, reps: int) -> None:
     from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
     args = model.args
-    # The attention the model's layers call (packed.DecodeAttention where lmspd's kernels run).
-    layer_module = sys.modules[type(model.model.layers[0].self_attn).__module__]
+    # The attention the model's layers call (packed.DecodeAttention where lmspd's kernels run;
+    # the layers' own module: the attention's class is decode_block.DecodeBlockAttention there).
+    layer_module = sys.modules[type(model.model.layers[0].mlp).__module__]
     scaled_dot_product_attention = layer_module.scaled_dot_product_attention
     swiglu = layer_module.swiglu  # the layers' own (packed.SwiGLU where lmspd's kernels run)
     generate = sys.modules["mlx_lm.generate"]
@@ -204,37 +206,43 @@ def decode_profile(model: Any, batch: int, reps: int) -> None:
     row(f"  MLX per-primitive cost x {n_prims}", fixed, engine_ms, note)
     print("  primitives: " + ", ".join(f"{n} {c}" for n, c in graph.most_common(14)))
     # The same step with each of mlx-lm's functions that lmspd's kernels replace (packed.py:
-    # DecodeAttention, SwiGLU) put back alone, then all of them, alternating step by step in
-    # this process, so a neighbour's load falls on every side alike.
-    # (namespace, name, lmspd's, mlx-lm's) for each function a kernel took over.
-    swaps = [
-        (layer_module, n, f, f.original)
-        for n in ("scaled_dot_product_attention", "swiglu")
-        if hasattr(f := getattr(layer_module, n), "original")
-    ]
+    # DecodeAttention, SwiGLU; upstream/decode_block.py) put back alone, then all of them,
+    # alternating step by step in this process, so a neighbour's load falls on every side alike.
+    # (label, put lmspd's in, put mlx-lm's back) for each function a kernel took over.
+    swaps: list[tuple[str, Callable[[], None], Callable[[], None]]] = []
+    for n in ("scaled_dot_product_attention", "swiglu"):
+        if hasattr(f := getattr(layer_module, n), "original"):
+            swaps.append((n, partial(setattr, layer_module, n, f), partial(setattr, layer_module, n, f.original)))
+    attentions = [layer.self_attn for layer in model.model.layers]
+    block_class = type(attentions[0])
+    if hasattr(block_class, "_block_inputs"):  # decode_block.DecodeBlockAttention
+        mlx_class = block_class.__mro__[1]
+
+        def classes(kind: type) -> None:
+            for a in attentions:
+                a.__class__ = kind
+
+        swaps.append(("attention layer", partial(classes, block_class), partial(classes, mlx_class)))
     if sampling_mx is not mx:
-        swaps.append((generate, "mx", sampling_mx, mx))
+        swaps.append(("logsumexp", partial(setattr, generate, "mx", sampling_mx), partial(setattr, generate, "mx", mx)))
     if swaps:
-        labels = {"mx": "logsumexp"}
-        sides: dict[str, list[Any]] = {"lmspd's kernels": [ours for *_, ours, _ in swaps]}
-        for i, (_, name, _, original) in enumerate(swaps):
-            sides[f"mlx-lm's {labels.get(name, name)}"] = [
-                o if j != i else original for j, (*_, o, _) in enumerate(swaps)
-            ]
-        sides["mlx-lm's, all"] = [original for *_, original in swaps]
+        sides: dict[str, list[bool]] = {"lmspd's kernels": [True] * len(swaps)}
+        for i, (label, _, _) in enumerate(swaps):
+            sides[f"mlx-lm's {label}"] = [j != i for j in range(len(swaps))]
+        sides["mlx-lm's, all"] = [False] * len(swaps)
         steps: dict[str, list[float]] = {side: [] for side in sides}
         try:
             for _ in range(2 * reps):
-                for side, functions in sides.items():
-                    for (namespace, name, _, _), function in zip(swaps, functions, strict=True):
-                        setattr(namespace, name, function)
+                for side, ours in sides.items():
+                    for (_, put_ours, put_theirs), use_ours in zip(swaps, ours, strict=True):
+                        (put_ours if use_ours else put_theirs)()
                     start = time.perf_counter()
                     mx.eval(build())
                     steps[side].append(time.perf_counter() - start)
                     trim_prompt_cache(cache, 1)
         finally:
-            for namespace, name, ours, _ in swaps:
-                setattr(namespace, name, ours)
+            for _, put_ours, _ in swaps:
+                put_ours()
         base = statistics.median(steps["lmspd's kernels"]) * 1e3
         print(
             "  the step, alternating: "

@@ -2,7 +2,8 @@
 talks ``protocol`` to it, restarts it), ``worker`` (the engine's loop: continuous batching,
 sampling, grammars, logprobs, pacing, the prompt cache), ``residency`` and ``lifecycle`` (which
 models are loaded, the memory budget, idle unload), ``loaded`` (per-request and per-model
-state), ``weights``/``packed``/``kernels`` (lmspd's packed 4-bit CPU kernels) and ``blas``.
+state), ``weights``/``packed``/``kernels`` (lmspd's packed 4-bit CPU kernels, with
+``upstream/decode_block`` for the decode step's attention) and ``blas``.
 ``upstream/`` holds every use of MLX's or mlx-lm's internals.
 
 May import :mod:`lmspd.models` and the ground floor. The server process imports only

@@ -35,6 +35,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from lmspd.engine import kernels, packed
+from lmspd.engine.upstream import decode_block
 
 log = logging.getLogger("lmspd.engine.weights")
 
@@ -178,7 +179,9 @@ def apply_weight_dtype(model: nn.Module, setting: str, kernel_dir: str = "") -> 
     if choice == "quantized_float32":
         if (reason := packed.unsupported(model)) is not None:
             raise kernels.KernelUnavailable(reason)
-        packed.pack(model, kernels.load(kernels.cache_root(kernel_dir)))
+        ext = kernels.load(kernels.cache_root(kernel_dir))
+        packed.pack(model, ext)
+        decode_block.install(model, ext)
         mx.eval(model.parameters())
         mx.clear_cache()
         return choice

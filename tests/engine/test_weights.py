@@ -13,6 +13,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_model
 
 from lmspd.engine import kernels, packed, weights
+from lmspd.engine.upstream import decode_block
 from lmspd.engine.weights import apply_weight_dtype, measure
 from lmspd.models.registry import ResolvedModel
 
@@ -72,27 +73,32 @@ def test_packed_float32_decodes_a_batch_of_uneven_prompts_as_the_quantized_model
 def test_a_decode_steps_attention_and_swiglu_are_lmspds_primitives_with_mlx_lms_bits(
     tiny: ResolvedModel, tmp_path: Path
 ) -> None:
-    """packed.DecodeAttention and packed.SwiGLU take each decode step's attention and swiglu
-    (their primitives are in the step's graph) and compute the logits mlx-lm's own functions
-    compute, bit for bit."""
+    """A decode step's attention layers run decode_block.DecodeBlockAttention (decode_block.h) and its
+    swiglu packed.SwiGLU (their primitives are in the step's graph, no slice update), and the logits are those of
+    mlx-lm's own Attention and functions, bit for bit, across the KV cache growing at 256."""
+    from mlx_lm.models import llama
     from mlx_lm.models.cache import make_prompt_cache
 
     model, _ = load_model(tiny.path)
     apply_weight_dtype(model, "quantized_float32")
-    namespace = sys.modules[type(model.model.layers[0].self_attn).__module__]
+    layers = [layer.self_attn for layer in model.model.layers]
+    assert all(type(a) is decode_block.DecodeBlockAttention for a in layers)
+    namespace = sys.modules[type(model.model.layers[0].mlp).__module__]
     names = ("scaled_dot_product_attention", "swiglu")
     ours = {name: getattr(namespace, name) for name in names}
     assert isinstance(ours["scaled_dot_product_attention"], packed.DecodeAttention)
     assert isinstance(ours["swiglu"], packed.SwiGLU)
-    prompt = mx.array([[(7 * i) % 900 + 3 for i in range(23)]])
+    prompt = mx.array([[(7 * i) % 900 + 3 for i in range(250)]])
 
-    def decode(functions: dict[str, object], steps: int = 6) -> list[mx.array]:
+    def decode(functions: dict[str, object], kind: type, steps: int = 9) -> list[mx.array]:
         for name, function in functions.items():
             setattr(namespace, name, function)
+        for a in layers:
+            a.__class__ = kind
         cache = make_prompt_cache(model)
         token = mx.argmax(model(prompt, cache=cache)[:, -1], axis=-1)[:, None]
         out = []
-        for _ in range(steps):
+        for _ in range(steps):  # positions 250 to 258: the cache grows from 256 to 512 on the way
             logits = model(token, cache=cache)[:, -1]
             mx.eval(logits)
             out.append(logits)
@@ -101,15 +107,22 @@ def test_a_decode_steps_attention_and_swiglu_are_lmspds_primitives_with_mlx_lms_
 
     try:
         cache = make_prompt_cache(model)
-        model(prompt, cache=cache)
+        mx.eval(model(prompt[:, :20], cache=cache), [c.state for c in cache])  # the prompt's graph done
         mx.export_to_dot(str(tmp_path / "step.dot"), model(prompt[:, :1], cache=cache))
         graph = (tmp_path / "step.dot").read_text()
-        assert "LmspdDecodeAttention" in graph and "LmspdSwiGLU" in graph
-        got = decode(ours)
-        want = decode({name: function.original for name, function in ours.items()})
+        assert (
+            "LmspdCacheWrite" in graph
+            and "LmspdDecodeAttend" in graph
+            and "LmspdSwiGLU" in graph
+            and "SliceUpdate" not in graph
+        )
+        got = decode(ours, decode_block.DecodeBlockAttention)
+        want = decode({name: function.original for name, function in ours.items()}, llama.Attention)
     finally:
         for name, function in ours.items():
             setattr(namespace, name, function)
+        for a in layers:
+            a.__class__ = decode_block.DecodeBlockAttention
     assert all(mx.array_equal(g, w).item() for g, w in zip(got, want, strict=True))
 
 

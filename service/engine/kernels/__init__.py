@@ -36,7 +36,8 @@ log = logging.getLogger("lmspd.engine.kernels")
 
 SOURCE = Path(__file__).with_name("quantized.cpp")
 HEADERS = tuple(  # SOURCE includes them
-    Path(__file__).with_name(h) for h in ("portable.h", "simd.h", "fused.h", "attention.h", "elementwise.h")
+    Path(__file__).with_name(h)
+    for h in ("portable.h", "simd.h", "fused.h", "attention.h", "elementwise.h", "decode_block.h")
 )
 MODULE = "quantized_ext"  # the NB_MODULE name in quantized.cpp
 BUILD_PREFIX = ".build-"  # a build in progress (or one a killed process left behind)

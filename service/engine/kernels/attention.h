@@ -70,9 +70,53 @@ std::array<int64_t, 4> broadcast_strides(const mx::array& m) {
   return st;
 }
 
+// The attention of B * H query rows (qp, D floats each, row u = b * H + h) over keys and values
+// (B, kvH, Lk, D or Dv) given by base pointers and element strides, into op (B * H rows of Dv):
+// DecodeAttention's arithmetic, which DecodeBlock (decode_block.h) shares.
+enum class MaskKind { kNone = 0, kBool = 1, kAdd = 2 };
+struct Keys {
+  const float* k;
+  const float* v;
+  std::array<int64_t, 4> ks, vs;
+  int kvH, Lk, Dv;
+};
+void attend(const float* qp, int B, int H, int D, const Keys& kv, MaskKind mask, const bool* mb, const float* ma,
+            const std::array<int64_t, 4>& ms, float scale, float* op) {
+  const int rep = H / kv.kvH, Lk = kv.Lk, Dv = kv.Dv;
+  const float lowest = std::numeric_limits<float>::lowest();  // finfo(float32).min
+  auto heads = [&](int u0, int u1) {
+    thread_local std::vector<float> qs, scores, scratch;
+    qs.resize(D);
+    scores.resize(Lk);
+    for (int u = u0; u < u1; ++u) {
+      const int b = u / H, h = u % H, g = h / rep;
+      const float* qr = qp + size_t(u) * D;
+      for (int d = 0; d < D; ++d) qs[d] = scale * qr[d];
+      // scores = (q * scale) @ swapaxes(k): b's K axis is k's last, its N axis k's rows
+      row_times(qs.data(), D, kv.k + b * kv.ks[0] + g * kv.ks[1], kv.ks[3], kv.ks[2], Lk, scores.data(), scratch);
+      if (mask != MaskKind::kNone) {
+        const int64_t m0 = b * ms[0] + h * ms[1];
+        for (int j = 0; j < Lk; ++j) {
+          const int64_t at = m0 + j * ms[3];
+          scores[j] = mb ? (mb[at] ? scores[j] : lowest) : scores[j] + ma[at];
+        }
+      }
+      softmax_row(scores.data(), Lk);
+      row_times(scores.data(), Lk, kv.v + b * kv.vs[0] + g * kv.vs[1], kv.vs[2], kv.vs[3], Dv, op + size_t(u) * Dv,
+                scratch);
+    }
+  };
+  pool().parallel_for(B * H, std::max(1, 1024 / std::max(1, Lk)), heads);
+}
+
+std::array<int64_t, 4> strides4(const mx::array& a) {
+  return {a.strides()[0], a.strides()[1], a.strides()[2], a.strides()[3]};
+}
+
 class DecodeAttention : public mx::UnaryPrimitive {
  public:
-  enum Mask { kNone = 0, kBool = 1, kAdd = 2 };
+  using Mask = MaskKind;
+  static constexpr Mask kNone = MaskKind::kNone, kBool = MaskKind::kBool, kAdd = MaskKind::kAdd;
   DecodeAttention(mx::Stream s, float scale, Mask mask) : mx::UnaryPrimitive(s), scale_(scale), mask_(mask) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
@@ -85,41 +129,13 @@ class DecodeAttention : public mx::UnaryPrimitive {
     weak.push_back(mx::array::unsafe_weak_copy(out));
     enc.dispatch([weak = std::move(weak), scale = scale_, mask = mask_]() mutable {
       const mx::array &q = weak[0], &k = weak[1], &v = weak[2];
-      mx::array& o = weak.back();
-      const int B = q.shape(0), H = q.shape(1), D = q.shape(3), kvH = k.shape(1), Lk = k.shape(2),
-                Dv = v.shape(3), rep = H / kvH;
       std::vector<float> q_copy;
       const float* qp = rows_of(q, q_copy);
-      const float *kp = k.data<float>(), *vp = v.data<float>();
-      const auto &ks = k.strides(), &vs = v.strides();
+      const Keys kv{k.data<float>(), v.data<float>(), strides4(k), strides4(v), k.shape(1), k.shape(2), v.shape(3)};
       const bool* mb = mask == kBool ? weak[3].data<bool>() : nullptr;
       const float* ma = mask == kAdd ? weak[3].data<float>() : nullptr;
       const std::array<int64_t, 4> ms = mask == kNone ? std::array<int64_t, 4>{} : broadcast_strides(weak[3]);
-      float* op = o.data<float>();
-      const float lowest = std::numeric_limits<float>::lowest();  // finfo(float32).min
-      auto heads = [&](int u0, int u1) {
-        thread_local std::vector<float> qs, scores, scratch;
-        qs.resize(D);
-        scores.resize(Lk);
-        for (int u = u0; u < u1; ++u) {
-          const int b = u / H, h = u % H, g = h / rep;
-          const float* qr = qp + size_t(u) * D;
-          for (int d = 0; d < D; ++d) qs[d] = scale * qr[d];
-          // scores = (q * scale) @ swapaxes(k): b's K axis is k's last, its N axis k's rows
-          row_times(qs.data(), D, kp + b * ks[0] + g * ks[1], ks[3], ks[2], Lk, scores.data(), scratch);
-          if (mask != kNone) {
-            const int64_t m0 = b * ms[0] + h * ms[1];
-            for (int j = 0; j < Lk; ++j) {
-              const int64_t at = m0 + j * ms[3];
-              scores[j] = mb ? (mb[at] ? scores[j] : lowest) : scores[j] + ma[at];
-            }
-          }
-          softmax_row(scores.data(), Lk);
-          row_times(scores.data(), Lk, vp + b * vs[0] + g * vs[1], vs[2], vs[3], Dv, op + size_t(u) * Dv, scratch);
-        }
-      };
-      const int units = B * H;
-      pool().parallel_for(units, std::max(1, 1024 / std::max(1, Lk)), heads);
+      attend(qp, q.shape(0), q.shape(1), q.shape(3), kv, mask, mb, ma, ms, scale, weak.back().data<float>());
     });
   }
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {

@@ -523,6 +523,12 @@ mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::arr
                    inputs);
 }
 
+}  // namespace
+
+#include "decode_block.h"  // uses row_contiguous, above
+
+namespace {
+
 // mlx-lm's swiglu(gate, x) for float32 arrays of one shape.
 mx::array swiglu(const mx::array& gate, const mx::array& x) {
   if (gate.dtype() != mx::float32 || x.dtype() != mx::float32 || gate.shape() != x.shape())
@@ -577,6 +583,12 @@ NB_MODULE(quantized_ext, m) {
         nb::arg("traditional"));
   m.def("decode_attention", &decode_attention, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("mask").none(),
         nb::arg("scale"));
+  m.def("cache_write", &cache_write, nb::arg("new"), nb::arg("cache"), nb::arg("at"), nb::arg("cos").none() = nb::none(),
+        nb::arg("sin").none() = nb::none(), nb::arg("offset").none() = nb::none(), nb::arg("dims") = 0,
+        nb::arg("traditional") = false);
+  m.def("decode_attend", &decode_attend, nb::arg("q"), nb::arg("keys"), nb::arg("values"), nb::arg("cos"),
+        nb::arg("sin"), nb::arg("offset"), nb::arg("mask").none(), nb::arg("at"), nb::arg("scale"), nb::arg("dims"),
+        nb::arg("traditional"), nb::arg("heads"));
   m.def("swiglu", &swiglu, nb::arg("gate"), nb::arg("x"));
   m.def("logsumexp", &logsumexp, nb::arg("x"));
   m.def("dequantize", &dequantize, nb::arg("w"), nb::arg("scales"), nb::arg("biases"), nb::arg("group_size"),

@@ -5,7 +5,8 @@
 Both servers get the same converted model directory and the same Chat Completions requests
 (streaming, greedy), through the same client code: time to first token for a repeated prompt
 (sent twice, the second timed) and for distinct prompts; one-stream decode tok/s (64 tokens);
-aggregate tok/s of 4 and 8 concurrent 32-token streams with distinct prompts; the p99 gap
+aggregate tok/s of 4 and 8 concurrent 32-token streams with distinct prompts; prefill tok/s of a
+2,000-token prompt sent alone (its prompt tokens over its time to first token); the p99 gap
 between the text pieces of a running stream while a 2,000-token prompt is admitted (from its
 request to its answer); and each server's peak RSS (the server process and its children,
 sampled). Rounds alternate the servers; each figure is the best of the rounds, and the table
@@ -108,19 +109,21 @@ def stream(
     tokens: int,
     stop: threading.Event | None = None,
     times: list[float] | None = None,
+    usage: dict[str, int] | None = None,
 ) -> tuple[float, float, int]:
     """(time to first token, seconds from first to last token, tokens) of one streamed answer;
-    ``times`` collects when each piece of text arrived, and ``stop`` hangs up early.
+    ``times`` collects when each piece of text arrived, ``usage`` the answer's usage, and
+    ``stop`` hangs up early.
 
     A request the server closed its kept-alive connection under, before answering, is sent once
     more: llama-server (cpp-httplib) closes a connection after a few requests, and the pool may
     have picked it just then."""
     try:
-        return _stream(port, model, prompt, tokens, stop, times)
+        return _stream(port, model, prompt, tokens, stop, times, usage)
     except httpx.RemoteProtocolError as exc:
         if "without sending a response" not in str(exc):
             raise
-        return _stream(port, model, prompt, tokens, stop, times)
+        return _stream(port, model, prompt, tokens, stop, times, usage)
 
 
 def _stream(
@@ -130,6 +133,7 @@ def _stream(
     tokens: int,
     stop: threading.Event | None,
     times: list[float] | None,
+    usage: dict[str, int] | None = None,
 ) -> tuple[float, float, int]:
     body = {
         "model": model,
@@ -159,6 +163,8 @@ def _stream(
                 break
             if chunk.get("usage"):
                 count = int(chunk["usage"]["completion_tokens"])
+                if usage is not None:
+                    usage.update({k: v for k, v in chunk["usage"].items() if isinstance(v, int)})
     return first - start, last - first, count or pieces  # a server without usage: a piece a token
 
 
@@ -221,6 +227,11 @@ def measure(port: int, model: str, round_no: int, notes: str) -> dict[str, float
     out["agg4"] = concurrent(port, model, 4, 32, k + 10)
     out["agg8"] = concurrent(port, model, 8, 32, k + 20)
     if notes:
+        # The long prompt alone first (its own first words, so no cache holds it): its prompt
+        # tokens over the time to its first token.
+        usage: dict[str, int] = {}
+        ttft = stream(port, model, f"Alone, round {k}. {notes}", 1, usage=usage)[0]
+        out["prefill"] = usage.get("prompt_tokens", 0) / ttft
         gaps = admission_gaps(port, model, f"Round {k}. {notes}")
         out["gap_p99"], out["gap_count"] = p99(gaps), len(gaps)
     return out
@@ -238,6 +249,7 @@ ROWS: list[tuple[str, str, Callable[[float, float], float]]] = [
     ("decode tok/s, one stream", "decode", lambda ours, theirs: ours / theirs),
     ("4 concurrent, aggregate tok/s", "agg4", lambda ours, theirs: ours / theirs),
     ("8 concurrent, aggregate tok/s", "agg8", lambda ours, theirs: ours / theirs),
+    ("prefill tok/s, the long prompt alone (prompt tokens / time to first token)", "prefill", lambda o, t: o / t),
     ("p99 gap between a stream's tokens while a long prompt is admitted", "gap_p99", lambda o, t: t / o),
 ]
 LOWER_BETTER = ("ttft_repeated", "ttft_distinct", "gap_p99")

@@ -123,7 +123,7 @@ def decode_profile(model: Any, batch: int, reps: int) -> None:
     from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
     args = model.args
-    # The attention the model's layers call (packed.DecodeAttention where lmspd's kernels run;
+    # The attention the model's layers call (packed.Attention where lmspd's kernels run;
     # the layers' own module: the attention's class is decode_block.DecodeBlockAttention there).
     layer_module = sys.modules[type(model.model.layers[0].mlp).__module__]
     scaled_dot_product_attention = layer_module.scaled_dot_product_attention
@@ -206,7 +206,7 @@ def decode_profile(model: Any, batch: int, reps: int) -> None:
     row(f"  MLX per-primitive cost x {n_prims}", fixed, engine_ms, note)
     print("  primitives: " + ", ".join(f"{n} {c}" for n, c in graph.most_common(14)))
     # The same step with each of mlx-lm's functions that lmspd's kernels replace (packed.py:
-    # DecodeAttention, SwiGLU; upstream/decode_block.py) put back alone, then all of them,
+    # Attention, SwiGLU; upstream/decode_block.py) put back alone, then all of them,
     # alternating step by step in this process, so a neighbour's load falls on every side alike.
     # (label, put lmspd's in, put mlx-lm's back) for each function a kernel took over.
     swaps: list[tuple[str, Callable[[], None], Callable[[], None]]] = []
@@ -310,20 +310,34 @@ def host_profile(model_dir: Path, batch: int, reps: int) -> None:
 
 def prefill_profile(model: Any, tokens: int, reps: int) -> None:
     import mlx.core as mx
-    from mlx_lm.models.base import scaled_dot_product_attention
     from mlx_lm.models.cache import make_prompt_cache
 
     prompt = mx.array([(7 * j) % 900 + 3 for j in range(tokens)])
+    # The attention the model's layers call (packed.Attention where lmspd's kernels run), and
+    # mlx-lm's own, to put back for the in-process A/B below.
+    layer_module: Any = sys.modules[type(model.model.layers[0].mlp).__module__]
+    scaled_dot_product_attention = layer_module.scaled_dot_product_attention
+    upstream = getattr(scaled_dot_product_attention, "original", scaled_dot_product_attention)
 
     def prefill() -> Any:
         cache = make_prompt_cache(model)
         for s in range(0, tokens - 1, CHUNK):
             model(prompt[None, s : min(s + CHUNK, tokens - 1)], cache=cache)
             mx.eval([c.state for c in cache])
-        return model(prompt[None, -1:], cache=cache)
+        out = model(prompt[None, -1:], cache=cache)
+        mx.eval(out)
+        return out
+
+    def prefill_upstream() -> Any:
+        layer_module.scaled_dot_product_attention = upstream
+        try:
+            return prefill()
+        finally:
+            layer_module.scaled_dot_product_attention = scaled_dot_product_attention
 
     reps = max(3, reps // 5)
-    total = median_ms(prefill, reps)
+    ab = alternating_ms({"ours": prefill, "upstream": prefill_upstream}, reps)
+    total = ab["ours"]
     chunks = [min(CHUNK, tokens - 1 - s) for s in range(0, tokens - 1, CHUNK)]
     layers = [(m, k) for m, k in products(model, grouped=False)[:-1]]  # the head: the last token only
     dense = [m._ext.dequantize(m.weight, m.scales, m.biases, m.group_size, m.bits) for m, _ in layers]
@@ -345,8 +359,7 @@ def prefill_profile(model: Any, tokens: int, reps: int) -> None:
         kv = mx.random.normal((1, kv_heads, keys, head_dim))
         mx.eval(q, kv)
         fns[f"attention{i}"] = lambda q=q, kv=kv: [  # type: ignore[misc]
-            scaled_dot_product_attention(q, kv, kv, cache=None, scale=head_dim**-0.5, mask="causal")
-            for _ in range(a.num_hidden_layers)
+            scaled_dot_product_attention(q, kv, kv, None, head_dim**-0.5, "causal") for _ in range(a.num_hidden_layers)
         ]
     t = alternating_ms(fns, reps)
     deq = t["dequantize"] * len(chunks)
@@ -355,8 +368,14 @@ def prefill_profile(model: Any, tokens: int, reps: int) -> None:
     print(f"\nprefill, {tokens} tokens in {len(chunks)} chunks: {total:.0f} ms, {1e3 * tokens / total:.0f} tok/s")
     row("dequantize to float32 (once per chunk)", deq, total)
     row("BLAS matmuls", blas, total)
-    row("attention (MLX's CPU fallback: matmuls, mask, softmax)", attention, total)
+    row("attention (the layers' own: matmuls, mask, softmax)", attention, total)
     row("norms, rope, elementwise, copies", total - deq - blas - attention, total, "total minus the above")
+    if upstream is not scaled_dot_product_attention:
+        up = ab["upstream"]
+        print(
+            f"  the same prefill, alternating, with mlx-lm's attention put back: {up:.0f} ms, "
+            f"{1e3 * tokens / up:.0f} tok/s ({up / total:.2f}x lmspd's)"
+        )
 
 
 def cached_first_token(model: Any, reps: int) -> None:
@@ -427,6 +446,7 @@ def main() -> None:
     parser.add_argument("--weight-dtype", default="quantized_float32")
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--skip-prefill", action="store_true")
+    parser.add_argument("--skip-decode", action="store_true", help="the prefill rows alone")
     args = parser.parse_args()
 
     from lmspd.engine.upstream.blas import load as load_blas
@@ -444,13 +464,14 @@ def main() -> None:
     bound_buffer_cache()
     mx.eval(model.parameters())
     print(f"model {model_dir} | weights {dtype} | MLX {getattr(mx, '__version__', '?')} | BLAS {blas or 'bundled'}")
-    for batch in (1, 8):
+    for batch in () if args.skip_decode else (1, 8):
         decode_profile(model, batch, args.reps)
         host_profile(Path(model_dir), batch, args.reps)
     if not args.skip_prefill:
         for tokens in (512, 2000):
             prefill_profile(model, tokens, args.reps)
-    cached_first_token(model, args.reps)
+    if not args.skip_decode:
+        cached_first_token(model, args.reps)
 
 
 if __name__ == "__main__":

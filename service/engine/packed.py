@@ -7,9 +7,10 @@ and biases as they are, and multiplies through lmspd's kernels (``kernels/quanti
   once for all rows;
 - a prefill's many rows go through ``dequantize`` into a transient float32 matrix and BLAS,
   as fast as dense float32 weights;
-- a decode step's attention goes through ``decode_attention``, one primitive where
+- attention, a decode step's and a prompt's, goes through ``attention``, one primitive where
   mx.fast.scaled_dot_product_attention on the CPU builds a dozen, with the very BLAS calls
-  and softmax of that fallback (``kernels/attention.h``);
+  and softmax of that fallback, its exponentials eight at a time on both cores
+  (``kernels/attention.h``);
 - mlx-lm's ``swiglu``, and the logsumexp its sampling normalizes each step's logits by, go
   through ``swiglu`` and ``logsumexp``: MLX's exp on eight elements at a time on both cores
   where MLX runs it one at a time on one (``kernels/elementwise.h``);
@@ -191,11 +192,11 @@ class FusedRMSNorm(nn.Module):  # type: ignore[misc]  # mlx is untyped
         return mx.fast.rms_norm(x, self.weight, self.eps)
 
 
-class DecodeAttention:
-    """mlx-lm's ``scaled_dot_product_attention`` with a decode step's calls (one query row,
-    float32, no attention sinks, a plain KV cache) in one primitive, bit for bit the fallback
-    mx.fast.scaled_dot_product_attention runs on the CPU (tests/engine/test_kernels.py); every
-    other call goes to mlx-lm's own."""
+class Attention:
+    """mlx-lm's ``scaled_dot_product_attention`` for float32 calls without attention sinks on a
+    plain KV cache, a decode step's one query row or a prompt's many (causal, or under a batch's
+    mask), in one primitive, bit for bit the fallback mx.fast.scaled_dot_product_attention runs
+    on the CPU (tests/engine/test_kernels.py); every other call goes to mlx-lm's own."""
 
     def __init__(self, original: Any, ext: ModuleType) -> None:
         self.original = original
@@ -211,16 +212,18 @@ class DecodeAttention:
         mask: Any,
         sinks: Any = None,
     ) -> mx.array:
-        m = None if mask is None or isinstance(mask, str) else mask  # one query row: "causal" masks nothing
+        causal = mask == "causal" if isinstance(mask, str) else False
+        m = None if mask is None or isinstance(mask, str) else mask
         if (
             sinks is None
             and queries.dtype == keys.dtype == values.dtype == mx.float32
             and queries.ndim == keys.ndim == 4
-            and queries.shape[2] == 1
+            and (not isinstance(mask, str) or causal)
+            and queries.shape[2] <= keys.shape[2]
             and not hasattr(cache, "bits")
             and (m is None or (isinstance(m, mx.array) and m.dtype in (mx.bool_, mx.float32) and m.ndim <= 4))
         ):
-            out: mx.array = self._ext.decode_attention(queries, keys, values, m, scale)
+            out: mx.array = self._ext.attention(queries, keys, values, m, scale, causal)
             return out
         result: mx.array = self.original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
         return result
@@ -243,7 +246,7 @@ class SwiGLU:
 
 
 def use_module_kernels(model: nn.Module, ext: ModuleType) -> None:
-    """Point the model's mlx-lm modules at DecodeAttention and SwiGLU (each module binds mlx-lm's
+    """Point the model's mlx-lm modules at Attention and SwiGLU (each module binds mlx-lm's
     ``scaled_dot_product_attention`` and ``swiglu`` as globals at import), and mlx-lm's sampling
     at the logsumexp kernel (upstream/logsumexp.py). Process-wide, and harmless to other models
     there: the calls these take get the bits they got."""
@@ -252,7 +255,7 @@ def use_module_kernels(model: nn.Module, ext: ModuleType) -> None:
     from lmspd.engine.upstream import logsumexp
 
     kernels = (
-        ("scaled_dot_product_attention", base.scaled_dot_product_attention, DecodeAttention),
+        ("scaled_dot_product_attention", base.scaled_dot_product_attention, Attention),
         ("swiglu", activations.swiglu, SwiGLU),
     )
     for name in {type(module).__module__ for _, module in model.named_modules()}:

@@ -248,7 +248,7 @@ def test_activations_in_any_layout_are_read_as_their_values(ext: ModuleType) -> 
     ("batch", "heads", "kv_heads", "keys", "dim"),
     [(1, 9, 3, 101, 64), (8, 9, 3, 37, 64), (2, 4, 4, 1, 32), (3, 8, 2, 700, 128)],
 )
-def test_decode_attention_is_mx_fast_attention_bit_for_bit(
+def test_attention_at_decode_is_mx_fast_attention_bit_for_bit(
     ext: ModuleType, batch: int, heads: int, kv_heads: int, keys: int, dim: int
 ) -> None:
     """One query row per sequence, against MLX's own CPU fallback: no mask, a boolean one (a
@@ -267,20 +267,79 @@ def test_decode_attention_is_mx_fast_attention_bit_for_bit(
     for kk, vv in ((k, v), (column_major, column_major)):
         for mask in masks:
             want = mx.fast.scaled_dot_product_attention(q, kk, vv, scale=dim**-0.5, mask=mask)
-            got = ext.decode_attention(q, kk, vv, mask, dim**-0.5)
+            got = ext.attention(q, kk, vv, mask, dim**-0.5)
             assert got.shape == want.shape and mx.array_equal(got, want).item(), None if mask is None else mask.shape
 
 
-def test_decode_attention_refuses_what_it_cannot_take(ext: ModuleType) -> None:
+@pytest.mark.parametrize(
+    ("batch", "heads", "kv_heads", "rows", "keys", "dim"),
+    [(1, 9, 3, 37, 37, 64), (1, 9, 3, 64, 600, 64), (2, 4, 4, 5, 9, 32), (3, 8, 2, 17, 130, 128)],
+)
+def test_attention_over_a_prompt_is_mx_fast_attention_bit_for_bit(
+    ext: ModuleType, batch: int, heads: int, kv_heads: int, rows: int, keys: int, dim: int
+) -> None:
+    """A prompt's many query rows (a whole prompt, or a chunk after cached keys), against MLX's
+    own CPU fallback: the causal mask, none, a boolean one (a batch's left padding), additive
+    ones; keys as a KV cache's slice of a longer buffer, and stored transposed."""
+    q = mx.random.normal((batch, heads, rows, dim), key=mx.random.key(11))
+    k = mx.random.normal((batch, kv_heads, keys + 50, dim), key=mx.random.key(12))[..., :keys, :]
+    v = mx.random.normal((batch, kv_heads, keys + 50, dim), key=mx.random.key(13))[..., :keys, :]
+    causal = mx.arange(keys - rows, keys)[:, None] >= mx.arange(keys)[None]
+    padded = causal & (mx.arange(keys)[None] >= mx.arange(batch)[:, None, None, None])  # (B, 1, L, keys)
+    masks: list[mx.array | str | None] = [
+        "causal",
+        None,
+        padded,
+        mx.random.normal((batch, heads, rows, keys), key=mx.random.key(15)),
+        mx.random.normal((keys,), key=mx.random.key(16)),
+    ]
+    transposed_q = mx.swapaxes(mx.swapaxes(q, 1, 2) + 0, 1, 2)  # (B, L, H, D) in memory, as a layer makes it
+    column_major = mx.swapaxes(mx.swapaxes(k, 2, 3) + 0, 2, 3)
+    for qq, kk, vv in ((q, k, v), (transposed_q, column_major, column_major)):
+        for mask in masks:
+            want = mx.fast.scaled_dot_product_attention(qq, kk, vv, scale=dim**-0.5, mask=mask)
+            m = None if isinstance(mask, str) else mask
+            got = ext.attention(qq, kk, vv, m, dim**-0.5, mask == "causal")
+            label = mask if mask is None or isinstance(mask, str) else mask.shape
+            assert got.shape == want.shape and mx.array_equal(got, want).item(), label
+
+
+def test_attention_wrapper_takes_mlx_lms_calls(ext: ModuleType) -> None:
+    """packed.Attention, as mlx-lm's layers call it: a prompt's "causal" string and a decode
+    row go to the kernel (the fallback's bits); what it cannot take goes to mlx-lm's own."""
+    from mlx_lm.models import base
+
+    calls: list[str] = []
+
+    def original(*args: object, **kwargs: object) -> mx.array:
+        calls.append("mlx-lm")
+        out: mx.array = base.scaled_dot_product_attention(*args, **kwargs)
+        return out
+
+    attention = packed.Attention(original, ext)
+    q = mx.random.normal((1, 4, 6, 16), key=mx.random.key(21))
+    k = mx.random.normal((1, 2, 6, 16), key=mx.random.key(22))
+    for queries, mask in ((q, "causal"), (q[:, :, -1:], None), (q[:, :, -1:], "causal")):
+        got = attention(queries, k, k, None, 0.25, mask)
+        want = mx.fast.scaled_dot_product_attention(queries, k, k, scale=0.25, mask=mask)
+        assert mx.array_equal(got, want).item()
+    assert calls == []
+    attention(q.astype(mx.float16), k.astype(mx.float16), k.astype(mx.float16), None, 0.25, "causal")
+    assert calls == ["mlx-lm"]
+
+
+def test_attention_refuses_what_it_cannot_take(ext: ModuleType) -> None:
     q, k = mx.zeros((1, 4, 1, 8)), mx.zeros((1, 2, 5, 8))
-    with pytest.raises(ValueError, match="one query row"):
-        ext.decode_attention(mx.zeros((1, 4, 2, 8)), k, k, None, 1.0)
+    with pytest.raises(ValueError, match="query rows"):
+        ext.attention(mx.zeros((1, 4, 0, 8)), k, k, None, 1.0)
     with pytest.raises(ValueError, match="do not match"):
-        ext.decode_attention(mx.zeros((1, 3, 1, 8)), k, k, None, 1.0)
+        ext.attention(mx.zeros((1, 3, 1, 8)), k, k, None, 1.0)
     with pytest.raises(ValueError, match="broadcast"):
-        ext.decode_attention(q, k, k, mx.zeros((1, 4, 1, 6)), 1.0)
+        ext.attention(q, k, k, mx.zeros((1, 4, 1, 6)), 1.0)
     with pytest.raises(ValueError, match="bool or float32"):
-        ext.decode_attention(q, k, k, mx.zeros((5,), dtype=mx.int32), 1.0)
+        ext.attention(q, k, k, mx.zeros((5,), dtype=mx.int32), 1.0)
+    with pytest.raises(ValueError, match="causal"):
+        ext.attention(mx.zeros((1, 4, 6, 8)), k, k, None, 1.0, True)
 
 
 def test_swiglu_is_mlx_lms_bit_for_bit(ext: ModuleType) -> None:

@@ -86,7 +86,7 @@ def test_a_decode_steps_attention_and_swiglu_are_lmspds_primitives_with_mlx_lms_
     namespace = sys.modules[type(model.model.layers[0].mlp).__module__]
     names = ("scaled_dot_product_attention", "swiglu")
     ours = {name: getattr(namespace, name) for name in names}
-    assert isinstance(ours["scaled_dot_product_attention"], packed.DecodeAttention)
+    assert isinstance(ours["scaled_dot_product_attention"], packed.Attention)
     assert isinstance(ours["swiglu"], packed.SwiGLU)
     prompt = mx.array([[(7 * i) % 900 + 3 for i in range(250)]])
 

@@ -1,21 +1,29 @@
-// DecodeAttention: mx.fast.scaled_dot_product_attention for one query row per sequence (a
-// decode step), bit for bit, in one primitive.
+// Attention: mx.fast.scaled_dot_product_attention, bit for bit, in one primitive: a decode
+// step's one query row per sequence, and a prompt's many (causal, or under a batch's mask).
 //
 // MLX's CPU backend has no attention kernel: the call builds its fallback graph (mlx/fast.cpp,
 // the fallback lambda), a dozen primitives a layer (the scale's multiply, unflatten, expand,
 // swap and broadcast views, two matmuls, the mask's select, softmax, flatten), run one after
-// another on one core: step_profile's "attention" row (docs/benchmarks.md, "Step profile").
-// This primitive runs the same arithmetic for each (sequence, head) on both cores:
+// another on one core: step_profile's "attention" row (docs/benchmarks.md, "Step profile"). At
+// a prompt the fallback's softmax dominates: one scalar exp per score (~16 ns on Linux), 9 heads
+// x 512 rows x every key, a layer. This primitive runs the same arithmetic:
 //
 //   1. q * scale, elementwise (float32, rounded: the fallback's multiply);
 //   2. the scores, by the very cblas_sgemm call MLX's CPU matmul makes for that batch element
-//      (mlx/backend/cpu/matmul.cpp and gemms/cblas.cpp: the same transpose flags and leading
-//      dimensions, chosen from the same strides, or the same row-major copy when the strides
-//      fit neither), so the BLAS computes the same bits: its summation order is its own;
-//   3. a boolean mask's select (false: float32's lowest) or an additive mask's add;
+//      (mlx/backend/cpu/matmul.cpp and gemms/cblas.cpp: one call per (sequence, head), M the
+//      query rows, the same transpose flags and leading dimensions, chosen from the same
+//      strides, or the same row-major copy when the strides fit neither), so the BLAS computes
+//      the same bits: its summation order is its own;
+//   3. a boolean mask's select (false: float32's lowest), an additive mask's add, or the causal
+//      mask the fallback builds (query row i sees keys j <= i + keys - rows);
 //   4. softmax as MLX's CPU kernel computes it (mlx/backend/cpu/softmax.cpp, precise, float32:
-//      the scalar path MLX takes on Linux, with its own simd::exp, included from its headers);
-//   5. the output row, by MLX's cblas_sgemm call for scores @ v.
+//      the scalar path MLX takes on Linux, with its own simd::exp, included from its headers),
+//      eight lanes at a time (elementwise.h);
+//   5. the output rows, by MLX's cblas_sgemm call for scores @ v.
+//
+// One query row: each (sequence, head) on both cores. Many: the heads one after another, each
+// product one BLAS call as MLX makes it (threaded inside the BLAS), the mask and softmax rows on
+// both cores; the scores of one head at a time, never the fallback's three copies of all of them.
 //
 // The BLAS is whichever cblas_sgemm MLX's calls resolve to in this process (the engine loads
 // OpenBLAS globally first, engine/upstream/blas.py; else the one bundled with MLX), because
@@ -34,21 +42,25 @@ namespace {
 
 constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112;  // CBLAS_ORDER, CBLAS_TRANSPOSE
 
-// One row x (1 x K) times the matrix MLX's matmul sees as b (K x N), given as its base pointer
-// and its strides along K and N; as MLX's check_transpose chooses: row-major, column-major, or
-// (neither) a row-major copy.
-void row_times(const float* x, int K, const float* b, int64_t k_stride, int64_t n_stride, int N, float* out,
-               std::vector<float>& scratch) {
+// Rows x (M x K, row-major) times the matrix MLX's matmul sees as b (K x N), given as its base
+// pointer and its strides along K and N; as MLX's check_transpose chooses: row-major,
+// column-major, or (neither) a row-major copy.
+void rows_times(const float* x, int M, int K, const float* b, int64_t k_stride, int64_t n_stride, int N, float* out,
+                std::vector<float>& scratch) {
   if (k_stride == N && n_stride == 1) {
-    cblas_sgemm(kRowMajor, kNoTrans, kNoTrans, 1, N, K, 1.0f, x, K, b, N, 0.0f, out, N);
+    cblas_sgemm(kRowMajor, kNoTrans, kNoTrans, M, N, K, 1.0f, x, K, b, N, 0.0f, out, N);
   } else if (k_stride == 1 && n_stride == K) {
-    cblas_sgemm(kRowMajor, kNoTrans, kTrans, 1, N, K, 1.0f, x, K, b, K, 0.0f, out, N);
+    cblas_sgemm(kRowMajor, kNoTrans, kTrans, M, N, K, 1.0f, x, K, b, K, 0.0f, out, N);
   } else {
     scratch.resize(size_t(K) * N);
     for (int k = 0; k < K; ++k)
       for (int n = 0; n < N; ++n) scratch[size_t(k) * N + n] = b[k * k_stride + n * n_stride];
-    cblas_sgemm(kRowMajor, kNoTrans, kNoTrans, 1, N, K, 1.0f, x, K, scratch.data(), N, 0.0f, out, N);
+    cblas_sgemm(kRowMajor, kNoTrans, kNoTrans, M, N, K, 1.0f, x, K, scratch.data(), N, 0.0f, out, N);
   }
+}
+void row_times(const float* x, int K, const float* b, int64_t k_stride, int64_t n_stride, int N, float* out,
+               std::vector<float>& scratch) {
+  rows_times(x, 1, K, b, k_stride, n_stride, N, out, scratch);
 }
 
 // MLX's CPU softmax of one contiguous row, in place (softmax.cpp with Simd<float, 1>, as on
@@ -61,7 +73,7 @@ LMSPD_NO_CONTRACT_ATTR void softmax_row(float* s, int n) {
   for (int j = 0; j < n; ++j) s[j] = s[j] * normalizer;
 }
 
-// A mask's strides broadcast to (B, H, 1, Lk): 0 along its axes of size 1 and those it lacks.
+// A mask's strides broadcast to (B, H, L, Lk): 0 along its axes of size 1 and those it lacks.
 std::array<int64_t, 4> broadcast_strides(const mx::array& m) {
   std::array<int64_t, 4> st = {0, 0, 0, 0};
   const int nd = m.ndim();
@@ -72,8 +84,8 @@ std::array<int64_t, 4> broadcast_strides(const mx::array& m) {
 
 // The attention of B * H query rows (qp, D floats each, row u = b * H + h) over keys and values
 // (B, kvH, Lk, D or Dv) given by base pointers and element strides, into op (B * H rows of Dv):
-// DecodeAttention's arithmetic, which DecodeBlock (decode_block.h) shares.
-enum class MaskKind { kNone = 0, kBool = 1, kAdd = 2 };
+// Attention's arithmetic for one row, which DecodeBlock (decode_block.h) shares.
+enum class MaskKind { kNone = 0, kBool = 1, kAdd = 2, kCausal = 3 };
 struct Keys {
   const float* k;
   const float* v;
@@ -109,15 +121,49 @@ void attend(const float* qp, int B, int H, int D, const Keys& kv, MaskKind mask,
   pool().parallel_for(B * H, std::max(1, 1024 / std::max(1, Lk)), heads);
 }
 
+// The attention of L query rows for each of B * H (sequence, head) pairs (qp: B * H * L rows of
+// D floats, row-contiguous) into op (the same rows of Dv): mask kCausal is the fallback's causal
+// mask, the others as attend's, with ms's third stride along the query rows.
+void attend_rows(const float* qp, int B, int H, int L, int D, const Keys& kv, MaskKind mask, const bool* mb,
+                 const float* ma, const std::array<int64_t, 4>& ms, float scale, float* op) {
+  const int rep = H / kv.kvH, Lk = kv.Lk, Dv = kv.Dv, offset = Lk - L;
+  const float lowest = std::numeric_limits<float>::lowest();
+  std::vector<float> qs(size_t(L) * D), scores(size_t(L) * Lk), scratch;
+  for (int u = 0; u < B * H; ++u) {
+    const int b = u / H, h = u % H, g = h / rep;
+    const float* qr = qp + size_t(u) * L * D;
+    for (size_t i = 0; i < qs.size(); ++i) qs[i] = scale * qr[i];
+    rows_times(qs.data(), L, D, kv.k + b * kv.ks[0] + g * kv.ks[1], kv.ks[3], kv.ks[2], Lk, scores.data(), scratch);
+    pool().parallel_for(L, std::max(1, 4096 / std::max(1, Lk)), [&](int i0, int i1) {
+      for (int i = i0; i < i1; ++i) {
+        float* s = scores.data() + size_t(i) * Lk;
+        if (mask == MaskKind::kCausal) {
+          for (int j = std::max(0, offset + i + 1); j < Lk; ++j) s[j] = lowest;
+        } else if (mask != MaskKind::kNone) {
+          const int64_t m0 = b * ms[0] + h * ms[1] + i * ms[2];
+          for (int j = 0; j < Lk; ++j) {
+            const int64_t at = m0 + j * ms[3];
+            s[j] = mb ? (mb[at] ? s[j] : lowest) : s[j] + ma[at];
+          }
+        }
+        softmax_row(s, Lk);
+      }
+    });
+    rows_times(scores.data(), L, Lk, kv.v + b * kv.vs[0] + g * kv.vs[1], kv.vs[2], kv.vs[3], Dv,
+               op + size_t(u) * L * Dv, scratch);
+  }
+}
+
 std::array<int64_t, 4> strides4(const mx::array& a) {
   return {a.strides()[0], a.strides()[1], a.strides()[2], a.strides()[3]};
 }
 
-class DecodeAttention : public mx::UnaryPrimitive {
+class Attention : public mx::UnaryPrimitive {
  public:
   using Mask = MaskKind;
-  static constexpr Mask kNone = MaskKind::kNone, kBool = MaskKind::kBool, kAdd = MaskKind::kAdd;
-  DecodeAttention(mx::Stream s, float scale, Mask mask) : mx::UnaryPrimitive(s), scale_(scale), mask_(mask) {}
+  static constexpr Mask kNone = MaskKind::kNone, kBool = MaskKind::kBool, kAdd = MaskKind::kAdd,
+                        kCausal = MaskKind::kCausal;
+  Attention(mx::Stream s, float scale, Mask mask) : mx::UnaryPrimitive(s), scale_(scale), mask_(mask) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     out.set_data(mx::allocator::malloc(out.nbytes()));
@@ -134,16 +180,21 @@ class DecodeAttention : public mx::UnaryPrimitive {
       const Keys kv{k.data<float>(), v.data<float>(), strides4(k), strides4(v), k.shape(1), k.shape(2), v.shape(3)};
       const bool* mb = mask == kBool ? weak[3].data<bool>() : nullptr;
       const float* ma = mask == kAdd ? weak[3].data<float>() : nullptr;
-      const std::array<int64_t, 4> ms = mask == kNone ? std::array<int64_t, 4>{} : broadcast_strides(weak[3]);
-      attend(qp, q.shape(0), q.shape(1), q.shape(3), kv, mask, mb, ma, ms, scale, weak.back().data<float>());
+      const bool arr = mask == kBool || mask == kAdd;
+      const std::array<int64_t, 4> ms = arr ? broadcast_strides(weak[3]) : std::array<int64_t, 4>{};
+      float* op = weak.back().data<float>();
+      if (q.shape(2) == 1)  // one row: the causal mask masks nothing
+        attend(qp, q.shape(0), q.shape(1), q.shape(3), kv, arr ? mask : kNone, mb, ma, ms, scale, op);
+      else
+        attend_rows(qp, q.shape(0), q.shape(1), q.shape(2), q.shape(3), kv, mask, mb, ma, ms, scale, op);
     });
   }
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("lmspd decode_attention runs on the CPU only");
+    throw std::runtime_error("lmspd attention runs on the CPU only");
   }
-  const char* name() const override { return "LmspdDecodeAttention"; }
+  const char* name() const override { return "LmspdAttention"; }
   bool is_equivalent(const mx::Primitive& other) const override {
-    const auto& o = static_cast<const DecodeAttention&>(other);
+    const auto& o = static_cast<const Attention&>(other);
     return scale_ == o.scale_ && mask_ == o.mask_;
   }
 

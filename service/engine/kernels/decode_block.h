@@ -13,7 +13,7 @@
 //                 buffer when MLX says it may (is_donatable: nobody else holds it), as MLX's own
 //                 SliceUpdate does, and otherwise starts as a copy. One output each, because
 //                 MLX lets only a single-output primitive's input be donated.
-//   DecodeAttend  RoPE on q, then DecodeAttention's arithmetic (attention.h: attend) over the
+//   DecodeAttend  RoPE on q, then Attention's one-row arithmetic (attention.h: attend) over the
 //                 cache's first at + 1 positions, read through the strides the slice view had,
 //                 so the BLAS calls are the same ones and give the same bits.
 //
@@ -177,7 +177,7 @@ mx::array cache_write(const mx::array& value, const mx::array& cache, int at, co
 }
 
 // q (B, 1, heads * D) RoPE'd at offset, attending over the caches' first at + 1 positions;
-// mask as decode_attention takes it, over at + 1 keys. The output is (B, 1, heads * Dv).
+// mask as attention takes it, over at + 1 keys. The output is (B, 1, heads * Dv).
 mx::array decode_attend(const mx::array& q, const mx::array& keys, const mx::array& values, const mx::array& cos,
                         const mx::array& sin, const mx::array& offset, const std::optional<mx::array>& mask, int at,
                         float scale, int dims, bool traditional, int heads) {

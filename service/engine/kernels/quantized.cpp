@@ -495,32 +495,34 @@ mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps) {
                    {x, row_contiguous(weight, s)});
 }
 
-// mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask) for one query row per
-// sequence: q (B, H, 1, D), k (B, kvH, Lk, D), v (B, kvH, Lk, Dv), float32; mask None, bool or
-// float32, broadcastable to (B, H, 1, Lk).
-mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::array& v,
-                           const std::optional<mx::array>& mask, float scale) {
+// mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask): q (B, H, L, D), k (B,
+// kvH, Lk, D), v (B, kvH, Lk, Dv), float32; mask None, bool or float32, broadcastable to (B, H,
+// L, Lk), or (causal) the fallback's causal mask.
+mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, const std::optional<mx::array>& mask,
+                    float scale, bool causal) {
   const bool f32 = q.dtype() == mx::float32 && k.dtype() == mx::float32 && v.dtype() == mx::float32;
-  if (!f32 || q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4 || q.shape(2) != 1)
-    throw std::invalid_argument("q, k and v must be 4-D float32, with one query row");
+  if (!f32 || q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4 || q.shape(2) == 0)
+    throw std::invalid_argument("q, k and v must be 4-D float32, with query rows");
   if (k.shape(0) != q.shape(0) || v.shape(0) != q.shape(0) || k.shape(3) != q.shape(3) || v.shape(1) != k.shape(1) ||
       v.shape(2) != k.shape(2) || k.shape(1) == 0 || q.shape(1) % k.shape(1) != 0)
     throw std::invalid_argument("q, k and v do not match");
+  if (causal && (mask || q.shape(2) > k.shape(2)))
+    throw std::invalid_argument("a causal mask takes no mask array, and no more query rows than keys");
   auto s = mx::default_stream(mx::Device::cpu);
   std::vector<mx::array> inputs = {q, k, v};
-  auto kind = DecodeAttention::kNone;
+  auto kind = causal ? Attention::kCausal : Attention::kNone;
   if (mask) {
     const auto& m = *mask;
     if (m.dtype() != mx::bool_ && m.dtype() != mx::float32) throw std::invalid_argument("mask must be bool or float32");
-    const mx::Shape target = {q.shape(0), q.shape(1), 1, k.shape(2)};
+    const mx::Shape target = {q.shape(0), q.shape(1), q.shape(2), k.shape(2)};
     bool fits = m.ndim() <= 4;
     for (int d = 0; fits && d < m.ndim(); ++d) fits = m.shape(d) == 1 || m.shape(d) == target[4 - m.ndim() + d];
-    if (!fits) throw std::invalid_argument("mask must broadcast to (B, H, 1, keys)");
-    kind = m.dtype() == mx::bool_ ? DecodeAttention::kBool : DecodeAttention::kAdd;
+    if (!fits) throw std::invalid_argument("mask must broadcast to (B, H, L, keys)");
+    kind = m.dtype() == mx::bool_ ? Attention::kBool : Attention::kAdd;
     inputs.push_back(m);
   }
-  return mx::array({q.shape(0), q.shape(1), 1, v.shape(3)}, mx::float32, std::make_shared<DecodeAttention>(s, scale, kind),
-                   inputs);
+  return mx::array({q.shape(0), q.shape(1), q.shape(2), v.shape(3)}, mx::float32,
+                   std::make_shared<Attention>(s, scale, kind), inputs);
 }
 
 }  // namespace
@@ -581,8 +583,8 @@ NB_MODULE(quantized_ext, m) {
   m.def("rms_norm", &rms_norm, nb::arg("x"), nb::arg("weight"), nb::arg("eps"));
   m.def("rope", &rope, nb::arg("x"), nb::arg("cos"), nb::arg("sin"), nb::arg("offset"), nb::arg("dims"),
         nb::arg("traditional"));
-  m.def("decode_attention", &decode_attention, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("mask").none(),
-        nb::arg("scale"));
+  m.def("attention", &attention, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("mask").none(), nb::arg("scale"),
+        nb::arg("causal") = false);
   m.def("cache_write", &cache_write, nb::arg("new"), nb::arg("cache"), nb::arg("at"), nb::arg("cos").none() = nb::none(),
         nb::arg("sin").none() = nb::none(), nb::arg("offset").none() = nb::none(), nb::arg("dims") = 0,
         nb::arg("traditional") = false);

@@ -378,6 +378,43 @@ def prefill_profile(model: Any, tokens: int, reps: int) -> None:
         )
 
 
+def short_prompt_profile(model: Any, reps: int) -> None:
+    """A short new prompt after a cached one (a chat's next message): the whole forward pass of
+    n new rows after 100 cached tokens, through the matvec kernel and through dequantize +
+    BLAS, alternating (packed.KERNEL_ROWS: where the layers switch from one to the other)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from lmspd.engine import packed
+
+    layers = [m for m in model.modules() if isinstance(m, packed.PackedLinear) and m._kernel_rows == packed.KERNEL_ROWS]
+    cached = make_prompt_cache(model)
+    mx.eval(model(mx.array([[(5 * j) % 900 + 3 for j in range(100)]]), cache=cached))
+
+    def forward(rows: int, kernel_rows: int) -> Any:
+        for m in layers:
+            m._kernel_rows = kernel_rows
+        try:
+            cache = make_prompt_cache(model)
+            for c, h in zip(cache, cached, strict=True):
+                c.keys, c.values, c.offset = h.keys[..., :100, :] + 0, h.values[..., :100, :] + 0, 100
+            out = model(mx.array([[(7 * j) % 900 + 3 for j in range(rows)]]), cache=cache)
+            return [c.state for c in cache] + [out[:, -1]]
+        finally:
+            for m in layers:
+                m._kernel_rows = packed.KERNEL_ROWS
+
+    print(
+        f"\nshort prompts after 100 cached tokens, the whole forward pass (the matvec up to {packed.KERNEL_ROWS} rows)"
+    )
+    for rows in (9, 16, 24, 32):
+        t = alternating_ms({"kernel": partial(forward, rows, 1 << 20), "dense": partial(forward, rows, 0)}, reps)
+        print(
+            f"  {rows} rows: matvec kernel {t['kernel']:.1f} ms, dequantize + BLAS {t['dense']:.1f} ms "
+            f"({t['dense'] / t['kernel']:.2f}x)"
+        )
+
+
 def cached_first_token(model: Any, reps: int) -> None:
     """The first token of a cached prompt, with mlx-lm's own decode steps and with lmspd's
     (engine/upstream/stepping.py), alternating."""
@@ -468,6 +505,7 @@ def main() -> None:
         decode_profile(model, batch, args.reps)
         host_profile(Path(model_dir), batch, args.reps)
     if not args.skip_prefill:
+        short_prompt_profile(model, args.reps)
         for tokens in (512, 2000):
             prefill_profile(model, tokens, args.reps)
     if not args.skip_decode:

@@ -36,10 +36,13 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 SUPPORTED_BITS = (2, 4, 8)
 SUPPORTED_GROUPS = (32, 64, 128)
-# Up to this many rows the matvec kernel beats dequantize + BLAS (measured on 576x1536:
-# 0.55 against 0.63 ms at 8 rows, 0.75 against 0.60 at 16); an output as wide as a
-# vocabulary makes the transient matrix costly, so the kernel keeps more rows there.
-KERNEL_ROWS = 8
+# Up to this many rows the matvec kernel beats dequantize + BLAS: a prefill dequantizes every
+# matrix of the model once per chunk, which the kernel never does. SmolLM2-135M, a prompt of
+# n new rows after 100 cached tokens, the whole forward pass (docs/benchmarks.md, "Short
+# prompts"): 9 rows 54 against 90 ms, 16 rows 93 against 120, 24 rows 120 against 134, 32
+# rows 199 against 187. An output as wide as a vocabulary makes the transient matrix costly,
+# so the kernel keeps more rows there.
+KERNEL_ROWS = 24
 KERNEL_ROWS_WIDE = 32
 WIDE = 8192
 

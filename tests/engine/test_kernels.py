@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -302,6 +303,41 @@ def test_attention_over_a_prompt_is_mx_fast_attention_bit_for_bit(
             got = ext.attention(qq, kk, vv, m, dim**-0.5, mask == "causal")
             label = mask if mask is None or isinstance(mask, str) else mask.shape
             assert got.shape == want.shape and mx.array_equal(got, want).item(), label
+
+
+ON_THE_ENGINES_BLAS = """
+from lmspd.engine.upstream import blas
+print(blas.load("auto"))
+import mlx.core as mx
+from lmspd.engine import kernels
+ext = kernels.load()
+for b, h, kv, rows, keys in ((1, 9, 3, 512, 2000), (2, 9, 3, 100, 300)):
+    q = mx.random.normal((b, rows, h, 64), key=mx.random.key(1)).transpose(0, 2, 1, 3)
+    k = mx.random.normal((b, kv, keys + 256, 64), key=mx.random.key(2))[..., :keys, :]
+    v = mx.random.normal((b, kv, keys + 256, 64), key=mx.random.key(3))[..., :keys, :]
+    pad = (mx.arange(keys)[None] >= 7 * mx.arange(b)[:, None, None, None]) & (
+        mx.arange(keys - rows, keys)[:, None] >= mx.arange(keys)[None])
+    for mask in ("causal", pad):
+        want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)
+        got = ext.attention(q, k, v, None if isinstance(mask, str) else mask, 0.125, isinstance(mask, str))
+        assert mx.array_equal(got, want).item(), (b, rows, keys, mask if isinstance(mask, str) else mask.shape)
+print("same bits")
+"""
+
+
+def test_attention_over_a_prompt_on_the_engines_blas(ext: ModuleType) -> None:
+    """The engine runs on the system's OpenBLAS (engine/upstream/blas.py), threaded, whose
+    sgemm a prompt's scores and outputs go through: in a process that loads it as the engine
+    does, a 512-row chunk over 2,000 keys and a left-padded batch are the fallback's bits."""
+    from lmspd.engine.upstream import blas
+
+    if blas.find("auto") is None:
+        pytest.skip("no system OpenBLAS here (apt install libopenblas0-pthread); the bundled BLAS is tested above")
+    done = subprocess.run(
+        [sys.executable, "-c", ON_THE_ENGINES_BLAS], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("same bits"), done.stdout + done.stderr
+    assert "openblas" in done.stdout
 
 
 def test_attention_wrapper_takes_mlx_lms_calls(ext: ModuleType) -> None:

@@ -251,6 +251,49 @@ def decode_profile(model: Any, batch: int, reps: int) -> None:
                 for side, v in steps.items()
             )
         )
+    # The same step with every packed product on the MLX stream thread alone (split off: no
+    # chunks for the helper thread), alternating with both cores: what the second core buys.
+    from lmspd.engine import packed
+
+    products_ = [m for m in model.modules() if isinstance(m, packed.PackedLinear)]
+    holders: list[Any] = products_ + list({id(m._siblings): m._siblings for m in products_ if m._siblings}.values())
+    if holders:
+        ext = holders[0]._ext
+        one_core = _OneCore(ext)
+        cores: dict[str, list[float]] = {"both cores": [], "one core": []}
+        try:
+            for _ in range(2 * reps):
+                for side in cores:
+                    for h in holders:
+                        h._ext = ext if side == "both cores" else one_core
+                    start = time.perf_counter()
+                    mx.eval(build())
+                    cores[side].append(time.perf_counter() - start)
+                    trim_prompt_cache(cache, 1)
+        finally:
+            for h in holders:
+                h._ext = ext
+        both, one = (statistics.median(cores[k]) * 1e3 for k in ("both cores", "one core"))
+        print(
+            f"  the step, alternating: products on both cores {both:.2f} ms, "
+            f"on one core {one:.2f} ms ({one / both:.2f}x)"
+        )
+
+
+class _OneCore:
+    """lmspd's kernels with every product's columns on the calling thread (split=False)."""
+
+    def __init__(self, ext: Any) -> None:
+        self._ext = ext
+
+    def quantized_matvec(self, *args: Any) -> Any:
+        return self._ext.quantized_matvec(*args, split=False)
+
+    def quantized_matvecs(self, *args: Any) -> Any:
+        return self._ext.quantized_matvecs(*args, split=False)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._ext, name)
 
 
 class _Counting:

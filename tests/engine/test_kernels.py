@@ -90,9 +90,11 @@ def test_stacked_siblings_give_each_products_bits(ext: ModuleType, bits: int, gr
     for rows in (1, 3, 8):
         x = mx.random.normal((rows, 1, 256), key=mx.random.key(rows))
         outs = ext.quantized_matvecs(x, w, s, b, group, bits, [130, 66, 66])
-        for got, (q, sc, bi) in zip(outs, parts, strict=True):
+        alone = ext.quantized_matvecs(x, w, s, b, group, bits, [130, 66, 66], split=False)  # one thread
+        for got, one, (q, sc, bi) in zip(outs, alone, parts, strict=True):
             want = ext.quantized_matvec(x, q, sc, bi, group, bits)
             assert got.shape == want.shape and mx.array_equal(got, want).item()
+            assert mx.array_equal(one, want).item()
     with pytest.raises(ValueError, match="add up"):
         ext.quantized_matvecs(mx.ones((1, 256)), w, s, b, group, bits, [130, 66])
 

@@ -311,8 +311,8 @@ class QuantizedMatvec : public mx::UnaryPrimitive {
 // product computes it: the same bits.
 class QuantizedMatvecs : public mx::Primitive {
  public:
-  QuantizedMatvecs(mx::Stream s, int bits, int group_size, std::vector<int> widths)
-      : mx::Primitive(s), bits_(bits), group_size_(group_size), widths_(std::move(widths)) {}
+  QuantizedMatvecs(mx::Stream s, int bits, int group_size, std::vector<int> widths, bool split)
+      : mx::Primitive(s), bits_(bits), group_size_(group_size), widths_(std::move(widths)), split_(split) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const auto& x = inputs[0];
@@ -333,7 +333,7 @@ class QuantizedMatvecs : public mx::Primitive {
     std::vector<mx::array> weak;
     for (const auto& a : inputs) weak.push_back(mx::array::unsafe_weak_copy(a));
     for (const auto& o : outputs) weak.push_back(mx::array::unsafe_weak_copy(o));
-    enc.dispatch([weak = std::move(weak), widths, M, K, W, G, GS, item, kernel]() mutable {
+    enc.dispatch([weak = std::move(weak), widths, M, K, W, G, GS, item, kernel, split = split_]() mutable {
       std::vector<float> copy;
       const float* xp = rows_of(weak[0], copy);
       const uint32_t* wp = weak[1].data<uint32_t>();
@@ -343,7 +343,7 @@ class QuantizedMatvecs : public mx::Primitive {
       const float* xs = xsum.data();
       int total = 0;
       for (int w : widths) total += w;
-      pool().parallel_for(total, grain_for(K, M, 4), [&](int c0, int c1) {
+      pool().parallel_for(total, split ? grain_for(K, M, 4) : total, [&](int c0, int c1) {
         int start = 0;
         for (size_t j = 0; j < widths.size(); start += widths[j], ++j) {
           const int lo = c0 > start ? c0 : start, hi = c1 < start + widths[j] ? c1 : start + widths[j];
@@ -360,12 +360,13 @@ class QuantizedMatvecs : public mx::Primitive {
   const char* name() const override { return "LmspdQuantizedMatvecs"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const QuantizedMatvecs&>(other);
-    return bits_ == o.bits_ && group_size_ == o.group_size_ && widths_ == o.widths_;
+    return bits_ == o.bits_ && group_size_ == o.group_size_ && widths_ == o.widths_ && split_ == o.split_;
   }
 
  private:
   int bits_, group_size_;
   std::vector<int> widths_;
+  bool split_;
 };
 
 class Dequantize : public mx::UnaryPrimitive {
@@ -465,7 +466,8 @@ mx::array rope(const mx::array& x, const mx::array& cos, const mx::array& sin, c
 
 // x @ dequantize(w).T for stacked weights, as one output per width (the rows of w, in order).
 std::vector<mx::array> quantized_matvecs(const mx::array& x, const mx::array& w, const mx::array& scales,
-                                         const mx::array& biases, int group_size, int bits, std::vector<int> widths) {
+                                         const mx::array& biases, int group_size, int bits, std::vector<int> widths,
+                                         bool split) {
   check(w, scales, biases, group_size, bits);
   if (x.dtype() != mx::float32 || x.ndim() < 1 || x.shape(-1) != w.shape(1) * 32 / bits)
     throw std::invalid_argument("x must be float32 with the weights' input size last");
@@ -482,7 +484,7 @@ std::vector<mx::array> quantized_matvecs(const mx::array& x, const mx::array& w,
   std::vector<mx::array> inputs = {x, row_contiguous(w, s), row_contiguous(scales, s),
                                    row_contiguous(biases, s)};
   return mx::array::make_arrays(std::move(shapes), std::vector<mx::Dtype>(widths.size(), mx::float32),
-                                std::make_shared<QuantizedMatvecs>(s, bits, group_size, widths), inputs);
+                                std::make_shared<QuantizedMatvecs>(s, bits, group_size, widths, split), inputs);
 }
 
 // mx.fast.rms_norm(x, weight, eps) for float32 x and weight.
@@ -579,7 +581,7 @@ NB_MODULE(quantized_ext, m) {
   m.def("simd", &simd_name);  // the matvec's instruction set in this build: avx2, neon or portable
   m.def("read_seconds", &read_seconds, nb::arg("a"));
   m.def("quantized_matvecs", &quantized_matvecs, nb::arg("x"), nb::arg("w"), nb::arg("scales"), nb::arg("biases"),
-        nb::arg("group_size"), nb::arg("bits"), nb::arg("widths"));
+        nb::arg("group_size"), nb::arg("bits"), nb::arg("widths"), nb::arg("split") = true);
   m.def("rms_norm", &rms_norm, nb::arg("x"), nb::arg("weight"), nb::arg("eps"));
   m.def("rope", &rope, nb::arg("x"), nb::arg("cos"), nb::arg("sin"), nb::arg("offset"), nb::arg("dims"),
         nb::arg("traditional"));

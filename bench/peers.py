@@ -9,10 +9,11 @@ aggregate tok/s of 4 and 8 concurrent 32-token streams with distinct prompts; pr
 2,000-token prompt sent alone (its prompt tokens over its time to first token); the p99 gap
 between the text pieces of a running stream while a 2,000-token prompt is admitted (from its
 request to its answer); and each server's peak RSS (the server process and its children,
-sampled). Rounds alternate the servers; each figure is the best of the rounds, and the table
-prints lmspd / mlx_lm.server as ratios (> 1 is lmspd ahead; for times, the ratio is theirs /
-ours). The concurrent rows also run in one raw mlx-lm ``BatchGenerator`` (bench/raw.py: the
-engine's BLAS and weights, no server), the ceiling lmspd's batching is measured against.
+sampled; each process's own peak is printed too). Rounds alternate the servers; each figure is
+the best of the rounds, and the table prints lmspd / mlx_lm.server as ratios (> 1 is lmspd
+ahead; for times, the ratio is theirs / ours). The concurrent rows also run in one raw mlx-lm
+``BatchGenerator`` (bench/raw.py: the engine's BLAS and weights, no server), the ceiling lmspd's
+batching is measured against.
 
 Each server runs as it ships: lmspd with its defaults (its engine loads the system's OpenBLAS
 when there is one), mlx_lm.server with ``--decode-concurrency 8``. With ``--llama-server``
@@ -52,17 +53,31 @@ SYSTEM = "You are a helpful assistant. Answer in full sentences."
 TOPICS = ["dragons", "the sea", "Rome", "bees", "Jupiter", "autumn", "steam engines", "volcanoes", "tea", "owls"]
 
 
-def rss_kib(pid: int) -> int:
-    """Resident memory of a process and its children, in KiB (Linux /proc)."""
-    total = 0
+def rss_kib(pid: int) -> dict[int, int]:
+    """Resident memory of a process and of each of its children, in KiB (Linux /proc)."""
+    out: dict[int, int] = {}
     for p in [pid, *children(pid)]:
         try:
             for line in Path(f"/proc/{p}/status").read_text().splitlines():
                 if line.startswith("VmRSS:"):
-                    total += int(line.split()[1])
+                    out[p] = int(line.split()[1])
         except OSError:
             pass
-    return total
+    return out
+
+
+def process_label(pid: int, root: int) -> str:
+    """The server itself, or a child by what it runs (multiprocessing's spawn: the engine)."""
+    if pid == root:
+        return "server"
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return "child"
+    for key, label in (("resource_tracker", "resource tracker"), ("spawn_main", "engine")):
+        if key in cmd:
+            return label
+    return "child"
 
 
 def children(pid: int) -> list[int]:
@@ -78,6 +93,7 @@ class Server:
         self.name, self.cmd, self.port, self.ready, self.log = name, cmd, port, ready, log
         self.proc: subprocess.Popen[bytes] | None = None
         self.peak = 0
+        self.peaks: dict[str, int] = {}  # each process's own peak, by process_label
         self._stop = threading.Event()
 
     def __enter__(self) -> Server:
@@ -88,7 +104,11 @@ class Server:
     def _sample(self) -> None:
         assert self.proc is not None
         while not self._stop.wait(0.2):
-            self.peak = max(self.peak, rss_kib(self.proc.pid))
+            now = rss_kib(self.proc.pid)
+            self.peak = max(self.peak, sum(now.values()))
+            for pid, kib in now.items():
+                label = process_label(pid, self.proc.pid)
+                self.peaks[label] = max(self.peaks.get(label, 0), kib)
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
@@ -293,6 +313,7 @@ def main() -> None:
     servers += ["llama-server"] if args.llama_server else []
     best: dict[str, dict[str, float]] = {name: {} for name in [*servers, "raw"]}
     peaks: dict[str, int] = dict.fromkeys(servers, 0)
+    parts: dict[str, dict[str, int]] = {name: {} for name in servers}
     raw = Raw(model_dir, args.dtype)
     with tempfile.TemporaryDirectory(prefix="lmspd-peers-") as tmp:
         data = Path(tmp)
@@ -308,6 +329,8 @@ def main() -> None:
                 with server_command(name, port, data, model_dir, round_no, args) as srv:
                     got = measure(port, served_model(name, model_dir), round_no, notes)
                 peaks[name] = max(peaks[name], srv.peak)
+                for label, kib in srv.peaks.items():
+                    parts[name][label] = max(parts[name].get(label, 0), kib)
                 print(f"round {round_no + 1} {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in got.items()), flush=True)
                 keep_best(best[name], got)
     raw.close()
@@ -329,6 +352,11 @@ def main() -> None:
     ours_mib = peaks["lmspd"] / 1024
     rss = "".join(f" {peaks[p] / 1024:.0f} MiB | {peaks[p] / 1024 / ours_mib:.2f}x |" for p in peers)
     print(f"| peak RSS (server and children) | {ours_mib:.0f} MiB |{rss} | |")
+    for name in servers:  # each process's own peak (they need not peak at the same moment)
+        print(
+            f"\n{name}, each process's peak RSS: "
+            + ", ".join(f"{k} {v / 1024:.0f} MiB" for k, v in parts[name].items())
+        )
 
 
 def keep_best(best: dict[str, float], got: dict[str, float]) -> None:

@@ -278,6 +278,37 @@ def decode_profile(model: Any, batch: int, reps: int) -> None:
             f"  the step, alternating: products on both cores {both:.2f} ms, "
             f"on one core {one:.2f} ms ({one / both:.2f}x)"
         )
+    # Whose CPU a step takes: this process's threads' CPU time over steps run back to back (the
+    # helper's includes its spinning between products; the main thread's is graph construction
+    # and MLX's dispatch of every primitive).
+    import os
+
+    runs = 4 * reps
+    before, start = thread_cpu(), time.perf_counter()
+    for _ in range(runs):
+        mx.eval(build())
+        trim_prompt_cache(cache, 1)
+    wall = (time.perf_counter() - start) / runs * 1e3
+    after = thread_cpu()
+    used = {tid: (cpu - before.get(tid, 0.0)) / runs * 1e3 for tid, cpu in after.items()}
+    main = used.pop(os.getpid(), 0.0)  # the main thread's id is the process's
+    others = ", ".join(f"{ms:.2f}" for ms in sorted(used.values(), reverse=True) if ms >= 0.05)
+    print(f"  CPU a step takes (wall {wall:.2f} ms): main thread {main:.2f} ms, other threads {others} ms")
+
+
+def thread_cpu() -> dict[int, float]:
+    """CPU seconds of each of this process's threads (Linux /proc)."""
+    import os
+
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[int, float] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            fields = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[int(tid)] = (int(fields[11]) + int(fields[12])) / tick
+    return out
 
 
 class _OneCore:

@@ -223,6 +223,16 @@ def decode_profile(model: Any, batch: int, reps: int) -> None:
                 a.__class__ = kind
 
         swaps.append(("attention layer", partial(classes, block_class), partial(classes, mlx_class)))
+    blocks = list(model.model.layers)
+    fused_class = type(blocks[0])
+    if hasattr(fused_class, "_fusable"):  # decode_block.DecodeBlock: norms, adds, swiglu in the products
+        plain_class = fused_class.__mro__[1]
+
+        def block_classes(kind: type) -> None:
+            for b in blocks:
+                b.__class__ = kind
+
+        swaps.append(("block", partial(block_classes, fused_class), partial(block_classes, plain_class)))
     if sampling_mx is not mx:
         swaps.append(("logsumexp", partial(setattr, generate, "mx", sampling_mx), partial(setattr, generate, "mx", mx)))
     if swaps:
@@ -257,6 +267,7 @@ def decode_profile(model: Any, batch: int, reps: int) -> None:
 
     products_ = [m for m in model.modules() if isinstance(m, packed.PackedLinear)]
     holders: list[Any] = products_ + list({id(m._siblings): m._siblings for m in products_ if m._siblings}.values())
+    kernel_users = [layer.self_attn for layer in model.model.layers if hasattr(layer.self_attn, "_kernels")]
     if holders:
         ext = holders[0]._ext
         one_core = _OneCore(ext)
@@ -266,6 +277,8 @@ def decode_profile(model: Any, batch: int, reps: int) -> None:
                 for side in cores:
                     for h in holders:
                         h._ext = ext if side == "both cores" else one_core
+                    for a in kernel_users:  # decode_block's layers call the products through these
+                        a._kernels = ext if side == "both cores" else one_core
                     start = time.perf_counter()
                     mx.eval(build())
                     cores[side].append(time.perf_counter() - start)
@@ -273,6 +286,8 @@ def decode_profile(model: Any, batch: int, reps: int) -> None:
         finally:
             for h in holders:
                 h._ext = ext
+            for a in kernel_users:
+                a._kernels = ext
         both, one = (statistics.median(cores[k]) * 1e3 for k in ("both cores", "one core"))
         print(
             f"  the step, alternating: products on both cores {both:.2f} ms, "
@@ -317,11 +332,11 @@ class _OneCore:
     def __init__(self, ext: Any) -> None:
         self._ext = ext
 
-    def quantized_matvec(self, *args: Any) -> Any:
-        return self._ext.quantized_matvec(*args, split=False)
+    def quantized_matvec(self, *args: Any, **kwargs: Any) -> Any:
+        return self._ext.quantized_matvec(*args, split=False, **kwargs)
 
-    def quantized_matvecs(self, *args: Any) -> Any:
-        return self._ext.quantized_matvecs(*args, split=False)
+    def quantized_matvecs(self, *args: Any, **kwargs: Any) -> Any:
+        return self._ext.quantized_matvecs(*args, split=False, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._ext, name)

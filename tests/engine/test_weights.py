@@ -73,16 +73,20 @@ def test_packed_float32_decodes_a_batch_of_uneven_prompts_as_the_quantized_model
 def test_a_decode_steps_attention_and_swiglu_are_lmspds_primitives_with_mlx_lms_bits(
     tiny: ResolvedModel, tmp_path: Path
 ) -> None:
-    """A decode step's attention layers run decode_block.DecodeBlockAttention (decode_block.h) and its
-    swiglu packed.SwiGLU (their primitives are in the step's graph, no slice update), and the logits are those of
-    mlx-lm's own Attention and functions, bit for bit, across the KV cache growing at 256."""
+    """A decode step's blocks run decode_block.DecodeBlock, their attention layers
+    decode_block.DecodeBlockAttention (decode_block.h), the norms, residual adds and swiglu inside
+    the products (their primitives are in the step's graph, no slice update, no Add or RmsNorm in
+    a block), and the logits are those of the unfused kernels and of mlx-lm's own Attention,
+    TransformerBlock and functions, bit for bit, across the KV cache growing at 256."""
     from mlx_lm.models import llama
     from mlx_lm.models.cache import make_prompt_cache
 
     model, _ = load_model(tiny.path)
     apply_weight_dtype(model, "quantized_float32")
     layers = [layer.self_attn for layer in model.model.layers]
+    blocks = list(model.model.layers)
     assert all(type(a) is decode_block.DecodeBlockAttention for a in layers)
+    assert all(type(b) is decode_block.DecodeBlock for b in blocks)
     namespace = sys.modules[type(model.model.layers[0].mlp).__module__]
     names = ("scaled_dot_product_attention", "swiglu")
     ours = {name: getattr(namespace, name) for name in names}
@@ -90,11 +94,13 @@ def test_a_decode_steps_attention_and_swiglu_are_lmspds_primitives_with_mlx_lms_
     assert isinstance(ours["swiglu"], packed.SwiGLU)
     prompt = mx.array([[(7 * i) % 900 + 3 for i in range(250)]])
 
-    def decode(functions: dict[str, object], kind: type, steps: int = 9) -> list[mx.array]:
+    def decode(functions: dict[str, object], kind: type, block: type, steps: int = 9) -> list[mx.array]:
         for name, function in functions.items():
             setattr(namespace, name, function)
         for a in layers:
             a.__class__ = kind
+        for b in blocks:
+            b.__class__ = block
         cache = make_prompt_cache(model)
         token = mx.argmax(model(prompt, cache=cache)[:, -1], axis=-1)[:, None]
         out = []
@@ -110,20 +116,58 @@ def test_a_decode_steps_attention_and_swiglu_are_lmspds_primitives_with_mlx_lms_
         mx.eval(model(prompt[:, :20], cache=cache), [c.state for c in cache])  # the prompt's graph done
         mx.export_to_dot(str(tmp_path / "step.dot"), model(prompt[:, :1], cache=cache))
         graph = (tmp_path / "step.dot").read_text()
-        assert (
-            "LmspdCacheWrite" in graph
-            and "LmspdDecodeAttend" in graph
-            and "LmspdSwiGLU" in graph
-            and "SliceUpdate" not in graph
+        assert "LmspdCacheWrite" in graph and "LmspdDecodeAttend" in graph and "SliceUpdate" not in graph
+        # In the blocks, no norm, add or swiglu of their own: the model's final norm, and the one
+        # Add of the embedding row's dequantization (scale * q + bias).
+        assert graph.count('label ="LmspdRmsNorm"') == 1 and graph.count('label ="Add"') == 1
+        assert "LmspdSwiGLU" not in graph
+        got = decode(ours, decode_block.DecodeBlockAttention, decode_block.DecodeBlock)
+        unfused = decode(ours, decode_block.DecodeBlockAttention, llama.TransformerBlock)
+        want = decode(
+            {name: function.original for name, function in ours.items()}, llama.Attention, llama.TransformerBlock
         )
-        got = decode(ours, decode_block.DecodeBlockAttention)
-        want = decode({name: function.original for name, function in ours.items()}, llama.Attention)
     finally:
         for name, function in ours.items():
             setattr(namespace, name, function)
         for a in layers:
             a.__class__ = decode_block.DecodeBlockAttention
+        for b in blocks:
+            b.__class__ = decode_block.DecodeBlock
     assert all(mx.array_equal(g, w).item() for g, w in zip(got, want, strict=True))
+    assert all(mx.array_equal(g, w).item() for g, w in zip(unfused, want, strict=True))
+
+
+def test_a_batchs_decode_steps_through_the_fused_blocks_keep_their_bits(tiny: ResolvedModel) -> None:
+    """mlx-lm's BatchGenerator (a BatchKVCache, left padding, sequences joining and leaving)
+    with decode_block.DecodeBlock and with mlx-lm's own TransformerBlock over the same kernels:
+    the same tokens and logprobs, bit for bit."""
+    from mlx_lm.generate import BatchGenerator
+    from mlx_lm.models import llama
+
+    model, _ = load_model(tiny.path)
+    apply_weight_dtype(model, "quantized_float32")
+    blocks = list(model.model.layers)
+    prompts = [[(5 * i + j) % 700 + 3 for j in range(n)] for i, n in enumerate((3, 9, 14, 30))]
+
+    def run(block: type) -> list[tuple[int, int, mx.array]]:
+        for b in blocks:
+            b.__class__ = block
+        gen = BatchGenerator(model, completion_batch_size=4, prefill_batch_size=2)
+        gen.insert(prompts, max_tokens=[6, 12, 9, 12])
+        out: list[tuple[int, int, mx.array]] = []
+        while len(out) < 39:
+            out += [(r.uid, r.token, r.logprobs) for r in gen.next_generated()]
+        gen.close()
+        return out
+
+    try:
+        got = run(decode_block.DecodeBlock)
+        want = run(llama.TransformerBlock)
+    finally:
+        for b in blocks:
+            b.__class__ = decode_block.DecodeBlock
+    assert [(u, t) for u, t, _ in got] == [(u, t) for u, t, _ in want]
+    assert all(mx.array_equal(g, w).item() for (_, _, g), (_, _, w) in zip(got, want, strict=True))
 
 
 def test_sampling_normalizes_through_the_kernel_with_mlxs_bits(tiny: ResolvedModel) -> None:

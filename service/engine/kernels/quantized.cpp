@@ -256,10 +256,21 @@ Kernel kernel_for(int bits, int group_size, mx::Dtype dtype, bool simd = true) {
   return nullptr;
 }
 
+// x @ dequantize(w).T; with swiglu, of swiglu(x, up) (elementwise.h's arithmetic) instead of x;
+// with a residual, residual + the product (MLX's Add): a decode step's MLP down product and its
+// block's residual adds in the one primitive (upstream/decode_block.py), the same bits as the
+// three primitives they replace, two fewer for MLX to dispatch.
 class QuantizedMatvec : public mx::UnaryPrimitive {
  public:
-  QuantizedMatvec(mx::Stream s, int bits, int group_size, bool split, bool simd)
-      : mx::UnaryPrimitive(s), bits_(bits), group_size_(group_size), split_(split), simd_(simd) {}
+  QuantizedMatvec(mx::Stream s, int bits, int group_size, bool split, bool simd, bool swiglu = false,
+                  bool residual = false)
+      : mx::UnaryPrimitive(s),
+        bits_(bits),
+        group_size_(group_size),
+        split_(split),
+        simd_(simd),
+        swiglu_(swiglu),
+        residual_(residual) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     const auto& x = inputs[0];
@@ -276,19 +287,36 @@ class QuantizedMatvec : public mx::UnaryPrimitive {
     Kernel kernel = kernel_for(bits_, group_size_, sc.dtype(), simd_);
     const bool split = split_;
     const int GS = group_size_;
+    // After x, w, scales, biases: up (swiglu), then the residual.
+    const mx::array up = mx::array::unsafe_weak_copy(swiglu_ ? inputs[4] : x);
+    const mx::array res = mx::array::unsafe_weak_copy(residual_ ? inputs.back() : x);
     enc.dispatch([x = mx::array::unsafe_weak_copy(x), w = mx::array::unsafe_weak_copy(w),
-                  sc = mx::array::unsafe_weak_copy(sc), bi = mx::array::unsafe_weak_copy(bi),
-                  out = mx::array::unsafe_weak_copy(out), M, N, K, GS, kernel, split]() mutable {
-      std::vector<float> copy;
+                  sc = mx::array::unsafe_weak_copy(sc), bi = mx::array::unsafe_weak_copy(bi), up, res,
+                  out = mx::array::unsafe_weak_copy(out), M, N, K, GS, kernel, split, swiglu = swiglu_,
+                  residual = residual_]() mutable {
+      std::vector<float> copy, up_copy, act;
       const float* xp = rows_of(x, copy);
+      if (swiglu) {
+        act.resize(size_t(M) * K);
+        swiglu_range(xp, rows_of(up, up_copy), act.data(), 0, act.size());
+        xp = act.data();
+      }
       const uint32_t* wp = w.data<uint32_t>();
       const void* sp = sc.data<uint8_t>();
       const void* bp = bi.data<uint8_t>();
       float* op = out.data<float>();
       const std::vector<float> xsum = group_sums(xp, M, K, GS);  // once, for both threads
       const float* xs = xsum.data();
-      if (!split) return kernel(xp, xs, wp, sp, bp, op, M, N, K, 0, N);
-      pool().parallel_for(N, grain_for(K, M, 4), [=](int n0, int n1) { kernel(xp, xs, wp, sp, bp, op, M, N, K, n0, n1); });
+      if (!split)
+        kernel(xp, xs, wp, sp, bp, op, M, N, K, 0, N);
+      else
+        pool().parallel_for(N, grain_for(K, M, 4),
+                            [=](int n0, int n1) { kernel(xp, xs, wp, sp, bp, op, M, N, K, n0, n1); });
+      if (residual) {
+        std::vector<float> res_copy;
+        const float* rp = rows_of(res, res_copy);
+        for (size_t i = 0, n = size_t(M) * N; i < n; ++i) op[i] = rp[i] + op[i];
+      }
     });
   }
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
@@ -297,12 +325,13 @@ class QuantizedMatvec : public mx::UnaryPrimitive {
   const char* name() const override { return "LmspdQuantizedMatvec"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const QuantizedMatvec&>(other);
-    return bits_ == o.bits_ && group_size_ == o.group_size_ && split_ == o.split_ && simd_ == o.simd_;
+    return bits_ == o.bits_ && group_size_ == o.group_size_ && split_ == o.split_ && simd_ == o.simd_ &&
+           swiglu_ == o.swiglu_ && residual_ == o.residual_;
   }
 
  private:
   int bits_, group_size_;
-  bool split_, simd_;
+  bool split_, simd_, swiglu_, residual_;
 };
 
 // Sibling layers' products of one x (q, k and v; gate and up) as one primitive, their weights
@@ -311,8 +340,15 @@ class QuantizedMatvec : public mx::UnaryPrimitive {
 // product computes it: the same bits.
 class QuantizedMatvecs : public mx::Primitive {
  public:
-  QuantizedMatvecs(mx::Stream s, int bits, int group_size, std::vector<int> widths, bool split)
-      : mx::Primitive(s), bits_(bits), group_size_(group_size), widths_(std::move(widths)), split_(split) {}
+  QuantizedMatvecs(mx::Stream s, int bits, int group_size, std::vector<int> widths, bool split, bool norm = false,
+                   float eps = 0.0f)
+      : mx::Primitive(s),
+        bits_(bits),
+        group_size_(group_size),
+        widths_(std::move(widths)),
+        split_(split),
+        norm_(norm),
+        eps_(eps) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const auto& x = inputs[0];
@@ -333,9 +369,16 @@ class QuantizedMatvecs : public mx::Primitive {
     std::vector<mx::array> weak;
     for (const auto& a : inputs) weak.push_back(mx::array::unsafe_weak_copy(a));
     for (const auto& o : outputs) weak.push_back(mx::array::unsafe_weak_copy(o));
-    enc.dispatch([weak = std::move(weak), widths, M, K, W, G, GS, item, kernel, split = split_]() mutable {
-      std::vector<float> copy;
+    const size_t first_out = inputs.size();
+    enc.dispatch([weak = std::move(weak), widths, M, K, W, G, GS, item, kernel, split = split_, norm = norm_,
+                  eps = eps_, first_out]() mutable {
+      std::vector<float> copy, normed;
       const float* xp = rows_of(weak[0], copy);
+      if (norm) {  // fused.h's RMSNorm, the weight after x, w, scales and biases
+        normed.resize(size_t(M) * K);
+        rms_norm_rows(xp, weak[4].data<float>(), normed.data(), M, K, eps);
+        xp = normed.data();
+      }
       const uint32_t* wp = weak[1].data<uint32_t>();
       const uint8_t* sp = weak[2].data<uint8_t>();
       const uint8_t* bp = weak[3].data<uint8_t>();
@@ -349,7 +392,7 @@ class QuantizedMatvecs : public mx::Primitive {
           const int lo = c0 > start ? c0 : start, hi = c1 < start + widths[j] ? c1 : start + widths[j];
           if (lo >= hi) continue;
           kernel(xp, xs, wp + size_t(start) * W, sp + size_t(start) * G * item, bp + size_t(start) * G * item,
-                 weak[4 + j].data<float>(), M, widths[j], K, lo - start, hi - start);
+                 weak[first_out + j].data<float>(), M, widths[j], K, lo - start, hi - start);
         }
       });
     });
@@ -360,13 +403,15 @@ class QuantizedMatvecs : public mx::Primitive {
   const char* name() const override { return "LmspdQuantizedMatvecs"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const QuantizedMatvecs&>(other);
-    return bits_ == o.bits_ && group_size_ == o.group_size_ && widths_ == o.widths_ && split_ == o.split_;
+    return bits_ == o.bits_ && group_size_ == o.group_size_ && widths_ == o.widths_ && split_ == o.split_ &&
+           norm_ == o.norm_ && eps_ == o.eps_;
   }
 
  private:
   int bits_, group_size_;
   std::vector<int> widths_;
-  bool split_;
+  bool split_, norm_;
+  float eps_;
 };
 
 class Dequantize : public mx::UnaryPrimitive {
@@ -434,18 +479,28 @@ mx::array dequantize(const mx::array& w, const mx::array& scales, const mx::arra
 
 // x @ dequantize(w, scales, biases).T for float32 x (MLX's packing, transposed weights), the
 // products summed in float32.
+// With up: of swiglu(x, up) (x the gate); with residual: residual + the product.
 mx::array quantized_matvec(const mx::array& x, const mx::array& w, const mx::array& scales,
-                           const mx::array& biases, int group_size, int bits, bool split, bool simd) {
+                           const mx::array& biases, int group_size, int bits, bool split, bool simd,
+                           const std::optional<mx::array>& up, const std::optional<mx::array>& residual) {
   check(w, scales, biases, group_size, bits);
   if (x.dtype() != mx::float32 || x.ndim() < 1 || x.shape(-1) != w.shape(1) * 32 / bits)
     throw std::invalid_argument("x must be float32 with the weights' input size last");
+  if (up && (up->dtype() != mx::float32 || up->shape() != x.shape()))
+    throw std::invalid_argument("up must be float32, shaped as x");
   const int N = w.shape(0);
   auto s = mx::default_stream(mx::Device::cpu);
   auto shape = x.shape();
   shape.back() = N;
+  if (residual && (residual->dtype() != mx::float32 || residual->shape() != shape))
+    throw std::invalid_argument("the residual must be float32, shaped as the product");
   std::vector<mx::array> inputs = {x, row_contiguous(w, s), row_contiguous(scales, s),
                                    row_contiguous(biases, s)};
-  return mx::array(shape, mx::float32, std::make_shared<QuantizedMatvec>(s, bits, group_size, split, simd), inputs);
+  if (up) inputs.push_back(*up);
+  if (residual) inputs.push_back(*residual);
+  return mx::array(shape, mx::float32,
+                   std::make_shared<QuantizedMatvec>(s, bits, group_size, split, simd, bool(up), bool(residual)),
+                   inputs);
 }
 
 // x rotated by the tables' angles at positions offset + t (offset: one, or one per batch row).
@@ -465,9 +520,10 @@ mx::array rope(const mx::array& x, const mx::array& cos, const mx::array& sin, c
 }
 
 // x @ dequantize(w).T for stacked weights, as one output per width (the rows of w, in order).
+// With norm: of mx.fast.rms_norm(x, norm, eps) (fused.h's arithmetic) instead of x.
 std::vector<mx::array> quantized_matvecs(const mx::array& x, const mx::array& w, const mx::array& scales,
                                          const mx::array& biases, int group_size, int bits, std::vector<int> widths,
-                                         bool split) {
+                                         bool split, const std::optional<mx::array>& norm, float eps) {
   check(w, scales, biases, group_size, bits);
   if (x.dtype() != mx::float32 || x.ndim() < 1 || x.shape(-1) != w.shape(1) * 32 / bits)
     throw std::invalid_argument("x must be float32 with the weights' input size last");
@@ -481,10 +537,14 @@ std::vector<mx::array> quantized_matvecs(const mx::array& x, const mx::array& w,
     shape.back() = n;
     shapes.push_back(shape);
   }
+  if (norm && (norm->dtype() != mx::float32 || norm->ndim() != 1 || norm->shape(0) != x.shape(-1)))
+    throw std::invalid_argument("the norm's weight must be float32, 1-D and as wide as x");
   std::vector<mx::array> inputs = {x, row_contiguous(w, s), row_contiguous(scales, s),
                                    row_contiguous(biases, s)};
+  if (norm) inputs.push_back(row_contiguous(*norm, s));
   return mx::array::make_arrays(std::move(shapes), std::vector<mx::Dtype>(widths.size(), mx::float32),
-                                std::make_shared<QuantizedMatvecs>(s, bits, group_size, widths, split), inputs);
+                                std::make_shared<QuantizedMatvecs>(s, bits, group_size, widths, split, bool(norm), eps),
+                                inputs);
 }
 
 // mx.fast.rms_norm(x, weight, eps) for float32 x and weight.
@@ -577,11 +637,13 @@ double read_seconds(const mx::array& a) {
 
 NB_MODULE(quantized_ext, m) {
   m.def("quantized_matvec", &quantized_matvec, nb::arg("x"), nb::arg("w"), nb::arg("scales"), nb::arg("biases"),
-        nb::arg("group_size"), nb::arg("bits"), nb::arg("split") = true, nb::arg("simd") = true);
+        nb::arg("group_size"), nb::arg("bits"), nb::arg("split") = true, nb::arg("simd") = true,
+        nb::arg("up").none() = nb::none(), nb::arg("residual").none() = nb::none());
   m.def("simd", &simd_name);  // the matvec's instruction set in this build: avx2, neon or portable
   m.def("read_seconds", &read_seconds, nb::arg("a"));
   m.def("quantized_matvecs", &quantized_matvecs, nb::arg("x"), nb::arg("w"), nb::arg("scales"), nb::arg("biases"),
-        nb::arg("group_size"), nb::arg("bits"), nb::arg("widths"), nb::arg("split") = true);
+        nb::arg("group_size"), nb::arg("bits"), nb::arg("widths"), nb::arg("split") = true,
+        nb::arg("norm").none() = nb::none(), nb::arg("eps") = 0.0f);
   m.def("rms_norm", &rms_norm, nb::arg("x"), nb::arg("weight"), nb::arg("eps"));
   m.def("rope", &rope, nb::arg("x"), nb::arg("cos"), nb::arg("sin"), nb::arg("offset"), nb::arg("dims"),
         nb::arg("traditional"));

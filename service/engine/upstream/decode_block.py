@@ -7,11 +7,13 @@ of lmspd's (kernels/decode_block.h) do it with the same arithmetic and so the sa
 (tests/engine/test_decode_block.py): ``cache_write`` for k (with its RoPE) and for v, each
 writing into the cache's buffer, and ``decode_attend``.
 
-``install`` gives each ``llama.Attention`` of a packed model this class (only the class
-changes: parameters, names and the cache stay mlx-lm's), and ``__call__`` takes a decode step
-only when every condition of that equality holds; anything else (a prompt, a cache about to
-grow, another cache kind, another dtype) is mlx-lm's own code. The RoPE must be packed's
-TableRoPE, known here by its tables (``_cos``, ``_sin``): this package imports nothing of lmspd's.
+``install`` gives each ``llama.Attention`` of a packed model this class (only the class changes:
+parameters, names and the cache stay mlx-lm's), and each ``llama.TransformerBlock`` around one
+``DecodeBlock``, which folds the block's norms, residual adds and swiglu into its products;
+``__call__`` takes a decode step only when every condition of that equality holds; anything else
+(a prompt, a cache about to grow, another cache kind, another dtype) is mlx-lm's own code. The
+RoPE must be packed's TableRoPE, known here by its tables (``_cos``, ``_sin``): this package
+imports nothing of lmspd's.
 """
 
 from __future__ import annotations
@@ -35,14 +37,21 @@ class DecodeBlockAttention(llama.Attention):  # type: ignore[misc]  # mlx-lm is 
         if inputs is None:
             result: mx.array = super().__call__(x, mask=mask, cache=cache)
             return result
+        projected: mx.array = self.o_proj(self.attend(self.q_proj(x), self.k_proj(x), self.v_proj(x), inputs, cache))
+        return projected
+
+    def attend(
+        self, q: mx.array, k: mx.array, v: mx.array, inputs: tuple[int, mx.array, mx.array | None], cache: Any
+    ) -> mx.array:
+        """The new position's k and v written into the cache, then the attention of q over it:
+        (B, 1, heads * Dv), before o_proj. ``inputs``: what _block_inputs said."""
         at, offset, m = inputs
         rope = self.rope
         ext = self._kernels
         tables = (rope._cos, rope._sin, offset)
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         cache.keys = ext.cache_write(k, cache.keys, at, *tables, rope.dims, rope.traditional)
         cache.values = ext.cache_write(v, cache.values, at)
-        out = ext.decode_attend(
+        out: mx.array = ext.decode_attend(
             q, cache.keys, cache.values, *tables, m, at, self.scale, rope.dims, rope.traditional, self.n_heads
         )
         # As update_and_fetch advances them, after the RoPE read the offset.
@@ -51,8 +60,7 @@ class DecodeBlockAttention(llama.Attention):  # type: ignore[misc]  # mlx-lm is 
             cache._idx += 1
         else:
             cache.offset += 1
-        projected: mx.array = self.o_proj(out)
-        return projected
+        return out
 
     def _block_inputs(self, x: mx.array, mask: Any, cache: Any) -> tuple[int, mx.array, mx.array | None] | None:
         """(the new position's index in the cache, RoPE's offset, the mask), or None where
@@ -86,6 +94,83 @@ class DecodeBlockAttention(llama.Attention):  # type: ignore[misc]  # mlx-lm is 
         return at, offset, m
 
 
+class DecodeBlock(llama.TransformerBlock):  # type: ignore[misc]  # mlx-lm is untyped
+    """llama.TransformerBlock whose decode step is seven primitives where it was twelve: the
+    input norm inside the q/k/v product (``quantized_matvecs`` with ``norm``), o_proj with the
+    residual add (``quantized_matvec`` with ``residual``), the post-attention norm inside the
+    gate/up product, and swiglu, down_proj and the second residual add in one
+    (``quantized_matvec`` with ``up`` and ``residual``): each the same arithmetic as the
+    primitive it replaces, so the same bits (tests/engine/test_weights.py), and fewer for MLX
+    to dispatch, which on two cores takes the CPU the kernels would use (docs/benchmarks.md,
+    "Fourth pass"). Anything DecodeBlockAttention would not take, or a layer not packed as
+    these need, is mlx-lm's own code."""
+
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        attn = self.self_attn
+        inputs = attn._block_inputs(x, mask, cache) if self._fusable(x) else None
+        if inputs is None:
+            result: mx.array = super().__call__(x, mask=mask, cache=cache)
+            return result
+        ext = attn._kernels
+        qkv, gate_up = attn.q_proj._siblings, self.mlp.gate_proj._siblings
+        before, after = self.input_layernorm, self.post_attention_layernorm
+        q, k, v = ext.quantized_matvecs(x, *_packed(qkv), qkv.widths, norm=before.weight, eps=before.eps)
+        h = ext.quantized_matvec(attn.attend(q, k, v, inputs, cache), *_packed(attn.o_proj), residual=x)
+        gate, up = ext.quantized_matvecs(h, *_packed(gate_up), gate_up.widths, norm=after.weight, eps=after.eps)
+        out: mx.array = ext.quantized_matvec(gate, *_packed(self.mlp.down_proj), up=up, residual=h)
+        return out
+
+    def _fusable(self, x: mx.array) -> bool:
+        return (
+            type(self.self_attn) is DecodeBlockAttention
+            and x.dtype == mx.float32
+            and x.ndim == 3
+            and x.shape[1] == 1
+            and x.shape[0] <= min(self.self_attn.o_proj._kernel_rows, self.mlp.down_proj._kernel_rows)
+        )
+
+
+def _packed(layer: Any) -> tuple[mx.array, mx.array, mx.array, int, int]:
+    """A packed layer's (or stacked siblings') weights, scales, biases, group size and bits."""
+    return layer.weight, layer.scales, layer.biases, layer.group_size, layer.bits
+
+
+def _block_takes(block: Any) -> bool:
+    """Whether a llama.TransformerBlock is packed as DecodeBlock needs: DecodeBlockAttention;
+    RMSNorms with float32 weights (packed.FusedRMSNorm, or nn.RMSNorm: the same bits); q, k, v
+    and gate, up each one set of stacked siblings in that order (packed.Siblings); o_proj and
+    down_proj packed; no biases."""
+    attn, mlp = block.self_attn, block.mlp
+
+    def siblings(*layers: Any) -> bool:
+        s = getattr(layers[0], "_siblings", None)
+        return (
+            s is not None
+            and all(
+                getattr(m, "_siblings", None) is s and m._index == i and "bias" not in m for i, m in enumerate(layers)
+            )
+            and len(s.widths) == len(layers)
+        )
+
+    def packed(layer: Any) -> bool:
+        return all(hasattr(layer, a) for a in ("scales", "biases", "_kernel_rows")) and "bias" not in layer
+
+    def norm(n: Any) -> bool:
+        w = getattr(n, "weight", None)
+        return isinstance(w, mx.array) and w.dtype == mx.float32 and w.ndim == 1 and isinstance(n.eps, float)
+
+    return (
+        type(attn) is DecodeBlockAttention
+        and type(block.mlp) is llama.MLP
+        and siblings(attn.q_proj, attn.k_proj, attn.v_proj)
+        and siblings(mlp.gate_proj, mlp.up_proj)
+        and packed(attn.o_proj)
+        and packed(mlp.down_proj)
+        and norm(block.input_layernorm)
+        and norm(block.post_attention_layernorm)
+    )
+
+
 def _table_rope(rope: Any) -> bool:
     """Whether rope is packed.TableRoPE (its tables of every position's cos and sin)."""
     return isinstance(getattr(rope, "_cos", None), mx.array) and isinstance(getattr(rope, "_sin", None), mx.array)
@@ -100,4 +185,7 @@ def install(model: nn.Module, ext: ModuleType) -> int:
             module.__class__ = DecodeBlockAttention
             module._kernels = ext
             taken += 1
+    for _, module in model.named_modules():
+        if type(module) is llama.TransformerBlock and _block_takes(module):
+            module.__class__ = DecodeBlock
     return taken

@@ -1,11 +1,20 @@
 #!/usr/bin/env bash
 # Build llama.cpp's llama-server for bench.peers (--llama-server PATH), from the llama.cpp source
 # vendored in the PyPI sdist of llama-cpp-python 0.3.36 (llama.cpp commit 0c1e57098): Release,
-# native CPU, without the web UI or OpenSSL. About 20 minutes on two cores.
+# native CPU, without the web UI or OpenSSL. About 20 minutes on two cores. It needs CMake and
+# Ninja (Debian's cmake and ninja-build, installed here when missing and run as root).
 #
 #   bash bench/llama_cpp.sh [WORK_DIR]      # default .test-cache/llama.cpp; prints the binary's path
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if ! command -v cmake >/dev/null || ! command -v ninja >/dev/null; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        apt-get install -y -q cmake ninja-build >&2 || (apt-get update -q && apt-get install -y -q cmake ninja-build) >&2
+    else
+        echo "bench/llama_cpp.sh needs cmake and ninja (apt install cmake ninja-build)" >&2
+        exit 1
+    fi
+fi
 work="${1:-.test-cache/llama.cpp}"
 mkdir -p "$work"
 work="$(cd "$work" && pwd)"

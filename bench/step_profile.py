@@ -504,7 +504,7 @@ def short_prompt_profile(model: Any, reps: int) -> None:
         )
 
 
-def cached_first_token(model: Any, reps: int) -> None:
+def cached_first_token(model: Any, reps: int, tokens: int = 40) -> None:
     """The first token of a cached prompt, with mlx-lm's own decode steps and with lmspd's
     (engine/upstream/stepping.py), alternating."""
     import importlib
@@ -513,24 +513,32 @@ def cached_first_token(model: Any, reps: int) -> None:
     from mlx_lm.models.cache import make_prompt_cache
 
     from lmspd.engine.prompt_cache import PromptCache
+    from lmspd.engine.upstream import batch_cache
     from lmspd.engine.upstream.stepping import StepNow
 
     generate: Any = importlib.import_module("mlx_lm.generate")
     upstream = generate.GenerationBatch
-    prompt = [(7 * j) % 900 + 3 for j in range(40)]
+    prompt = [(7 * j) % 900 + 3 for j in range(tokens)]
     cache = make_prompt_cache(model)
-    mx.eval(model(mx.array(prompt)[None], cache=cache))
+    for at in range(0, tokens, CHUNK):  # prefilled in chunks, as the engine does
+        mx.eval(model(mx.array(prompt[at : at + CHUNK])[None], cache=cache), [c.state for c in cache])
     pc = PromptCache(1 << 30)
     pc.store(("m", ""), prompt, cache)
     counting = _Counting(model)
-    kinds = {"mlx-lm's steps": upstream, "lmspd's steps (StepNow)": StepNow}
+    # (GenerationBatch, the batch's cache merged with room: upstream/batch_cache.py)
+    kinds = {
+        "mlx-lm's steps": (upstream, False),
+        "lmspd's steps (StepNow)": (StepNow, False),
+        "StepNow, the batch's cache merged with room": (StepNow, True),
+    }
     fetches: list[float] = []
     firsts: dict[str, list[float]] = {k: [] for k in kinds}
     calls: dict[str, list[int]] = {k: [] for k in kinds}
     try:
         for _ in range(reps):
-            for name, batch_class in kinds.items():
+            for name, (batch_class, room) in kinds.items():
                 generate.GenerationBatch = batch_class
+                (batch_cache.install if room else batch_cache.uninstall)()
                 start = time.perf_counter()
                 hit = pc.fetch(("m", ""), prompt)
                 mx.eval([c.state for c in hit.cache or []])
@@ -550,8 +558,9 @@ def cached_first_token(model: Any, reps: int) -> None:
                 gen.close()
     finally:
         generate.GenerationBatch = upstream
+        batch_cache.uninstall()
     f = statistics.median(fetches) * 1e3
-    print(f"\ncached-prompt first token (40-token prompt, {hit.cached} cached), prompt cache fetch {f:.2f} ms")
+    print(f"\ncached-prompt first token ({tokens}-token prompt, {hit.cached} cached), prompt cache fetch {f:.2f} ms")
     for name in kinds:
         g = statistics.median(firsts[name]) * 1e3
         print(f"  {name}: {f + g:.1f} ms, {statistics.median(calls[name]):.0f} forward passes to the first token")
@@ -598,7 +607,8 @@ def main() -> None:
         for tokens in (512, 2000):
             prefill_profile(model, tokens, args.reps)
     if not args.skip_decode:
-        cached_first_token(model, args.reps)
+        for tokens in (40, 2000):
+            cached_first_token(model, args.reps, tokens)
 
 
 if __name__ == "__main__":

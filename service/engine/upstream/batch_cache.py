@@ -12,7 +12,7 @@ on its first token.
 are rounded up to the next multiple of the cache's step past the positions held, as
 ``update_and_fetch`` would grow them. The positions held, the offsets and the padding are
 upstream's; the attention reads only the positions held, through the same strides, so the same
-bits (tests/engine/test_stepping.py).
+bits (tests/engine/test_batch_cache.py).
 """
 
 from __future__ import annotations

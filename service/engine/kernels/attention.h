@@ -82,6 +82,16 @@ std::array<int64_t, 4> broadcast_strides(const mx::array& m) {
   return st;
 }
 
+// A mask array's row applied to one row of scores, as the fallback does: a boolean mask's select
+// (false: float32's lowest) or an additive mask's add; m0 the row's first element, step its stride.
+void mask_row(float* s, int Lk, const bool* mb, const float* ma, int64_t m0, int64_t step) {
+  const float lowest = std::numeric_limits<float>::lowest();  // finfo(float32).min
+  for (int j = 0; j < Lk; ++j) {
+    const int64_t at = m0 + j * step;
+    s[j] = mb ? (mb[at] ? s[j] : lowest) : s[j] + ma[at];
+  }
+}
+
 // The attention of B * H query rows (qp, D floats each, row u = b * H + h) over keys and values
 // (B, kvH, Lk, D or Dv) given by base pointers and element strides, into op (B * H rows of Dv):
 // Attention's arithmetic for one row, which DecodeBlock (decode_block.h) shares.
@@ -95,7 +105,6 @@ struct Keys {
 void attend(const float* qp, int B, int H, int D, const Keys& kv, MaskKind mask, const bool* mb, const float* ma,
             const std::array<int64_t, 4>& ms, float scale, float* op) {
   const int rep = H / kv.kvH, Lk = kv.Lk, Dv = kv.Dv;
-  const float lowest = std::numeric_limits<float>::lowest();  // finfo(float32).min
   auto heads = [&](int u0, int u1) {
     thread_local std::vector<float> qs, scores, scratch;
     qs.resize(D);
@@ -106,13 +115,7 @@ void attend(const float* qp, int B, int H, int D, const Keys& kv, MaskKind mask,
       for (int d = 0; d < D; ++d) qs[d] = scale * qr[d];
       // scores = (q * scale) @ swapaxes(k): b's K axis is k's last, its N axis k's rows
       row_times(qs.data(), D, kv.k + b * kv.ks[0] + g * kv.ks[1], kv.ks[3], kv.ks[2], Lk, scores.data(), scratch);
-      if (mask != MaskKind::kNone) {
-        const int64_t m0 = b * ms[0] + h * ms[1];
-        for (int j = 0; j < Lk; ++j) {
-          const int64_t at = m0 + j * ms[3];
-          scores[j] = mb ? (mb[at] ? scores[j] : lowest) : scores[j] + ma[at];
-        }
-      }
+      if (mask != MaskKind::kNone) mask_row(scores.data(), Lk, mb, ma, b * ms[0] + h * ms[1], ms[3]);
       softmax_row(scores.data(), Lk);
       row_times(scores.data(), Lk, kv.v + b * kv.vs[0] + g * kv.vs[1], kv.vs[2], kv.vs[3], Dv, op + size_t(u) * Dv,
                 scratch);
@@ -140,11 +143,7 @@ void attend_rows(const float* qp, int B, int H, int L, int D, const Keys& kv, Ma
         if (mask == MaskKind::kCausal) {
           for (int j = std::max(0, offset + i + 1); j < Lk; ++j) s[j] = lowest;
         } else if (mask != MaskKind::kNone) {
-          const int64_t m0 = b * ms[0] + h * ms[1] + i * ms[2];
-          for (int j = 0; j < Lk; ++j) {
-            const int64_t at = m0 + j * ms[3];
-            s[j] = mb ? (mb[at] ? s[j] : lowest) : s[j] + ma[at];
-          }
+          mask_row(s, Lk, mb, ma, b * ms[0] + h * ms[1] + i * ms[2], ms[3]);
         }
         softmax_row(s, Lk);
       }

@@ -71,9 +71,10 @@ def test_simd_matvec_computes_the_portable_kernels_bits(
     ext: ModuleType, bits: int, group: int, dtype: mx.Dtype
 ) -> None:
     """The SIMD kernel only lays the work out differently: every sum in the same order, bit for bit
-    (202 columns: the one-row path's 4-column tiles end in a partial one)."""
-    q, s, b = _quantized(202, 384, group, bits, dtype)
-    for rows in (1, 2, 8, 9, 17):
+    (203 columns: the one-row path's 4-column tiles and the several-row path's 2-column blocks
+    each end in a partial one; every count of rows in a block of eight, and blocks after it)."""
+    q, s, b = _quantized(203, 384, group, bits, dtype)
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 17):
         x = mx.random.normal((rows, 384), key=mx.random.key(rows + bits))
         want = ext.quantized_matvec(x, q, s, b, group, bits, False, False)
         for split in (True, False):

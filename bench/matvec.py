@@ -1,6 +1,6 @@
 """lmspd's matvec kernel per layer shape, against the memory-bandwidth bound of what it reads.
 
-    python -m bench.matvec [--model-dir DIR] [--rounds 7] [--rows 1 8]
+    python -m bench.matvec [--model-dir DIR] [--rounds 7] [--rows 1 8] [--against REV]
 
 For each distinct packed product of the model (shape, bits, group; the output head too), enough
 copies of its real weights that one pass over them streams from memory rather than the caches
@@ -12,6 +12,10 @@ biases, x) at the machine's read bandwidth, measured here on both cores
 shape times its count in one forward pass. ``hot`` is the SIMD kernel on one copy again and
 again, its weights in the caches: where it is as slow as the streamed pass, the kernel is bound by
 its arithmetic (its bit-for-bit order), not by memory.
+
+``--against REV`` builds the kernels' sources as they were at git revision REV (uncached, in a
+temporary directory) and adds their SIMD kernel as one more side of the alternating rounds: a
+kernel change's speed-up measured in one process, on the same weights, in the same minute.
 """
 
 from __future__ import annotations
@@ -24,6 +28,24 @@ from pathlib import Path
 from typing import Any
 
 STREAM_BYTES = 64 << 20
+KERNEL_DIR = "service/engine/kernels"
+
+
+def build_revision(rev: str, work: Path) -> Any:
+    """The kernels as they were at git revision rev, built in work and loaded."""
+    import subprocess
+
+    from lmspd.engine import kernels
+
+    repo = Path(__file__).resolve().parent.parent
+    names = [kernels.SOURCE.name, *(h.name for h in kernels.HEADERS)]
+    for name in names:
+        text = subprocess.run(
+            ["git", "show", f"{rev}:{KERNEL_DIR}/{name}"], cwd=repo, check=True, capture_output=True
+        ).stdout
+        (work / name).write_bytes(text)
+    print(f"building the kernels of {rev} (~30 s) ...", flush=True)
+    return kernels.load_path(kernels.build_source(work / kernels.SOURCE.name, work))
 
 
 def bandwidth(ext: Any) -> float:
@@ -39,11 +61,21 @@ def main() -> None:
     parser.add_argument("--model-dir", type=Path, default=None)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--against", metavar="REV", default="", help="a git revision's kernels, alternated")
     args = parser.parse_args()
-
     from lmspd.engine.upstream.blas import load as load_blas
 
-    load_blas("auto")
+    load_blas("auto")  # before MLX is imported, as the engine does
+    if args.against:
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="lmspd-kernels-") as tmp:
+            run(args, build_revision(args.against, Path(tmp)))
+    else:
+        run(args, None)
+
+
+def run(args: argparse.Namespace, other: Any) -> None:
     import mlx.core as mx
     from mlx_lm.utils import load_model
 
@@ -64,11 +96,13 @@ def main() -> None:
         count[key] += 1
     bw = bandwidth(ext)
     print(f"model {model_dir} | kernel {ext.simd()} | read bandwidth, both cores: {bw / 1e9:.1f} GB/s")
+    against = f"{args.against[:10]} ms" if other is not None else ""
     print(
         f"\n{'layer (out x in, bits/group)':<30}{'rows':>5}{'MB':>7}{'portable ms':>13}{'simd ms':>9}"
         f"{'speed-up':>9}{'bound ms':>9}{'bound/simd':>11}{'hot ms':>8}{'x/step':>7}"
+        + (f"{against:>15}{'it/simd':>9}" if other is not None else "")
     )
-    totals: dict[int, list[float]] = {r: [0.0, 0.0, 0.0, 0.0] for r in args.rows}
+    totals: dict[int, list[float]] = {r: [0.0, 0.0, 0.0, 0.0, 0.0] for r in args.rows}
     for key, m in sorted(layers.items()):
         n, k, bits, group = key
         nbytes = m.weight.nbytes + m.scales.nbytes + m.biases.nbytes
@@ -78,31 +112,41 @@ def main() -> None:
         for rows in args.rows:
             x = mx.random.normal((rows, k), key=mx.random.key(rows))
             mx.eval(x)
-            times: dict[str, list[float]] = {"portable": [], "simd": [], "hot": []}
+            times: dict[str, list[float]] = {"portable": [], "simd": [], "hot": [], "against": []}
+            if other is None:
+                del times["against"]
             for r in range(args.rounds + 1):
                 for side in times:
                     # hot: the SIMD kernel on one copy again and again, its weights in the caches
                     sources = [ws[0]] * copies if side == "hot" else ws
+                    kernel = other if side == "against" else ext
                     start = time.perf_counter()
                     mx.eval(
-                        [ext.quantized_matvec(x, w, s, b, group, bits, True, side != "portable") for w, s, b in sources]
+                        [
+                            kernel.quantized_matvec(x, w, s, b, group, bits, True, side != "portable")
+                            for w, s, b in sources
+                        ]
                     )
                     if r:  # the first round warms up
                         times[side].append((time.perf_counter() - start) / copies)
-            port, simd_t, hot = (statistics.median(times[s]) * 1e3 for s in times)
+            port, simd_t, hot, before = (
+                statistics.median(times[s]) * 1e3 if s in times else 0.0 for s in ("portable", "simd", "hot", "against")
+            )
             bound = (nbytes + x.nbytes) / bw * 1e3
             label = f"{n} x {k}, {bits}/{group}"
             print(
                 f"{label:<30}{rows:>5}{nbytes / 1e6:>7.2f}{port:>13.3f}{simd_t:>9.3f}{port / simd_t:>8.2f}x"
                 f"{bound:>9.3f}{bound / simd_t:>10.2f}{hot:>9.3f}{count[key]:>7}"
+                + (f"{before:>15.3f}{before / simd_t:>8.2f}x" if other is not None else "")
             )
-            for i, v in enumerate((port, simd_t, bound, hot)):
+            for i, v in enumerate((port, simd_t, bound, hot, before)):
                 totals[rows][i] += v * count[key]
-    for rows, (port, simd_t, bound, hot) in totals.items():
+    for rows, (port, simd_t, bound, hot, before) in totals.items():
         print(
             f"one step's {sum(count.values())} products at {rows} row(s): portable {port:.2f} ms, simd "
             f"{simd_t:.2f} ms ({port / simd_t:.2f}x), bound {bound:.2f} ms (simd at {bound / simd_t:.2f} of it), "
             f"hot {hot:.2f} ms (streamed / hot {simd_t / hot:.2f}: near 1, the arithmetic bounds it, not memory)"
+            + (f"; {args.against}'s simd {before:.2f} ms ({before / simd_t:.2f}x this one's time)" if other else "")
         )
 
 

@@ -112,7 +112,9 @@ def build_key() -> str:
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 
-def _commands(cxx: str, paths: dict[str, Path], out: Path, work: Path) -> tuple[list[list[str]], list[str]]:
+def _commands(
+    cxx: str, paths: dict[str, Path], out: Path, work: Path, source: Path | None = None
+) -> tuple[list[list[str]], list[str]]:
     """Two compiles (nanobind's runtime, the kernels) and the link: the flags nanobind's own
     CMake build uses, without needing CMake."""
     nb = paths["nanobind"]
@@ -132,7 +134,7 @@ def _commands(cxx: str, paths: dict[str, Path], out: Path, work: Path) -> tuple[
     # NB_DOMAIN=mlx: MLX's Python module is built in nanobind's "mlx" domain, and mx.array
     # is only recognised by extensions in the same domain.
     kernels = [cxx, "-std=c++20", *common, "-march=native", "-DNB_DOMAIN=mlx", "-isystem", str(paths["mlx_include"])]
-    kernels += ["-c", str(SOURCE)]
+    kernels += ["-c", str(source or SOURCE)]
     # The kernels first: a broken source fails fast, without waiting for nanobind's runtime.
     compiles = [[*kernels, "-o", str(work / "kernels.o")], [*runtime, "-o", str(work / "nanobind.o")]]
     link = [cxx, "-shared", "-Wl,--gc-sections", str(work / "kernels.o"), str(work / "nanobind.o")]
@@ -195,6 +197,18 @@ def build(root: Path | None = None) -> Path:
     return target
 
 
+def build_source(source: Path, out_dir: Path) -> Path:
+    """Build another copy of the kernels' sources (``source``: its quantized.cpp, the headers
+    beside it) into out_dir, uncached: ``bench.matvec --against`` times a git revision's kernels
+    beside these ones in one process."""
+    preflight()
+    target = out_dir / f"{MODULE}{sysconfig.get_config_var('EXT_SUFFIX')}"
+    compiles, link = _commands(_compiler(), _paths(), target, out_dir, source)
+    _run_all(compiles)
+    _run_all([link])
+    return target
+
+
 def _self_check(ext: ModuleType) -> None:
     """One small product against MLX's own dequantize, so a binary that loads but does not
     interoperate (another nanobind ABI) is refused here rather than mid-generation."""
@@ -214,9 +228,13 @@ def _self_check(ext: ModuleType) -> None:
 def load(root: Path | None = None) -> ModuleType:
     """The kernels' module, built and checked on first use (raises KernelUnavailable)."""
     global _loaded
-    if _loaded is not None:
-        return _loaded
-    path = build(root)
+    if _loaded is None:
+        _loaded = load_path(build(root))
+    return _loaded
+
+
+def load_path(path: Path) -> ModuleType:
+    """The kernels' module built at path, loaded and checked (raises KernelUnavailable)."""
     loader = importlib.machinery.ExtensionFileLoader(MODULE, str(path))
     spec = importlib.util.spec_from_file_location(MODULE, path, loader=loader)
     if spec is None:
@@ -227,7 +245,6 @@ def load(root: Path | None = None) -> ModuleType:
         _self_check(ext)
     except (ImportError, TypeError, ValueError) as exc:
         raise KernelUnavailable(f"the built kernels at {path} do not load: {exc}") from exc
-    _loaded = ext
     return ext
 
 

@@ -29,7 +29,8 @@ namespace {
 // decode step's 1,340 primitives (docs/benchmarks.md, "Step profile"), and at evaluation they
 // are nearly always row-contiguous already (MLX flags a transposed axis of size 1 so); only
 // otherwise are they copied, here.
-inline const float* rows_of(const mx::array& x, std::vector<float>& copy) {
+template <typename Vec>
+inline const float* rows_of(const mx::array& x, Vec& copy) {
   if (x.flags().row_contiguous || x.size() == 0) return x.data<float>();
   copy.resize(x.size());
   const auto& shape = x.shape();
@@ -48,6 +49,15 @@ inline const float* rows_of(const mx::array& x, std::vector<float>& copy) {
       at[d] = 0;
     }
   }
+  return copy.data();
+}
+
+// rows_of, on a cache-line boundary (portable.h, Aligned64): copied when MLX's buffer is not.
+inline const float* aligned_rows_of(const mx::array& x, lmspd::Floats& copy) {
+  if (!x.flags().row_contiguous || x.size() == 0) return rows_of(x, copy);
+  const float* p = x.data<float>();
+  if (reinterpret_cast<uintptr_t>(p) % 64 == 0) return p;
+  copy.assign(p, p + x.size());
   return copy.data();
 }
 

@@ -4,11 +4,31 @@
 
 #include <cstdint>
 #include <cstring>
+#include <new>
 #include <vector>
 
 #include "mlx/types/half_types.h"
 
 namespace lmspd {
+
+// Float storage on cache-line boundaries. MLX's CPU buffers start 8 bytes past a 16-byte
+// boundary (its allocator keeps each buffer's size in front of it), so the kernels' 32-byte loads
+// of an activation straddle two cache lines every other load: a product of 8 rows took 1.45x as
+// long (docs/benchmarks.md, "Fifth pass"). The matvecs read x from here (fused.h, aligned_rows_of).
+template <typename T>
+struct Aligned64 {
+  using value_type = T;
+  Aligned64() = default;
+  template <typename U>
+  Aligned64(const Aligned64<U>&) {}
+  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
+  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
+  template <typename U>
+  bool operator==(const Aligned64<U>&) const {
+    return true;
+  }
+};
+using Floats = std::vector<float, Aligned64<float>>;
 
 typedef float v8f __attribute__((vector_size(32)));
 typedef uint32_t v8u __attribute__((vector_size(32)));
@@ -43,9 +63,9 @@ inline v8f fma8(v8f a, v8f b, v8f c) {
 
 // Each group's sum of x, per row, laid out for the kernels as [block of 8 rows][group][row]:
 // the biases' share of a product is bias * sum(x), once per group.
-std::vector<float> group_sums(const float* x, int M, int K, int GS) {
+Floats group_sums(const float* x, int M, int K, int GS) {
   const int G = K / GS;
-  std::vector<float> xsum(size_t((M + 7) / 8) * G * 8, 0.f);
+  Floats xsum(size_t((M + 7) / 8) * G * 8, 0.f);
   for (int m = 0; m < M; ++m)
     for (int g = 0; g < G; ++g) {
       float sum = 0;

@@ -294,8 +294,9 @@ class QuantizedMatvec : public mx::UnaryPrimitive {
                   sc = mx::array::unsafe_weak_copy(sc), bi = mx::array::unsafe_weak_copy(bi), up, res,
                   out = mx::array::unsafe_weak_copy(out), M, N, K, GS, kernel, split, swiglu = swiglu_,
                   residual = residual_]() mutable {
-      std::vector<float> copy, up_copy, act;
-      const float* xp = rows_of(x, copy);
+      lmspd::Floats copy, act;
+      std::vector<float> up_copy;
+      const float* xp = swiglu ? rows_of(x, copy) : aligned_rows_of(x, copy);
       if (swiglu) {
         act.resize(size_t(M) * K);
         swiglu_range(xp, rows_of(up, up_copy), act.data(), 0, act.size());
@@ -305,7 +306,7 @@ class QuantizedMatvec : public mx::UnaryPrimitive {
       const void* sp = sc.data<uint8_t>();
       const void* bp = bi.data<uint8_t>();
       float* op = out.data<float>();
-      const std::vector<float> xsum = group_sums(xp, M, K, GS);  // once, for both threads
+      const lmspd::Floats xsum = group_sums(xp, M, K, GS);  // once, for both threads
       const float* xs = xsum.data();
       if (!split)
         kernel(xp, xs, wp, sp, bp, op, M, N, K, 0, N);
@@ -372,8 +373,8 @@ class QuantizedMatvecs : public mx::Primitive {
     const size_t first_out = inputs.size();
     enc.dispatch([weak = std::move(weak), widths, M, K, W, G, GS, item, kernel, split = split_, norm = norm_,
                   eps = eps_, first_out]() mutable {
-      std::vector<float> copy, normed;
-      const float* xp = rows_of(weak[0], copy);
+      lmspd::Floats copy, normed;
+      const float* xp = norm ? rows_of(weak[0], copy) : aligned_rows_of(weak[0], copy);
       if (norm) {  // fused.h's RMSNorm, the weight after x, w, scales and biases
         normed.resize(size_t(M) * K);
         rms_norm_rows(xp, weak[4].data<float>(), normed.data(), M, K, eps);
@@ -382,7 +383,7 @@ class QuantizedMatvecs : public mx::Primitive {
       const uint32_t* wp = weak[1].data<uint32_t>();
       const uint8_t* sp = weak[2].data<uint8_t>();
       const uint8_t* bp = weak[3].data<uint8_t>();
-      const std::vector<float> xsum = group_sums(xp, M, K, GS);
+      const lmspd::Floats xsum = group_sums(xp, M, K, GS);
       const float* xs = xsum.data();
       int total = 0;
       for (int w : widths) total += w;

@@ -28,24 +28,6 @@ from pathlib import Path
 from typing import Any
 
 STREAM_BYTES = 64 << 20
-KERNEL_DIR = "service/engine/kernels"
-
-
-def build_revision(rev: str, work: Path) -> Any:
-    """The kernels as they were at git revision rev, built in work and loaded."""
-    import subprocess
-
-    from lmspd.engine import kernels
-
-    repo = Path(__file__).resolve().parent.parent
-    names = [kernels.SOURCE.name, *(h.name for h in kernels.HEADERS)]
-    for name in names:
-        text = subprocess.run(
-            ["git", "show", f"{rev}:{KERNEL_DIR}/{name}"], cwd=repo, check=True, capture_output=True
-        ).stdout
-        (work / name).write_bytes(text)
-    print(f"building the kernels of {rev} (~30 s) ...", flush=True)
-    return kernels.load_path(kernels.build_source(work / kernels.SOURCE.name, work))
 
 
 def bandwidth(ext: Any) -> float:
@@ -68,6 +50,8 @@ def main() -> None:
     load_blas("auto")  # before MLX is imported, as the engine does
     if args.against:
         import tempfile
+
+        from bench.step_profile import build_revision
 
         with tempfile.TemporaryDirectory(prefix="lmspd-kernels-") as tmp:
             run(args, build_revision(args.against, Path(tmp)))

@@ -118,7 +118,7 @@ def row(name: str, ms: float, total: float, note: str = "") -> None:
     print(f"  {name:<48}{ms:>9.2f}{100 * ms / total:>7.0f}%  {note}")
 
 
-def decode_profile(model: Any, batch: int, reps: int) -> None:
+def decode_profile(model: Any, batch: int, reps: int, against: Any = None, against_rev: str = "") -> None:
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
@@ -293,6 +293,27 @@ def decode_profile(model: Any, batch: int, reps: int) -> None:
             f"  the step, alternating: products on both cores {both:.2f} ms, "
             f"on one core {one:.2f} ms ({one / both:.2f}x)"
         )
+    if against is not None:  # the same step on another revision's kernels, alternating
+        holders_ = kernel_holders(model)
+        mine = {id(o): getattr(o, a) for o, a in holders_}
+        revs: dict[str, list[float]] = {"these kernels": [], f"{against_rev}'s": []}
+        try:
+            for _ in range(2 * reps):
+                for side in revs:
+                    for o, a in holders_:
+                        setattr(o, a, mine[id(o)] if side == "these kernels" else against)
+                    start = time.perf_counter()
+                    mx.eval(build())
+                    revs[side].append(time.perf_counter() - start)
+                    trim_prompt_cache(cache, 1)
+        finally:
+            for o, a in holders_:
+                setattr(o, a, mine[id(o)])
+        now, then = (statistics.median(v) * 1e3 for v in revs.values())
+        print(
+            f"  the step, alternating: these kernels {now:.2f} ms, {against_rev}'s {then:.2f} ms "
+            f"({then / now:.2f}x this tree's time; {len(holders_)} holders swapped)"
+        )
     # Whose CPU a step takes: this process's threads' CPU time over steps run back to back (the
     # helper's includes its spinning between products; the main thread's is graph construction
     # and MLX's dispatch of every primitive).
@@ -309,6 +330,47 @@ def decode_profile(model: Any, batch: int, reps: int) -> None:
     main = used.pop(os.getpid(), 0.0)  # the main thread's id is the process's
     others = ", ".join(f"{ms:.2f}" for ms in sorted(used.values(), reverse=True) if ms >= 0.05)
     print(f"  CPU a step takes (wall {wall:.2f} ms): main thread {main:.2f} ms, other threads {others} ms")
+
+
+KERNEL_DIR = "service/engine/kernels"
+
+
+def build_revision(rev: str, work: Path) -> Any:
+    """lmspd's kernels as they were at git revision rev, built in work (uncached) and loaded:
+    ``--against REV`` here and in bench.matvec times them beside this tree's in one process."""
+    import subprocess
+
+    from lmspd.engine import kernels
+
+    repo = Path(__file__).resolve().parent.parent
+    for name in [kernels.SOURCE.name, *(h.name for h in kernels.HEADERS)]:
+        text = subprocess.run(
+            ["git", "show", f"{rev}:{KERNEL_DIR}/{name}"], cwd=repo, check=True, capture_output=True
+        ).stdout
+        (work / name).write_bytes(text)
+    print(f"building the kernels of {rev} (~30 s) ...", flush=True)
+    return kernels.load_path(kernels.build_source(work / kernels.SOURCE.name, work))
+
+
+def kernel_holders(model: Any) -> list[tuple[Any, str]]:
+    """Every (object, attribute) through which a step reaches lmspd's kernels: the packed
+    layers and their stacked siblings, the attention and block layers, the functions packed.py
+    put in mlx-lm's modules, mlx-lm's sampling's logsumexp."""
+    from types import ModuleType
+
+    objects: list[Any] = [m for _, m in model.named_modules()]
+    objects += [getattr(m, "_siblings", None) for m in objects]
+    layer_module = sys.modules[type(model.model.layers[0].mlp).__module__]
+    objects += [getattr(layer_module, n, None) for n in ("scaled_dot_product_attention", "swiglu")]
+    objects.append(sys.modules["mlx_lm.generate"].mx)
+    seen: set[tuple[int, str]] = set()
+    found = []
+    for o in objects:
+        for attr in ("_ext", "_kernels"):
+            if isinstance(getattr(o, attr, None), ModuleType) and (id(o), attr) not in seen:
+                seen.add((id(o), attr))
+                found.append((o, attr))
+    return found
 
 
 def thread_cpu() -> dict[int, float]:
@@ -582,6 +644,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--skip-prefill", action="store_true")
     parser.add_argument("--skip-decode", action="store_true", help="the prefill rows alone")
+    parser.add_argument("--against", metavar="REV", default="", help="a git revision's kernels, alternated")
     args = parser.parse_args()
 
     from lmspd.engine.upstream.blas import load as load_blas
@@ -599,8 +662,12 @@ def main() -> None:
     bound_buffer_cache()
     mx.eval(model.parameters())
     print(f"model {model_dir} | weights {dtype} | MLX {getattr(mx, '__version__', '?')} | BLAS {blas or 'bundled'}")
+    against = None
+    work = tempfile.TemporaryDirectory(prefix="lmspd-kernels-")  # removed at exit
+    if args.against:
+        against = build_revision(args.against, Path(work.name))
     for batch in () if args.skip_decode else (1, 8):
-        decode_profile(model, batch, args.reps)
+        decode_profile(model, batch, args.reps, against, args.against)
         host_profile(Path(model_dir), batch, args.reps)
     if not args.skip_prefill:
         short_prompt_profile(model, args.reps)

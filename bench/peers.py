@@ -30,6 +30,7 @@ import argparse
 import itertools
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -332,6 +333,7 @@ def main() -> None:
     if args.llama_server and args.gguf == GGUF:
         bundled_gguf(GGUF)
     best: dict[str, dict[str, float]] = {name: {} for name in [*servers, "raw"]}
+    every: dict[str, dict[str, list[float]]] = {name: {} for name in servers}  # each round's figures
     peaks: dict[str, int] = dict.fromkeys(servers, 0)
     parts: dict[str, dict[str, int]] = {name: {} for name in servers}
     raw = Raw(model_dir, args.dtype)
@@ -353,6 +355,8 @@ def main() -> None:
                     parts[name][label] = max(parts[name].get(label, 0), kib)
                 print(f"round {round_no + 1} {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in got.items()), flush=True)
                 keep_best(best[name], got)
+                for key, value in got.items():
+                    every[name].setdefault(key, []).append(value)
     raw.close()
     print(f"\nmodel {model_dir}, {os.cpu_count()} CPUs, best of {args.rounds} rounds\n")
     peers = servers[1:]
@@ -372,11 +376,41 @@ def main() -> None:
     ours_mib = peaks["lmspd"] / 1024
     rss = "".join(f" {peaks[p] / 1024:.0f} MiB | {peaks[p] / 1024 / ours_mib:.2f}x |" for p in peers)
     print(f"| peak RSS (server and children) | {ours_mib:.0f} MiB |{rss} | |")
+    if peers and args.rounds > 1:
+        medians(every, peers)
     for name in servers:  # each process's own peak (they need not peak at the same moment)
         print(
             f"\n{name}, each process's peak RSS: "
             + ", ".join(f"{k} {v / 1024:.0f} MiB" for k, v in parts[name].items())
         )
+
+
+def medians(every: dict[str, dict[str, list[float]]], peers: list[str]) -> None:
+    """The rounds' median (range) for each server, as issue 24's table gave them, and each round's
+    ratio: rounds alternate the servers minutes apart, so a round's pair shares the machine's
+    mood of the moment, and on a noisy VM the ratios vary less than the figures."""
+    print(f"\nmedian (range) of the {len(every['lmspd'].get('decode', []))} rounds")
+    print("| | lmspd | " + " | ".join(f"{p} | lmspd ahead by, per round" for p in peers) + " |")
+    print("|---|---|" + "---|---|" * len(peers))
+    for label, key, ratio in ROWS:
+        ours = every["lmspd"].get(key)
+        if not ours:
+            continue
+        row = f"| {label} | {spread(ours, key)} |"
+        for peer in peers:
+            theirs = every[peer].get(key, [])
+            pairs = [ratio(a, b) for a, b in zip(ours, theirs, strict=False)]
+            row += f" {spread(theirs, key) if theirs else ''} | " + (
+                f"{statistics.median(pairs):.2f}x ({', '.join(f'{r:.2f}' for r in pairs)}) |" if pairs else " |"
+            )
+        print(row)
+
+
+def spread(values: list[float], key: str) -> str:
+    """Median (min–max); seconds to the millisecond."""
+    if key in LOWER_BETTER:
+        return f"{statistics.median(values):.3f}s ({min(values):.3f}–{max(values):.3f})"
+    return f"{statistics.median(values):.2f} ({min(values):.2f}–{max(values):.2f})"
 
 
 def keep_best(best: dict[str, float], got: dict[str, float]) -> None:

@@ -20,10 +20,10 @@ int check(std::mt19937& rng, int& cases) {
   for (auto& v : scales) v = S(0.01f * normal(rng));
   for (auto& v : biases) v = S(0.1f * normal(rng));
   int bad = 0;
-  for (int M : {1, 2, 3, 8, 9, 17}) {
+  for (int M : {1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 17}) {
     std::vector<float> x(size_t(M) * K), want(size_t(M) * N), got(size_t(M) * N);
     for (auto& v : x) v = normal(rng);
-    const std::vector<float> xsum = lmspd::group_sums(x.data(), M, K, GS);
+    const lmspd::Floats xsum = lmspd::group_sums(x.data(), M, K, GS);
     lmspd::qmv_portable<BITS, GS, S>(x.data(), xsum.data(), w.data(), scales.data(), biases.data(), want.data(), M,
                                      N, K, 0, N);
 #if defined(LMSPD_SIMD)

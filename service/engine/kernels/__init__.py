@@ -3,7 +3,7 @@
 The kernels are an MLX extension: C++ primitives that join MLX's lazy graph like its own
 ops. An extension must match the MLX it is loaded into (headers, libmlx, nanobind's ABI) and
 is compiled for the CPU at hand, so no wheel can carry one; the engine compiles it the first
-time a model wants it (about 10 s on two cores) and every later start loads the cached build.
+time a model wants it (about 30 s on two cores) and every later start loads the cached build.
 The cache key covers everything the build depends on (the MLX it links, by path and version;
 nanobind; the Python ABI; the CPU), so an upgrade, another virtual environment or another CPU
 rebuilds instead of loading a mismatched binary.

@@ -195,8 +195,10 @@ inline void qmv_row_tile(const float* x, const float* xsum, const uint32_t* wn, 
 
 // MC rows of x (at most 8) by TC output columns: each group's nibbles unpacked once for the MC
 // rows, each row's sums in qmv_portable's order. xs: the rows' group sums, [group][8 rows].
+// Not inlined: one copy per (rows, columns, bits, group) serves every scales' dtype, which keeps
+// the engine's first build and the cross-compiled test's in seconds rather than minutes.
 template <int MC, int TC, int BITS, int GS>
-__attribute__((always_inline)) inline void qmv_block(const float* x, const float* xs, const uint32_t* wn, const float* sf, const float* bf,
+__attribute__((noinline)) void qmv_block(const float* x, const float* xs, const uint32_t* wn, const float* sf, const float* bf,
                       float* out, int N, int K, int G, int W, const Unpacker<BITS>& unpack) {
   constexpr int G_WORDS = GS * BITS / 32;
   constexpr int VECS = GS / 8;

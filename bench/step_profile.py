@@ -558,7 +558,7 @@ def short_prompt_profile(model: Any, reps: int) -> None:
     print(
         f"\nshort prompts after 100 cached tokens, the whole forward pass (the matvec up to {packed.KERNEL_ROWS} rows)"
     )
-    for rows in (9, 16, 24, 32):
+    for rows in (9, 16, 24, 32, 40, 48):
         t = alternating_ms({"kernel": partial(forward, rows, 1 << 20), "dense": partial(forward, rows, 0)}, reps)
         print(
             f"  {rows} rows: matvec kernel {t['kernel']:.1f} ms, dequantize + BLAS {t['dense']:.1f} ms "

@@ -38,12 +38,12 @@ SUPPORTED_BITS = (2, 4, 8)
 SUPPORTED_GROUPS = (32, 64, 128)
 # Up to this many rows the matvec kernel beats dequantize + BLAS: a prefill dequantizes every
 # matrix of the model once per chunk, which the kernel never does. SmolLM2-135M, a prompt of
-# n new rows after 100 cached tokens, the whole forward pass (docs/benchmarks.md, "Short
-# prompts"): 9 rows 54 against 90 ms, 16 rows 93 against 120, 24 rows 120 against 134, 32
-# rows 199 against 187. An output as wide as a vocabulary makes the transient matrix costly,
-# so the kernel keeps more rows there.
-KERNEL_ROWS = 24
-KERNEL_ROWS_WIDE = 32
+# n new rows after 100 cached tokens, the whole forward pass, alternating (docs/benchmarks.md,
+# "Fifth pass"): 24 rows 116.9 against 148.5 ms, 32 rows 155.8 against 177.5, 40 rows 262.3
+# against 280.7, 48 rows 271.3 against 264.9. An output as wide as a vocabulary makes the
+# transient matrix costly, so the kernel keeps more rows there.
+KERNEL_ROWS = 32
+KERNEL_ROWS_WIDE = 40
 WIDE = 8192
 
 

@@ -96,9 +96,8 @@ def run(args: argparse.Namespace, other: Any) -> None:
         for rows in args.rows:
             x = mx.random.normal((rows, k), key=mx.random.key(rows))
             mx.eval(x)
-            times: dict[str, list[float]] = {"portable": [], "simd": [], "hot": [], "against": []}
-            if other is None:
-                del times["against"]
+            sides = ["portable", "simd", "hot"] + (["against"] if other is not None else [])
+            times: dict[str, list[float]] = {side: [] for side in sides}
             for r in range(args.rounds + 1):
                 for side in times:
                     # hot: the SIMD kernel on one copy again and again, its weights in the caches

@@ -262,58 +262,27 @@ def decode_profile(model: Any, batch: int, reps: int, against: Any = None, again
             )
         )
     # The same step with every packed product on the MLX stream thread alone (split off: no
-    # chunks for the helper thread), alternating with both cores: what the second core buys.
-    from lmspd.engine import packed
-
-    products_ = [m for m in model.modules() if isinstance(m, packed.PackedLinear)]
-    holders: list[Any] = products_ + list({id(m._siblings): m._siblings for m in products_ if m._siblings}.values())
-    kernel_users = [layer.self_attn for layer in model.model.layers if hasattr(layer.self_attn, "_kernels")]
+    # chunks for the helper thread), alternating with both cores: what the second core buys;
+    # and, with --against, on another revision's kernels.
+    holders = kernel_holders(model)
     if holders:
-        ext = holders[0]._ext
-        one_core = _OneCore(ext)
-        cores: dict[str, list[float]] = {"both cores": [], "one core": []}
-        try:
-            for _ in range(2 * reps):
-                for side in cores:
-                    for h in holders:
-                        h._ext = ext if side == "both cores" else one_core
-                    for a in kernel_users:  # decode_block's layers call the products through these
-                        a._kernels = ext if side == "both cores" else one_core
-                    start = time.perf_counter()
-                    mx.eval(build())
-                    cores[side].append(time.perf_counter() - start)
-                    trim_prompt_cache(cache, 1)
-        finally:
-            for h in holders:
-                h._ext = ext
-            for a in kernel_users:
-                a._kernels = ext
-        both, one = (statistics.median(cores[k]) * 1e3 for k in ("both cores", "one core"))
+
+        def step() -> None:
+            mx.eval(build())
+            trim_prompt_cache(cache, 1)
+
+        ext = getattr(*holders[0])
+        both, one = alternate_kernels(holders, [ext, _OneCore(ext)], step, reps)
         print(
             f"  the step, alternating: products on both cores {both:.2f} ms, "
             f"on one core {one:.2f} ms ({one / both:.2f}x)"
         )
-    if against is not None:  # the same step on another revision's kernels, alternating
-        holders_ = kernel_holders(model)
-        mine = {id(o): getattr(o, a) for o, a in holders_}
-        revs: dict[str, list[float]] = {"these kernels": [], f"{against_rev}'s": []}
-        try:
-            for _ in range(2 * reps):
-                for side in revs:
-                    for o, a in holders_:
-                        setattr(o, a, mine[id(o)] if side == "these kernels" else against)
-                    start = time.perf_counter()
-                    mx.eval(build())
-                    revs[side].append(time.perf_counter() - start)
-                    trim_prompt_cache(cache, 1)
-        finally:
-            for o, a in holders_:
-                setattr(o, a, mine[id(o)])
-        now, then = (statistics.median(v) * 1e3 for v in revs.values())
-        print(
-            f"  the step, alternating: these kernels {now:.2f} ms, {against_rev}'s {then:.2f} ms "
-            f"({then / now:.2f}x this tree's time; {len(holders_)} holders swapped)"
-        )
+        if against is not None:
+            now, then = alternate_kernels(holders, [ext, against], step, reps)
+            print(
+                f"  the step, alternating: these kernels {now:.2f} ms, {against_rev}'s {then:.2f} ms "
+                f"({then / now:.2f}x this tree's time; {len(holders)} holders swapped)"
+            )
     # Whose CPU a step takes: this process's threads' CPU time over steps run back to back (the
     # helper's includes its spinning between products; the main thread's is graph construction
     # and MLX's dispatch of every primitive).
@@ -371,6 +340,25 @@ def kernel_holders(model: Any) -> list[tuple[Any, str]]:
                 seen.add((id(o), attr))
                 found.append((o, attr))
     return found
+
+
+def alternate_kernels(holders: list[tuple[Any, str]], sides: list[Any], step: Fn, reps: int) -> list[float]:
+    """Each side's median ms for step, with every holder pointed at that side's kernels, the
+    sides alternating step by step (the holders given back their own after)."""
+    own = [getattr(o, a) for o, a in holders]
+    times: list[list[float]] = [[] for _ in sides]
+    try:
+        for _ in range(2 * reps):
+            for kernels, spent in zip(sides, times, strict=True):
+                for o, a in holders:
+                    setattr(o, a, kernels)
+                start = time.perf_counter()
+                step()
+                spent.append(time.perf_counter() - start)
+    finally:
+        for (o, a), kernels in zip(holders, own, strict=True):
+            setattr(o, a, kernels)
+    return [statistics.median(t) * 1e3 for t in times]
 
 
 def thread_cpu() -> dict[int, float]:
@@ -663,8 +651,8 @@ def main() -> None:
     mx.eval(model.parameters())
     print(f"model {model_dir} | weights {dtype} | MLX {getattr(mx, '__version__', '?')} | BLAS {blas or 'bundled'}")
     against = None
-    work = tempfile.TemporaryDirectory(prefix="lmspd-kernels-")  # removed at exit
     if args.against:
+        work = tempfile.TemporaryDirectory(prefix="lmspd-kernels-")  # removed at exit
         against = build_revision(args.against, Path(work.name))
     for batch in () if args.skip_decode else (1, 8):
         decode_profile(model, batch, args.reps, against, args.against)

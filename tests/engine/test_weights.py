@@ -87,6 +87,15 @@ def test_a_decode_steps_attention_and_swiglu_are_lmspds_primitives_with_mlx_lms_
     blocks = list(model.model.layers)
     assert all(type(a) is decode_block.DecodeBlockAttention for a in layers)
     assert all(type(b) is decode_block.DecodeBlock for b in blocks)
+    # Each block's plan holds the very arrays its modules hold once loaded (install ran last).
+    for b in blocks:
+        attn, mlp, plan = b.self_attn, b.mlp, b._plan
+        held = [attn.q_proj._siblings, attn.o_proj, mlp.gate_proj._siblings, mlp.down_proj]
+        planned = [plan.qkv, plan.o_proj, plan.gate_up, plan.down_proj]
+        assert plan.attn is attn and attn._rope.cos is attn.rope._cos
+        assert plan.before is b.input_layernorm.weight and plan.after is b.post_attention_layernorm.weight
+        for m, p in zip(held, planned, strict=True):
+            assert p[0] is m.weight and p[1] is m.scales and p[2] is m.biases
     namespace = sys.modules[type(model.model.layers[0].mlp).__module__]
     names = ("scaled_dot_product_attention", "swiglu")
     ours = {name: getattr(namespace, name) for name in names}

@@ -18,6 +18,7 @@ imports nothing of lmspd's.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -27,10 +28,43 @@ from mlx_lm.models import cache as caches
 from mlx_lm.models import llama
 
 
+@dataclass(frozen=True, slots=True)
+class _Rope:
+    """A DecodeBlockAttention's TableRoPE as its step reads it, gathered once by ``install``."""
+
+    cos: mx.array
+    sin: mx.array
+    dims: int
+    traditional: bool
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """What a DecodeBlock's step reads of its modules, gathered once by ``install``. Each read
+    of an nn.Module's array or child goes through ``Module.__getattr__`` (a dict lookup after a
+    failed attribute lookup): ~30 a layer, 900 a step, a fifth of the step's graph construction,
+    which runs while the kernels wait (docs/benchmarks.md, "Sixth pass"). The weights are those
+    the model holds at install: ``install`` runs last, after packing."""
+
+    attn: DecodeBlockAttention
+    qkv: tuple[mx.array, mx.array, mx.array, int, int]
+    qkv_widths: list[int]
+    before: mx.array
+    before_eps: float
+    o_proj: tuple[mx.array, mx.array, mx.array, int, int]
+    gate_up: tuple[mx.array, mx.array, mx.array, int, int]
+    gate_up_widths: list[int]
+    after: mx.array
+    after_eps: float
+    down_proj: tuple[mx.array, mx.array, mx.array, int, int]
+    rows: int  # the most rows of x both o_proj's and down_proj's kernels take
+
+
 class DecodeBlockAttention(llama.Attention):  # type: ignore[misc]  # mlx-lm is untyped
     """llama.Attention with its decode step in three primitives (the module docstring)."""
 
     _kernels: ModuleType  # lmspd's kernels (cache_write, decode_attend)
+    _rope: _Rope
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         inputs = self._block_inputs(x, mask, cache)
@@ -46,9 +80,9 @@ class DecodeBlockAttention(llama.Attention):  # type: ignore[misc]  # mlx-lm is 
         """The new position's k and v written into the cache, then the attention of q over it:
         (B, 1, heads * Dv), before o_proj. ``inputs``: what _block_inputs said."""
         at, offset, m = inputs
-        rope = self.rope
+        rope = self._rope
         ext = self._kernels
-        tables = (rope._cos, rope._sin, offset)
+        tables = (rope.cos, rope.sin, offset)
         cache.keys = ext.cache_write(k, cache.keys, at, *tables, rope.dims, rope.traditional)
         cache.values = ext.cache_write(v, cache.values, at)
         out: mx.array = ext.decode_attend(
@@ -65,7 +99,7 @@ class DecodeBlockAttention(llama.Attention):  # type: ignore[misc]  # mlx-lm is 
     def _block_inputs(self, x: mx.array, mask: Any, cache: Any) -> tuple[int, mx.array, mx.array | None] | None:
         """(the new position's index in the cache, RoPE's offset, the mask), or None where
         decode_block would not compute what mlx-lm's code does."""
-        if x.ndim != 3 or x.shape[1] != 1 or x.dtype != mx.float32 or not _table_rope(self.rope):
+        if x.ndim != 3 or x.shape[1] != 1 or x.dtype != mx.float32:
             return None
         kind = type(cache)
         if kind not in (caches.KVCache, caches.BatchKVCache) or cache.keys is None:
@@ -73,7 +107,7 @@ class DecodeBlockAttention(llama.Attention):  # type: ignore[misc]  # mlx-lm is 
         keys, values = cache.keys, cache.values
         if keys.dtype != mx.float32 or values.dtype != mx.float32 or keys.ndim != 4:
             return None
-        positions = self.rope._cos.shape[0]
+        positions = self._rope.cos.shape[0]
         if kind is caches.BatchKVCache:
             at = cache._idx
             offset = cache.offset
@@ -105,28 +139,30 @@ class DecodeBlock(llama.TransformerBlock):  # type: ignore[misc]  # mlx-lm is un
     "Fourth pass"). Anything DecodeBlockAttention would not take, or a layer not packed as
     these need, is mlx-lm's own code."""
 
+    _plan: _Plan
+
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
-        attn = self.self_attn
-        inputs = attn._block_inputs(x, mask, cache) if self._fusable(x) else None
+        plan = self._plan
+        attn = plan.attn
+        inputs = attn._block_inputs(x, mask, cache) if self._fusable(x, plan) else None
         if inputs is None:
             result: mx.array = super().__call__(x, mask=mask, cache=cache)
             return result
         ext = attn._kernels
-        qkv, gate_up = attn.q_proj._siblings, self.mlp.gate_proj._siblings
-        before, after = self.input_layernorm, self.post_attention_layernorm
-        q, k, v = ext.quantized_matvecs(x, *_packed(qkv), qkv.widths, norm=before.weight, eps=before.eps)
-        h = ext.quantized_matvec(attn.attend(q, k, v, inputs, cache), *_packed(attn.o_proj), residual=x)
-        gate, up = ext.quantized_matvecs(h, *_packed(gate_up), gate_up.widths, norm=after.weight, eps=after.eps)
-        out: mx.array = ext.quantized_matvec(gate, *_packed(self.mlp.down_proj), up=up, residual=h)
+        q, k, v = ext.quantized_matvecs(x, *plan.qkv, plan.qkv_widths, norm=plan.before, eps=plan.before_eps)
+        h = ext.quantized_matvec(attn.attend(q, k, v, inputs, cache), *plan.o_proj, residual=x)
+        gate, up = ext.quantized_matvecs(h, *plan.gate_up, plan.gate_up_widths, norm=plan.after, eps=plan.after_eps)
+        out: mx.array = ext.quantized_matvec(gate, *plan.down_proj, up=up, residual=h)
         return out
 
-    def _fusable(self, x: mx.array) -> bool:
+    @staticmethod
+    def _fusable(x: mx.array, plan: _Plan) -> bool:
         return (
-            type(self.self_attn) is DecodeBlockAttention
+            type(plan.attn) is DecodeBlockAttention
             and x.dtype == mx.float32
             and x.ndim == 3
             and x.shape[1] == 1
-            and x.shape[0] <= min(self.self_attn.o_proj._kernel_rows, self.mlp.down_proj._kernel_rows)
+            and x.shape[0] <= plan.rows
         )
 
 
@@ -182,10 +218,33 @@ def install(model: nn.Module, ext: ModuleType) -> int:
     taken = 0
     for _, module in model.named_modules():
         if type(module) is llama.Attention and _table_rope(module.rope):
+            rope = module.rope
             module.__class__ = DecodeBlockAttention
             module._kernels = ext
+            module._rope = _Rope(rope._cos, rope._sin, rope.dims, rope.traditional)
             taken += 1
     for _, module in model.named_modules():
         if type(module) is llama.TransformerBlock and _block_takes(module):
             module.__class__ = DecodeBlock
+            module._plan = _plan(module)
     return taken
+
+
+def _plan(block: Any) -> _Plan:
+    attn, mlp = block.self_attn, block.mlp
+    qkv, gate_up = attn.q_proj._siblings, mlp.gate_proj._siblings
+    before, after = block.input_layernorm, block.post_attention_layernorm
+    return _Plan(
+        attn=attn,
+        qkv=_packed(qkv),
+        qkv_widths=qkv.widths,
+        before=before.weight,
+        before_eps=before.eps,
+        o_proj=_packed(attn.o_proj),
+        gate_up=_packed(gate_up),
+        gate_up_widths=gate_up.widths,
+        after=after.weight,
+        after_eps=after.eps,
+        down_proj=_packed(mlp.down_proj),
+        rows=min(attn.o_proj._kernel_rows, mlp.down_proj._kernel_rows),
+    )

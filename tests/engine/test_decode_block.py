@@ -154,3 +154,104 @@ def test_an_offset_read_through_its_stride(ext: ModuleType) -> None:
             ),
         ):
             assert mx.array_equal(got, want).item()
+
+
+def _packed_weight(rows: int, cols: int, seed: int) -> tuple[mx.array, mx.array, mx.array, int, int]:
+    """Random weights packed as a model's are: 4 bits, groups of 32, float16 scales and biases."""
+    w = (0.05 * mx.random.normal((rows, cols), key=mx.random.key(seed))).astype(mx.float16)
+    packed_w, scales, biases = mx.quantize(w, group_size=32, bits=4)
+    return packed_w, scales, biases, 32, 4
+
+
+@pytest.mark.parametrize(("batch", "at"), [(1, 0), (1, 100), (3, 37)])
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "additive"])
+def test_decode_tail_is_the_four_primitives_it_replaces_bit_for_bit(
+    ext: ModuleType, batch: int, at: int, mask_kind: str
+) -> None:
+    """decode_tail: decode_attend, o_proj with the residual, the norm with gate and up, swiglu
+    with down and the second residual, as the four primitives compute them."""
+    heads, kv_heads, D, hidden, inner, cap = 9, 3, 64, 576, 1536, 256
+    ks = mx.random.split(mx.random.key(batch * 100 + at), 6)
+    x = mx.random.normal((batch, 1, hidden), key=ks[0])
+    q = mx.random.normal((batch, 1, heads * D), key=ks[1])
+    keys = mx.random.normal((batch, kv_heads, cap, D), key=ks[2])
+    values = mx.random.normal((batch, kv_heads, cap, D), key=ks[3])
+    norm = 1.0 + 0.1 * mx.random.normal((hidden,), key=ks[4])
+    padding = mx.array([min(i * 5, at) for i in range(batch)], dtype=mx.int32)
+    offset = mx.array(at, dtype=mx.int32) - padding
+    mask: mx.array | None = None
+    if mask_kind != "none":
+        keep = (mx.arange(at + 1)[None, :] >= padding[:, None])[:, None, None, :]
+        mask = keep if mask_kind == "bool" else mx.where(keep, 0.0, -1e9).astype(mx.float32)
+    o_proj, gate_up = _packed_weight(hidden, heads * D, 1), _packed_weight(2 * inner, hidden, 2)
+    down = _packed_weight(hidden, inner, 3)
+    mx.eval(x, q, keys, values, norm, offset, mask, o_proj, gate_up, down)
+    cos, sin = packed.rope_tables(D, 10000.0, 1.0, 512)
+    scale, eps = D**-0.5, 1e-5
+
+    attended = ext.decode_attend(q, keys, values, cos, sin, offset, mask, at, scale, D, False, heads)
+    h = ext.quantized_matvec(attended, *o_proj, residual=x)
+    gate, up = ext.quantized_matvecs(h, *gate_up, [inner, inner], norm=norm, eps=eps)
+    want = ext.quantized_matvec(gate, *down, up=up, residual=h)
+    got = ext.decode_tail(
+        q,
+        keys,
+        values,
+        cos,
+        sin,
+        offset,
+        mask,
+        at,
+        scale,
+        D,
+        False,
+        heads,
+        x,
+        *o_proj,
+        norm,
+        eps,
+        *gate_up,
+        [inner, inner],
+        *down,
+    )
+    mx.eval(got, want)
+    assert got.shape == want.shape == (batch, 1, hidden)
+    assert mx.array_equal(got, want).item()
+
+
+def test_decode_tail_refuses_what_does_not_fit(ext: ModuleType) -> None:
+    cos, sin = packed.rope_tables(64, 10000.0, 1.0, 16)
+    q, x = mx.ones((1, 1, 192)), mx.ones((1, 1, 64))
+    cache = mx.zeros((1, 1, 8, 64))
+    at = mx.array(0, dtype=mx.int32)
+    o_proj, gate_up, down = _packed_weight(64, 192, 1), _packed_weight(256, 64, 2), _packed_weight(64, 128, 3)
+
+    def tail(widths: list[int], x: mx.array = x, o: tuple[mx.array, mx.array, mx.array, int, int] = o_proj) -> None:
+        ext.decode_tail(
+            q,
+            cache,
+            cache,
+            cos,
+            sin,
+            at,
+            None,
+            0,
+            0.125,
+            64,
+            False,
+            3,
+            x,
+            *o,
+            mx.ones(64),
+            1e-5,
+            *gate_up,
+            widths,
+            *down,
+        )
+
+    with pytest.raises(ValueError, match="two equal widths"):
+        tail([100, 156])
+    with pytest.raises(ValueError, match="x must be"):
+        tail([128, 128], x=mx.ones((2, 1, 64)))
+    with pytest.raises(ValueError, match="o_proj"):
+        tail([128, 128], o=_packed_weight(64, 128, 4))

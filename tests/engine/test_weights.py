@@ -125,7 +125,9 @@ def test_a_decode_steps_attention_and_swiglu_are_lmspds_primitives_with_mlx_lms_
         mx.eval(model(prompt[:, :20], cache=cache), [c.state for c in cache])  # the prompt's graph done
         mx.export_to_dot(str(tmp_path / "step.dot"), model(prompt[:, :1], cache=cache))
         graph = (tmp_path / "step.dot").read_text()
-        assert "LmspdCacheWrite" in graph and "LmspdDecodeAttend" in graph and "SliceUpdate" not in graph
+        assert "LmspdCacheWrite" in graph and "SliceUpdate" not in graph
+        # Each block's attention through its second residual add: one decode_tail.
+        assert graph.count('label ="LmspdDecodeTail"') == len(blocks) and "LmspdDecodeAttend" not in graph
         # In the blocks, no norm, add or swiglu of their own: the model's final norm, and the one
         # Add of the embedding row's dequantization (scale * q + bias).
         assert graph.count('label ="LmspdRmsNorm"') == 1 and graph.count('label ="Add"') == 1

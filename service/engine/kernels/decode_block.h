@@ -16,6 +16,12 @@
 //   DecodeAttend  RoPE on q, then Attention's one-row arithmetic (attention.h: attend) over the
 //                 cache's first at + 1 positions, read through the strides the slice view had,
 //                 so the BLAS calls are the same ones and give the same bits.
+//   DecodeTail    DecodeAttend, then the rest of the block in the same task: o_proj with the
+//                 residual add, the post-attention norm with gate and up, swiglu with down and
+//                 the second residual add (quantized.cpp's product_rows and sibling_rows, as
+//                 the four primitives it replaces compute them). One primitive where there were
+//                 four: MLX's fixed cost per primitive, 8-11 us here, 90 times a step
+//                 (docs/benchmarks.md, "Sixth pass").
 //
 // For one position, (B, 1, H * D) in memory is (B, H, 1, D): the reshapes and transposes
 // change nothing there, which is why q, k, v and the output stay flat.
@@ -145,6 +151,100 @@ class DecodeAttend : public mx::UnaryPrimitive {
   MaskKind mask_;
 };
 
+// One packed product's weights as DecodeTail reads them: inputs [first, first + 3) and its kernel.
+struct Packed {
+  int first, bits, group_size;
+  Kernel kernel;
+  const uint32_t* w(const std::vector<mx::array>& in) const { return in[first].data<uint32_t>(); }
+  const uint8_t* s(const std::vector<mx::array>& in) const { return in[first + 1].data<uint8_t>(); }
+  const uint8_t* b(const std::vector<mx::array>& in) const { return in[first + 2].data<uint8_t>(); }
+};
+
+class DecodeTail : public mx::UnaryPrimitive {
+ public:
+  DecodeTail(mx::Stream s, int at, float scale, int dims, bool traditional, int heads, MaskKind mask,
+             std::array<int, 6> quant, std::vector<int> widths, float eps)
+      : mx::UnaryPrimitive(s),
+        at_(at),
+        scale_(scale),
+        dims_(dims),
+        traditional_(traditional),
+        heads_(heads),
+        mask_(mask),
+        quant_(quant),
+        widths_(std::move(widths)),
+        eps_(eps) {}
+
+  // inputs: q, keys, values, cos, sin, offset (as DecodeAttend's), x (the block's input, B, 1,
+  // hidden), o_proj's w, scales, biases, the post-attention norm's weight, gate and up's stacked
+  // w, scales, biases, down's w, scales, biases[, mask]
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs) enc.set_input_array(a);
+    enc.set_output_array(out);
+    std::vector<mx::array> weak;
+    for (const auto& a : inputs) weak.push_back(mx::array::unsafe_weak_copy(a));
+    weak.push_back(mx::array::unsafe_weak_copy(out));
+    const auto kernel = [&](int first, int q) {
+      return Packed{first, quant_[q], quant_[q + 1], kernel_for(quant_[q], quant_[q + 1], inputs[first + 1].dtype())};
+    };
+    const Packed o = kernel(7, 0), gate_up = kernel(11, 2), down = kernel(14, 4);
+    enc.dispatch([weak = std::move(weak), at = at_, scale = scale_, dims = dims_, trad = traditional_, H = heads_,
+                  mask = mask_, o, gate_up, down, widths = widths_, eps = eps_]() mutable {
+      const mx::array &q = weak[0], &keys = weak[1], &values = weak[2], &x = weak[6];
+      const int B = keys.shape(0), kvH = keys.shape(1), D = keys.shape(3), Dv = values.shape(3);
+      const int hidden = x.shape(-1), inner = widths[0];
+      // DecodeAttend's arithmetic, into a row on a cache line for o_proj.
+      const RopeArgs r = rope_args(weak[3], weak[4], weak[5], dims, trad);
+      std::vector<float> copy, qr(size_t(B) * H * D);
+      rope_rows(rows_of(q, copy), r.cos, r.sin, r.offset.data(), int(r.offset.size()), qr.data(), B, H, 1, D, r.dims,
+                r.positions, r.traditional);
+      const Keys kv{keys.data<float>(), values.data<float>(), strides4(keys), strides4(values), kvH, at + 1, Dv};
+      const bool* mb = mask == MaskKind::kBool ? weak[17].data<bool>() : nullptr;
+      const float* ma = mask == MaskKind::kAdd ? weak[17].data<float>() : nullptr;
+      const std::array<int64_t, 4> ms = mask == MaskKind::kNone ? std::array<int64_t, 4>{} : broadcast_strides(weak[17]);
+      lmspd::Floats attended(size_t(B) * H * Dv), h(size_t(B) * hidden), normed(size_t(B) * hidden);
+      attend(qr.data(), B, H, D, kv, mask, mb, ma, ms, scale, attended.data());
+      // o_proj, then x + it.
+      product_rows(attended.data(), B, H * Dv, o.group_size, o.w(weak), o.s(weak), o.b(weak), h.data(), hidden,
+                   o.kernel, true);
+      add_residual(rows_of(x, copy), h.data(), h.size());
+      // The norm, gate and up; swiglu, down, then h + it.
+      rms_norm_rows(h.data(), weak[10].data<float>(), normed.data(), B, hidden, eps);
+      lmspd::Floats gate(size_t(B) * inner), up(size_t(B) * inner), act(size_t(B) * inner);
+      float* gates[] = {gate.data(), up.data()};
+      sibling_rows(normed.data(), B, hidden, gate_up.group_size, gate_up.bits, gate_up.w(weak), gate_up.s(weak),
+                   gate_up.b(weak), weak[12].itemsize(), widths, gates, gate_up.kernel, true);
+      swiglu_range(gate.data(), up.data(), act.data(), 0, act.size());
+      float* op = weak.back().data<float>();
+      product_rows(act.data(), B, inner, down.group_size, down.w(weak), down.s(weak), down.b(weak), op, hidden,
+                   down.kernel, true);
+      add_residual(h.data(), op, h.size());
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("lmspd decode_tail runs on the CPU only");
+  }
+  const char* name() const override { return "LmspdDecodeTail"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const DecodeTail&>(other);
+    return at_ == o.at_ && scale_ == o.scale_ && dims_ == o.dims_ && traditional_ == o.traditional_ &&
+           heads_ == o.heads_ && mask_ == o.mask_ && quant_ == o.quant_ && widths_ == o.widths_ && eps_ == o.eps_;
+  }
+
+ private:
+  int at_;
+  float scale_;
+  int dims_;
+  bool traditional_;
+  int heads_;
+  MaskKind mask_;
+  std::array<int, 6> quant_;  // bits and group size of o_proj, gate/up, down
+  std::vector<int> widths_;   // gate's and up's
+  float eps_;
+};
+
 void check_tables(const mx::array& cos, const mx::array& sin, const mx::array& offset, int dims, int D, int B) {
   if (cos.dtype() != mx::float32 || sin.dtype() != mx::float32 || dims % 2 != 0 || dims > D || dims <= 0 ||
       cos.ndim() != 2 || cos.shape(1) != dims / 2 || sin.shape() != cos.shape())
@@ -176,11 +276,10 @@ mx::array cache_write(const mx::array& value, const mx::array& cache, int at, co
   return mx::array(cache.shape(), mx::float32, std::make_shared<CacheWrite>(s, at, rope, dims, traditional), inputs);
 }
 
-// q (B, 1, heads * D) RoPE'd at offset, attending over the caches' first at + 1 positions;
-// mask as attention takes it, over at + 1 keys. The output is (B, 1, heads * Dv).
-mx::array decode_attend(const mx::array& q, const mx::array& keys, const mx::array& values, const mx::array& cos,
-                        const mx::array& sin, const mx::array& offset, const std::optional<mx::array>& mask, int at,
-                        float scale, int dims, bool traditional, int heads) {
+// decode_attend's inputs, checked: q, keys, values, cos, sin, offset.
+std::vector<mx::array> attend_inputs(const mx::array& q, const mx::array& keys, const mx::array& values,
+                                     const mx::array& cos, const mx::array& sin, const mx::array& offset, int at,
+                                     int dims, int heads) {
   if (q.dtype() != mx::float32 || keys.dtype() != mx::float32 || values.dtype() != mx::float32 || keys.ndim() != 4 ||
       values.ndim() != 4 || q.ndim() != 3)
     throw std::invalid_argument("q must be float32 (B, 1, heads x D), the caches float32 (B, heads, capacity, D)");
@@ -194,19 +293,74 @@ mx::array decode_attend(const mx::array& q, const mx::array& keys, const mx::arr
   // The caches as they come (read through their strides, as the slice view was): they are the
   // cache_write outputs of this very step, not yet evaluated.
   std::vector<mx::array> inputs = {q, keys, values, row_contiguous(cos, s), row_contiguous(sin, s), offset};
-  auto kind = MaskKind::kNone;
-  if (mask) {
-    const auto& m = *mask;
-    if (m.dtype() != mx::bool_ && m.dtype() != mx::float32) throw std::invalid_argument("mask must be bool or float32");
-    const mx::Shape target = {B, heads, 1, at + 1};
-    bool fits = m.ndim() <= 4;
-    for (int d = 0; fits && d < m.ndim(); ++d) fits = m.shape(d) == 1 || m.shape(d) == target[4 - m.ndim() + d];
-    if (!fits) throw std::invalid_argument("mask must broadcast to (B, H, 1, at + 1)");
-    kind = m.dtype() == mx::bool_ ? MaskKind::kBool : MaskKind::kAdd;
-    inputs.push_back(m);
-  }
-  return mx::array({B, 1, heads * Dv}, mx::float32,
-                   std::make_shared<DecodeAttend>(s, at, scale, dims, traditional, heads, kind), inputs);
+  return inputs;
+}
+
+// The mask's kind, checked against (B, heads, 1, at + 1).
+MaskKind mask_kind(const std::optional<mx::array>& mask, int B, int heads, int at) {
+  if (!mask) return MaskKind::kNone;
+  const auto& m = *mask;
+  if (m.dtype() != mx::bool_ && m.dtype() != mx::float32) throw std::invalid_argument("mask must be bool or float32");
+  const mx::Shape target = {B, heads, 1, at + 1};
+  bool fits = m.ndim() <= 4;
+  for (int d = 0; fits && d < m.ndim(); ++d) fits = m.shape(d) == 1 || m.shape(d) == target[4 - m.ndim() + d];
+  if (!fits) throw std::invalid_argument("mask must broadcast to (B, H, 1, at + 1)");
+  return m.dtype() == mx::bool_ ? MaskKind::kBool : MaskKind::kAdd;
+}
+
+// q (B, 1, heads * D) RoPE'd at offset, attending over the caches' first at + 1 positions;
+// mask as attention takes it, over at + 1 keys. The output is (B, 1, heads * Dv).
+mx::array decode_attend(const mx::array& q, const mx::array& keys, const mx::array& values, const mx::array& cos,
+                        const mx::array& sin, const mx::array& offset, const std::optional<mx::array>& mask, int at,
+                        float scale, int dims, bool traditional, int heads) {
+  std::vector<mx::array> inputs = attend_inputs(q, keys, values, cos, sin, offset, at, dims, heads);
+  const auto kind = mask_kind(mask, keys.shape(0), heads, at);
+  if (mask) inputs.push_back(*mask);
+  return mx::array({keys.shape(0), 1, heads * values.shape(3)}, mx::float32,
+                   std::make_shared<DecodeAttend>(mx::default_stream(mx::Device::cpu), at, scale, dims, traditional,
+                                                  heads, kind),
+                   inputs);
+}
+
+// decode_attend, then o_proj with x added, the post-attention norm (norm, eps) with gate and
+// up (stacked: widths), swiglu with down and the second residual add: the block's output
+// (B, 1, hidden), as decode_attend, quantized_matvec(residual=x), quantized_matvecs(norm=...)
+// and quantized_matvec(up=..., residual=...) compute it. Each product: w, scales, biases,
+// group size, bits, as quantized_matvec takes them.
+mx::array decode_tail(const mx::array& q, const mx::array& keys, const mx::array& values, const mx::array& cos,
+                      const mx::array& sin, const mx::array& offset, const std::optional<mx::array>& mask, int at,
+                      float scale, int dims, bool traditional, int heads, const mx::array& x, const mx::array& o_w,
+                      const mx::array& o_s, const mx::array& o_b, int o_gs, int o_bits, const mx::array& norm,
+                      float eps, const mx::array& gu_w, const mx::array& gu_s, const mx::array& gu_b, int gu_gs,
+                      int gu_bits, std::vector<int> widths, const mx::array& d_w, const mx::array& d_s,
+                      const mx::array& d_b, int d_gs, int d_bits) {
+  std::vector<mx::array> inputs = attend_inputs(q, keys, values, cos, sin, offset, at, dims, heads);
+  const int B = keys.shape(0), Dv = values.shape(3);
+  const auto kind = mask_kind(mask, B, heads, at);
+  check(o_w, o_s, o_b, o_gs, o_bits);
+  check(gu_w, gu_s, gu_b, gu_gs, gu_bits);
+  check(d_w, d_s, d_b, d_gs, d_bits);
+  if (x.dtype() != mx::float32 || x.ndim() != 3 || x.shape(0) != B || x.shape(1) != 1)
+    throw std::invalid_argument("x must be float32 (B, 1, hidden)");
+  const int hidden = x.shape(2);
+  if (o_w.shape(0) != hidden || o_w.shape(1) * 32 / o_bits != heads * Dv)
+    throw std::invalid_argument("o_proj must take the attention's heads x Dv to x's width");
+  if (widths.size() != 2 || widths[0] != widths[1] || widths[0] <= 0 || gu_w.shape(0) != 2 * widths[0] ||
+      gu_w.shape(1) * 32 / gu_bits != hidden)
+    throw std::invalid_argument("gate and up must be two equal widths stacked, taking x's width");
+  if (d_w.shape(0) != hidden || d_w.shape(1) * 32 / d_bits != widths[0])
+    throw std::invalid_argument("down must take gate's width to x's width");
+  if (norm.dtype() != mx::float32 || norm.ndim() != 1 || norm.shape(0) != hidden)
+    throw std::invalid_argument("the norm's weight must be float32, 1-D and as wide as x");
+  auto s = mx::default_stream(mx::Device::cpu);
+  for (const auto& a : {o_w, o_s, o_b, norm, gu_w, gu_s, gu_b, d_w, d_s, d_b}) inputs.push_back(row_contiguous(a, s));
+  inputs.insert(inputs.begin() + 6, x);
+  if (mask) inputs.push_back(*mask);
+  const std::array<int, 6> quant = {o_bits, o_gs, gu_bits, gu_gs, d_bits, d_gs};
+  return mx::array({B, 1, hidden}, mx::float32,
+                   std::make_shared<DecodeTail>(s, at, scale, dims, traditional, heads, kind, quant, std::move(widths),
+                                                eps),
+                   inputs);
 }
 
 }  // namespace

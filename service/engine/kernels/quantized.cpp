@@ -256,6 +256,45 @@ Kernel kernel_for(int bits, int group_size, mx::Dtype dtype, bool simd = true) {
   return nullptr;
 }
 
+// The products' arithmetic, shared by the primitives below and decode_block.h's DecodeTail.
+// xp: M rows of K (on a cache line: aligned_rows_of), times the N columns of w into op, the
+// columns in chunks across both cores when split.
+void product_rows(const float* xp, int M, int K, int GS, const uint32_t* wp, const void* sp, const void* bp, float* op,
+                  int N, Kernel kernel, bool split) {
+  const lmspd::Floats xsum = group_sums(xp, M, K, GS);  // once, for both threads
+  const float* xs = xsum.data();
+  if (!split)
+    kernel(xp, xs, wp, sp, bp, op, M, N, K, 0, N);
+  else
+    pool().parallel_for(N, grain_for(K, M, 4), [=](int n0, int n1) { kernel(xp, xs, wp, sp, bp, op, M, N, K, n0, n1); });
+}
+
+// Stacked siblings' products of one xp: outs[j] gets the next widths[j] rows of w, the columns
+// of all of them shared out across both cores as one product's.
+void sibling_rows(const float* xp, int M, int K, int GS, int bits, const uint32_t* wp, const uint8_t* sp,
+                  const uint8_t* bp, size_t item, const std::vector<int>& widths, float* const* outs, Kernel kernel,
+                  bool split) {
+  const int W = K * bits / 32, G = K / GS;
+  const lmspd::Floats xsum = group_sums(xp, M, K, GS);
+  const float* xs = xsum.data();
+  int total = 0;
+  for (int w : widths) total += w;
+  pool().parallel_for(total, split ? grain_for(K, M, 4) : total, [&](int c0, int c1) {
+    int start = 0;
+    for (size_t j = 0; j < widths.size(); start += widths[j], ++j) {
+      const int lo = c0 > start ? c0 : start, hi = c1 < start + widths[j] ? c1 : start + widths[j];
+      if (lo >= hi) continue;
+      kernel(xp, xs, wp + size_t(start) * W, sp + size_t(start) * G * item, bp + size_t(start) * G * item, outs[j], M,
+             widths[j], K, lo - start, hi - start);
+    }
+  });
+}
+
+// op = residual + op, element by element: MLX's Add.
+void add_residual(const float* rp, float* op, size_t n) {
+  for (size_t i = 0; i < n; ++i) op[i] = rp[i] + op[i];
+}
+
 // x @ dequantize(w).T; with swiglu, of swiglu(x, up) (elementwise.h's arithmetic) instead of x;
 // with a residual, residual + the product (MLX's Add): a decode step's MLP down product and its
 // block's residual adds in the one primitive (upstream/decode_block.py), the same bits as the
@@ -302,21 +341,11 @@ class QuantizedMatvec : public mx::UnaryPrimitive {
         swiglu_range(xp, rows_of(up, up_copy), act.data(), 0, act.size());
         xp = act.data();
       }
-      const uint32_t* wp = w.data<uint32_t>();
-      const void* sp = sc.data<uint8_t>();
-      const void* bp = bi.data<uint8_t>();
       float* op = out.data<float>();
-      const lmspd::Floats xsum = group_sums(xp, M, K, GS);  // once, for both threads
-      const float* xs = xsum.data();
-      if (!split)
-        kernel(xp, xs, wp, sp, bp, op, M, N, K, 0, N);
-      else
-        pool().parallel_for(N, grain_for(K, M, 4),
-                            [=](int n0, int n1) { kernel(xp, xs, wp, sp, bp, op, M, N, K, n0, n1); });
+      product_rows(xp, M, K, GS, w.data<uint32_t>(), sc.data<uint8_t>(), bi.data<uint8_t>(), op, N, kernel, split);
       if (residual) {
         std::vector<float> res_copy;
-        const float* rp = rows_of(res, res_copy);
-        for (size_t i = 0, n = size_t(M) * N; i < n; ++i) op[i] = rp[i] + op[i];
+        add_residual(rows_of(res, res_copy), op, size_t(M) * N);
       }
     });
   }
@@ -363,7 +392,7 @@ class QuantizedMatvecs : public mx::Primitive {
     }
     const int K = x.shape(-1);
     const int M = static_cast<int>(x.size() / K);
-    const int W = K * bits_ / 32, G = K / group_size_, GS = group_size_;
+    const int GS = group_size_, bits = bits_;
     const size_t item = sc.itemsize();
     Kernel kernel = kernel_for(bits_, group_size_, sc.dtype(), true);
     std::vector<int> widths = widths_;
@@ -371,7 +400,7 @@ class QuantizedMatvecs : public mx::Primitive {
     for (const auto& a : inputs) weak.push_back(mx::array::unsafe_weak_copy(a));
     for (const auto& o : outputs) weak.push_back(mx::array::unsafe_weak_copy(o));
     const size_t first_out = inputs.size();
-    enc.dispatch([weak = std::move(weak), widths, M, K, W, G, GS, item, kernel, split = split_, norm = norm_,
+    enc.dispatch([weak = std::move(weak), widths, M, K, GS, bits, item, kernel, split = split_, norm = norm_,
                   eps = eps_, first_out]() mutable {
       lmspd::Floats copy, normed;
       const float* xp = norm ? rows_of(weak[0], copy) : aligned_rows_of(weak[0], copy);
@@ -380,22 +409,10 @@ class QuantizedMatvecs : public mx::Primitive {
         rms_norm_rows(xp, weak[4].data<float>(), normed.data(), M, K, eps);
         xp = normed.data();
       }
-      const uint32_t* wp = weak[1].data<uint32_t>();
-      const uint8_t* sp = weak[2].data<uint8_t>();
-      const uint8_t* bp = weak[3].data<uint8_t>();
-      const lmspd::Floats xsum = group_sums(xp, M, K, GS);
-      const float* xs = xsum.data();
-      int total = 0;
-      for (int w : widths) total += w;
-      pool().parallel_for(total, split ? grain_for(K, M, 4) : total, [&](int c0, int c1) {
-        int start = 0;
-        for (size_t j = 0; j < widths.size(); start += widths[j], ++j) {
-          const int lo = c0 > start ? c0 : start, hi = c1 < start + widths[j] ? c1 : start + widths[j];
-          if (lo >= hi) continue;
-          kernel(xp, xs, wp + size_t(start) * W, sp + size_t(start) * G * item, bp + size_t(start) * G * item,
-                 weak[first_out + j].data<float>(), M, widths[j], K, lo - start, hi - start);
-        }
-      });
+      std::vector<float*> outs;
+      for (size_t j = 0; j < widths.size(); ++j) outs.push_back(weak[first_out + j].data<float>());
+      sibling_rows(xp, M, K, GS, bits, weak[1].data<uint32_t>(), weak[2].data<uint8_t>(), weak[3].data<uint8_t>(), item,
+                   widths, outs.data(), kernel, split);
     });
   }
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
@@ -656,6 +673,13 @@ NB_MODULE(quantized_ext, m) {
   m.def("decode_attend", &decode_attend, nb::arg("q"), nb::arg("keys"), nb::arg("values"), nb::arg("cos"),
         nb::arg("sin"), nb::arg("offset"), nb::arg("mask").none(), nb::arg("at"), nb::arg("scale"), nb::arg("dims"),
         nb::arg("traditional"), nb::arg("heads"));
+  m.def("decode_tail", &decode_tail, nb::arg("q"), nb::arg("keys"), nb::arg("values"), nb::arg("cos"), nb::arg("sin"),
+        nb::arg("offset"), nb::arg("mask").none(), nb::arg("at"), nb::arg("scale"), nb::arg("dims"),
+        nb::arg("traditional"), nb::arg("heads"), nb::arg("x"), nb::arg("o_w"), nb::arg("o_scales"),
+        nb::arg("o_biases"), nb::arg("o_group_size"), nb::arg("o_bits"), nb::arg("norm"), nb::arg("eps"),
+        nb::arg("gate_up_w"), nb::arg("gate_up_scales"), nb::arg("gate_up_biases"), nb::arg("gate_up_group_size"),
+        nb::arg("gate_up_bits"), nb::arg("widths"), nb::arg("down_w"), nb::arg("down_scales"),
+        nb::arg("down_biases"), nb::arg("down_group_size"), nb::arg("down_bits"));
   m.def("swiglu", &swiglu, nb::arg("gate"), nb::arg("x"));
   m.def("logsumexp", &logsumexp, nb::arg("x"));
   m.def("dequantize", &dequantize, nb::arg("w"), nb::arg("scales"), nb::arg("biases"), nb::arg("group_size"),

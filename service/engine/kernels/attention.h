@@ -165,14 +165,8 @@ class Attention : public mx::UnaryPrimitive {
   Attention(mx::Stream s, float scale, Mask mask) : mx::UnaryPrimitive(s), scale_(scale), mask_(mask) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
     auto& enc = mx::cpu::get_command_encoder(stream());
-    for (const auto& a : inputs) enc.set_input_array(a);
-    enc.set_output_array(out);
-    std::vector<mx::array> weak;
-    for (const auto& a : inputs) weak.push_back(mx::array::unsafe_weak_copy(a));
-    weak.push_back(mx::array::unsafe_weak_copy(out));
-    enc.dispatch([weak = std::move(weak), scale = scale_, mask = mask_]() mutable {
+    enc.dispatch([weak = task_arrays(inputs, out, enc), scale = scale_, mask = mask_]() mutable {
       const mx::array &q = weak[0], &k = weak[1], &v = weak[2];
       std::vector<float> q_copy;
       const float* qp = rows_of(q, q_copy);

@@ -102,6 +102,25 @@ class CacheWrite : public mx::UnaryPrimitive {
   bool traditional_;
 };
 
+// DecodeAttend's arithmetic, DecodeTail's first part: RoPE on q, then attend over the caches'
+// first at + 1 positions into op (B * H rows of Dv). a: q, keys, values, cos, sin, offset,
+// and the mask, when there is one, at a[mask_at].
+void decode_attention(const std::vector<mx::array>& a, size_t mask_at, int at, float scale, int dims, bool trad, int H,
+                      MaskKind mask, float* op) {
+  const mx::array &q = a[0], &keys = a[1], &values = a[2];
+  const int B = keys.shape(0), kvH = keys.shape(1), D = keys.shape(3);
+  const RopeArgs r = rope_args(a[3], a[4], a[5], dims, trad);
+  std::vector<float> copy, qr(size_t(B) * H * D);
+  rope_rows(rows_of(q, copy), r.cos, r.sin, r.offset.data(), int(r.offset.size()), qr.data(), B, H, 1, D, r.dims,
+            r.positions, r.traditional);
+  const Keys kv{keys.data<float>(), values.data<float>(), strides4(keys), strides4(values), kvH, at + 1,
+                values.shape(3)};
+  const bool* mb = mask == MaskKind::kBool ? a[mask_at].data<bool>() : nullptr;
+  const float* ma = mask == MaskKind::kAdd ? a[mask_at].data<float>() : nullptr;
+  const std::array<int64_t, 4> ms = mask == MaskKind::kNone ? std::array<int64_t, 4>{} : broadcast_strides(a[mask_at]);
+  attend(qr.data(), B, H, D, kv, mask, mb, ma, ms, scale, op);
+}
+
 class DecodeAttend : public mx::UnaryPrimitive {
  public:
   DecodeAttend(mx::Stream s, int at, float scale, int dims, bool traditional, int heads, MaskKind mask)
@@ -109,27 +128,10 @@ class DecodeAttend : public mx::UnaryPrimitive {
 
   // inputs: q (B, 1, H * D), keys, values (B, kvH, capacity, D or Dv), cos, sin, offset[, mask]
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
     auto& enc = mx::cpu::get_command_encoder(stream());
-    for (const auto& a : inputs) enc.set_input_array(a);
-    enc.set_output_array(out);
-    std::vector<mx::array> weak;
-    for (const auto& a : inputs) weak.push_back(mx::array::unsafe_weak_copy(a));
-    weak.push_back(mx::array::unsafe_weak_copy(out));
-    enc.dispatch([weak = std::move(weak), at = at_, scale = scale_, dims = dims_, trad = traditional_, H = heads_,
-                  mask = mask_]() mutable {
-      const mx::array &q = weak[0], &keys = weak[1], &values = weak[2];
-      const int B = keys.shape(0), kvH = keys.shape(1), D = keys.shape(3);
-      const RopeArgs r = rope_args(weak[3], weak[4], weak[5], dims, trad);
-      std::vector<float> copy, qr(size_t(B) * H * D);
-      rope_rows(rows_of(q, copy), r.cos, r.sin, r.offset.data(), int(r.offset.size()), qr.data(), B, H, 1, D, r.dims, r.positions,
-                r.traditional);
-      const Keys kv{keys.data<float>(), values.data<float>(), strides4(keys), strides4(values), kvH, at + 1,
-                    values.shape(3)};
-      const bool* mb = mask == MaskKind::kBool ? weak[6].data<bool>() : nullptr;
-      const float* ma = mask == MaskKind::kAdd ? weak[6].data<float>() : nullptr;
-      const std::array<int64_t, 4> ms = mask == MaskKind::kNone ? std::array<int64_t, 4>{} : broadcast_strides(weak[6]);
-      attend(qr.data(), B, H, D, kv, mask, mb, ma, ms, scale, weak.back().data<float>());
+    enc.dispatch([weak = task_arrays(inputs, out, enc), at = at_, scale = scale_, dims = dims_, trad = traditional_,
+                  H = heads_, mask = mask_]() mutable {
+      decode_attention(weak, 6, at, scale, dims, trad, H, mask, weak.back().data<float>());
     });
   }
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
@@ -179,33 +181,20 @@ class DecodeTail : public mx::UnaryPrimitive {
   // hidden), o_proj's w, scales, biases, the post-attention norm's weight, gate and up's stacked
   // w, scales, biases, down's w, scales, biases[, mask]
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
     auto& enc = mx::cpu::get_command_encoder(stream());
-    for (const auto& a : inputs) enc.set_input_array(a);
-    enc.set_output_array(out);
-    std::vector<mx::array> weak;
-    for (const auto& a : inputs) weak.push_back(mx::array::unsafe_weak_copy(a));
-    weak.push_back(mx::array::unsafe_weak_copy(out));
+    std::vector<mx::array> weak = task_arrays(inputs, out, enc);
     const auto kernel = [&](int first, int q) {
       return Packed{first, quant_[q], quant_[q + 1], kernel_for(quant_[q], quant_[q + 1], inputs[first + 1].dtype())};
     };
     const Packed o = kernel(7, 0), gate_up = kernel(11, 2), down = kernel(14, 4);
     enc.dispatch([weak = std::move(weak), at = at_, scale = scale_, dims = dims_, trad = traditional_, H = heads_,
                   mask = mask_, o, gate_up, down, widths = widths_, eps = eps_]() mutable {
-      const mx::array &q = weak[0], &keys = weak[1], &values = weak[2], &x = weak[6];
-      const int B = keys.shape(0), kvH = keys.shape(1), D = keys.shape(3), Dv = values.shape(3);
-      const int hidden = x.shape(-1), inner = widths[0];
-      // DecodeAttend's arithmetic, into a row on a cache line for o_proj.
-      const RopeArgs r = rope_args(weak[3], weak[4], weak[5], dims, trad);
-      std::vector<float> copy, qr(size_t(B) * H * D);
-      rope_rows(rows_of(q, copy), r.cos, r.sin, r.offset.data(), int(r.offset.size()), qr.data(), B, H, 1, D, r.dims,
-                r.positions, r.traditional);
-      const Keys kv{keys.data<float>(), values.data<float>(), strides4(keys), strides4(values), kvH, at + 1, Dv};
-      const bool* mb = mask == MaskKind::kBool ? weak[17].data<bool>() : nullptr;
-      const float* ma = mask == MaskKind::kAdd ? weak[17].data<float>() : nullptr;
-      const std::array<int64_t, 4> ms = mask == MaskKind::kNone ? std::array<int64_t, 4>{} : broadcast_strides(weak[17]);
+      const mx::array& x = weak[6];
+      const int B = x.shape(0), Dv = weak[2].shape(3), hidden = x.shape(-1), inner = widths[0];
+      // DecodeAttend's arithmetic, into rows on a cache line for o_proj.
       lmspd::Floats attended(size_t(B) * H * Dv), h(size_t(B) * hidden), normed(size_t(B) * hidden);
-      attend(qr.data(), B, H, D, kv, mask, mb, ma, ms, scale, attended.data());
+      decode_attention(weak, 17, at, scale, dims, trad, H, mask, attended.data());
+      std::vector<float> copy;
       // o_proj, then x + it.
       product_rows(attended.data(), B, H * Dv, o.group_size, o.w(weak), o.s(weak), o.b(weak), h.data(), hidden,
                    o.kernel, true);

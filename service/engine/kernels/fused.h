@@ -61,6 +61,22 @@ inline const float* aligned_rows_of(const mx::array& x, lmspd::Floats& copy) {
   return copy.data();
 }
 
+// A single-output primitive's arrays for its task: the output given a fresh buffer, every array
+// registered with the stream's encoder, and weak copies of the inputs then the output (the task
+// runs after eval_cpu returns; the graph keeps the arrays alive until it has).
+inline std::vector<mx::array> task_arrays(const std::vector<mx::array>& inputs, mx::array& out,
+                                          mx::cpu::CommandEncoder& enc) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  std::vector<mx::array> weak;
+  for (const auto& a : inputs) {
+    enc.set_input_array(a);
+    weak.push_back(mx::array::unsafe_weak_copy(a));
+  }
+  enc.set_output_array(out);
+  weak.push_back(mx::array::unsafe_weak_copy(out));
+  return weak;
+}
+
 // x: (B, H, T, D) row-contiguous; cs, sn: (P, dims / 2); offset: B positions, or one for all.
 LMSPD_NO_CONTRACT_ATTR void rope_rows(const float* x, const float* cs, const float* sn, const int32_t* offset,
                                       int n_offsets, float* out, int B, int H, int T, int D, int dims, int P,

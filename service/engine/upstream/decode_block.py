@@ -79,10 +79,20 @@ class DecodeBlockAttention(llama.Attention):  # type: ignore[misc]  # mlx-lm is 
     ) -> mx.array:
         """The new position's k and v written into the cache, then the attention of q over it:
         (B, 1, heads * Dv), before o_proj. ``inputs``: what _block_inputs said."""
+        out: mx.array = self._kernels.decode_attend(*self.written(q, k, v, inputs, cache))
+        advance(cache)
+        return out
+
+    def written(
+        self, q: mx.array, k: mx.array, v: mx.array, inputs: tuple[int, mx.array, mx.array | None], cache: Any
+    ) -> tuple[Any, ...]:
+        """k and v written into the cache; then decode_attend's arguments (decode_tail's first
+        twelve): q over the cache's first at + 1 positions."""
         at, offset, m = inputs
-        rope = self._rope
-        self.write(k, v, at, offset, cache)
-        out: mx.array = self._kernels.decode_attend(
+        rope, ext = self._rope, self._kernels
+        cache.keys = ext.cache_write(k, cache.keys, at, rope.cos, rope.sin, offset, rope.dims, rope.traditional)
+        cache.values = ext.cache_write(v, cache.values, at)
+        return (
             q,
             cache.keys,
             cache.values,
@@ -96,14 +106,6 @@ class DecodeBlockAttention(llama.Attention):  # type: ignore[misc]  # mlx-lm is 
             rope.traditional,
             self.n_heads,
         )
-        advance(cache)
-        return out
-
-    def write(self, k: mx.array, v: mx.array, at: int, offset: mx.array, cache: Any) -> None:
-        """The new position's k (RoPE'd at offset) and v written into the cache at index at."""
-        rope, ext = self._rope, self._kernels
-        cache.keys = ext.cache_write(k, cache.keys, at, rope.cos, rope.sin, offset, rope.dims, rope.traditional)
-        cache.values = ext.cache_write(v, cache.values, at)
 
     def _block_inputs(self, x: mx.array, mask: Any, cache: Any) -> tuple[int, mx.array, mx.array | None] | None:
         """(the new position's index in the cache, RoPE's offset, the mask), or None where
@@ -157,23 +159,10 @@ class DecodeBlock(llama.TransformerBlock):  # type: ignore[misc]  # mlx-lm is un
         if inputs is None:
             result: mx.array = super().__call__(x, mask=mask, cache=cache)
             return result
-        ext, rope = attn._kernels, attn._rope
-        at, offset, m = inputs
+        ext = attn._kernels
         q, k, v = ext.quantized_matvecs(x, *plan.qkv, plan.qkv_widths, norm=plan.before, eps=plan.before_eps)
-        attn.write(k, v, at, offset, cache)
         out: mx.array = ext.decode_tail(
-            q,
-            cache.keys,
-            cache.values,
-            rope.cos,
-            rope.sin,
-            offset,
-            m,
-            at,
-            attn.scale,
-            rope.dims,
-            rope.traditional,
-            attn.n_heads,
+            *attn.written(q, k, v, inputs, cache),
             x,
             *plan.o_proj,
             plan.after,

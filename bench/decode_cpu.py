@@ -28,21 +28,7 @@ import httpx
 
 from bench.peers import children, process_label
 from bench.serving import free_port, kill, spawn
-from bench.step_profile import default_model_dir
-
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def thread_seconds(pid: int) -> dict[int, float]:
-    """CPU seconds (user + system) of each thread of a process (Linux /proc)."""
-    out: dict[int, float] = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # the thread ended meanwhile
-        out[int(tid)] = (int(fields[11]) + int(fields[12])) / TICK
-    return out
+from bench.step_profile import default_model_dir, thread_cpu
 
 
 def answer(client: httpx.Client, url: str, prompt: str, tokens: int) -> int:
@@ -86,7 +72,7 @@ def main() -> None:
             rows: dict[str, list[float]] = {}
             walls = []
             for round_no in range(args.rounds):
-                before = {pid: thread_seconds(pid) for pid in pids}
+                before = {pid: thread_cpu(pid) for pid in pids}
                 start = time.perf_counter()
                 prompts = [
                     f"Write a very long story about a lighthouse, number {round_no}-{i}." for i in range(args.streams)
@@ -97,7 +83,7 @@ def main() -> None:
                 walls.append(wall * 1e3 / generated)
                 for pid in pids:
                     label = process_label(pid, proc.pid)
-                    spent = {t: s - before[pid].get(t, 0.0) for t, s in thread_seconds(pid).items()}
+                    spent = {t: s - before[pid].get(t, 0.0) for t, s in thread_cpu(pid).items()}
                     main_ms = spent.pop(pid, 0.0) * 1e3 / generated
                     others = sorted((s * 1e3 / generated for s in spent.values()), reverse=True)
                     rows.setdefault(f"{label}: all threads", []).append(main_ms + sum(others))

@@ -102,36 +102,44 @@ class CacheWrite : public mx::UnaryPrimitive {
   bool traditional_;
 };
 
-// DecodeAttend's arithmetic, DecodeTail's first part: RoPE on q, then attend over the caches'
-// first at + 1 positions into op (B * H rows of Dv). a: q, keys, values, cos, sin, offset,
-// and the mask, when there is one, at a[mask_at].
-void decode_attention(const std::vector<mx::array>& a, size_t mask_at, int at, float scale, int dims, bool trad, int H,
-                      MaskKind mask, float* op) {
-  const mx::array &q = a[0], &keys = a[1], &values = a[2];
-  const int B = keys.shape(0), kvH = keys.shape(1), D = keys.shape(3);
-  const RopeArgs r = rope_args(a[3], a[4], a[5], dims, trad);
-  std::vector<float> copy, qr(size_t(B) * H * D);
-  rope_rows(rows_of(q, copy), r.cos, r.sin, r.offset.data(), int(r.offset.size()), qr.data(), B, H, 1, D, r.dims,
-            r.positions, r.traditional);
-  const Keys kv{keys.data<float>(), values.data<float>(), strides4(keys), strides4(values), kvH, at + 1,
-                values.shape(3)};
-  const bool* mb = mask == MaskKind::kBool ? a[mask_at].data<bool>() : nullptr;
-  const float* ma = mask == MaskKind::kAdd ? a[mask_at].data<float>() : nullptr;
-  const std::array<int64_t, 4> ms = mask == MaskKind::kNone ? std::array<int64_t, 4>{} : broadcast_strides(a[mask_at]);
-  attend(qr.data(), B, H, D, kv, mask, mb, ma, ms, scale, op);
-}
+// A decode step's attention, as DecodeAttend runs it and DecodeTail first: RoPE on q, then
+// attend over the caches' first at + 1 positions.
+struct DecodeAttention {
+  int at;
+  float scale;
+  int dims;
+  bool traditional;
+  int heads;
+  MaskKind mask;
+  bool operator==(const DecodeAttention&) const = default;
+
+  // a: q, keys, values, cos, sin, offset, and the mask, when there is one, at a[mask_at]; into op
+  // (B * heads rows of Dv).
+  void run(const std::vector<mx::array>& a, size_t mask_at, float* op) const {
+    const mx::array &q = a[0], &keys = a[1], &values = a[2];
+    const int B = keys.shape(0), kvH = keys.shape(1), D = keys.shape(3);
+    const RopeArgs r = rope_args(a[3], a[4], a[5], dims, traditional);
+    std::vector<float> copy, qr(size_t(B) * heads * D);
+    rope_rows(rows_of(q, copy), r.cos, r.sin, r.offset.data(), int(r.offset.size()), qr.data(), B, heads, 1, D, r.dims,
+              r.positions, r.traditional);
+    const Keys kv{keys.data<float>(), values.data<float>(), strides4(keys), strides4(values), kvH, at + 1,
+                  values.shape(3)};
+    const bool* mb = mask == MaskKind::kBool ? a[mask_at].data<bool>() : nullptr;
+    const float* ma = mask == MaskKind::kAdd ? a[mask_at].data<float>() : nullptr;
+    const std::array<int64_t, 4> ms = mask == MaskKind::kNone ? std::array<int64_t, 4>{} : broadcast_strides(a[mask_at]);
+    attend(qr.data(), B, heads, D, kv, mask, mb, ma, ms, scale, op);
+  }
+};
 
 class DecodeAttend : public mx::UnaryPrimitive {
  public:
-  DecodeAttend(mx::Stream s, int at, float scale, int dims, bool traditional, int heads, MaskKind mask)
-      : mx::UnaryPrimitive(s), at_(at), scale_(scale), dims_(dims), traditional_(traditional), heads_(heads), mask_(mask) {}
+  DecodeAttend(mx::Stream s, DecodeAttention attention) : mx::UnaryPrimitive(s), attention_(attention) {}
 
   // inputs: q (B, 1, H * D), keys, values (B, kvH, capacity, D or Dv), cos, sin, offset[, mask]
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     auto& enc = mx::cpu::get_command_encoder(stream());
-    enc.dispatch([weak = task_arrays(inputs, out, enc), at = at_, scale = scale_, dims = dims_, trad = traditional_,
-                  H = heads_, mask = mask_]() mutable {
-      decode_attention(weak, 6, at, scale, dims, trad, H, mask, weak.back().data<float>());
+    enc.dispatch([weak = task_arrays(inputs, out, enc), attention = attention_]() mutable {
+      attention.run(weak, 6, weak.back().data<float>());
     });
   }
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
@@ -139,18 +147,11 @@ class DecodeAttend : public mx::UnaryPrimitive {
   }
   const char* name() const override { return "LmspdDecodeAttend"; }
   bool is_equivalent(const mx::Primitive& other) const override {
-    const auto& o = static_cast<const DecodeAttend&>(other);
-    return at_ == o.at_ && scale_ == o.scale_ && dims_ == o.dims_ && traditional_ == o.traditional_ &&
-           heads_ == o.heads_ && mask_ == o.mask_;
+    return attention_ == static_cast<const DecodeAttend&>(other).attention_;
   }
 
  private:
-  int at_;
-  float scale_;
-  int dims_;
-  bool traditional_;
-  int heads_;
-  MaskKind mask_;
+  DecodeAttention attention_;
 };
 
 // One packed product's weights as DecodeTail reads them: inputs [first, first + 3) and its kernel.
@@ -164,18 +165,8 @@ struct Packed {
 
 class DecodeTail : public mx::UnaryPrimitive {
  public:
-  DecodeTail(mx::Stream s, int at, float scale, int dims, bool traditional, int heads, MaskKind mask,
-             std::array<int, 6> quant, std::vector<int> widths, float eps)
-      : mx::UnaryPrimitive(s),
-        at_(at),
-        scale_(scale),
-        dims_(dims),
-        traditional_(traditional),
-        heads_(heads),
-        mask_(mask),
-        quant_(quant),
-        widths_(std::move(widths)),
-        eps_(eps) {}
+  DecodeTail(mx::Stream s, DecodeAttention attention, std::array<int, 6> quant, std::vector<int> widths, float eps)
+      : mx::UnaryPrimitive(s), attention_(attention), quant_(quant), widths_(std::move(widths)), eps_(eps) {}
 
   // inputs: q, keys, values, cos, sin, offset (as DecodeAttend's), x (the block's input, B, 1,
   // hidden), o_proj's w, scales, biases, the post-attention norm's weight, gate and up's stacked
@@ -187,16 +178,16 @@ class DecodeTail : public mx::UnaryPrimitive {
       return Packed{first, quant_[q], quant_[q + 1], kernel_for(quant_[q], quant_[q + 1], inputs[first + 1].dtype())};
     };
     const Packed o = kernel(7, 0), gate_up = kernel(11, 2), down = kernel(14, 4);
-    enc.dispatch([weak = std::move(weak), at = at_, scale = scale_, dims = dims_, trad = traditional_, H = heads_,
-                  mask = mask_, o, gate_up, down, widths = widths_, eps = eps_]() mutable {
+    enc.dispatch([weak = std::move(weak), attention = attention_, o, gate_up, down, widths = widths_,
+                  eps = eps_]() mutable {
       const mx::array& x = weak[6];
-      const int B = x.shape(0), Dv = weak[2].shape(3), hidden = x.shape(-1), inner = widths[0];
+      const int B = x.shape(0), HDv = attention.heads * weak[2].shape(3), hidden = x.shape(-1), inner = widths[0];
       // DecodeAttend's arithmetic, into rows on a cache line for o_proj.
-      lmspd::Floats attended(size_t(B) * H * Dv), h(size_t(B) * hidden), normed(size_t(B) * hidden);
-      decode_attention(weak, 17, at, scale, dims, trad, H, mask, attended.data());
+      lmspd::Floats attended(size_t(B) * HDv), h(size_t(B) * hidden), normed(size_t(B) * hidden);
+      attention.run(weak, 17, attended.data());
       std::vector<float> copy;
       // o_proj, then x + it.
-      product_rows(attended.data(), B, H * Dv, o.group_size, o.w(weak), o.s(weak), o.b(weak), h.data(), hidden,
+      product_rows(attended.data(), B, HDv, o.group_size, o.w(weak), o.s(weak), o.b(weak), h.data(), hidden,
                    o.kernel, true);
       add_residual(rows_of(x, copy), h.data(), h.size());
       // The norm, gate and up; swiglu, down, then h + it.
@@ -218,17 +209,11 @@ class DecodeTail : public mx::UnaryPrimitive {
   const char* name() const override { return "LmspdDecodeTail"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const DecodeTail&>(other);
-    return at_ == o.at_ && scale_ == o.scale_ && dims_ == o.dims_ && traditional_ == o.traditional_ &&
-           heads_ == o.heads_ && mask_ == o.mask_ && quant_ == o.quant_ && widths_ == o.widths_ && eps_ == o.eps_;
+    return attention_ == o.attention_ && quant_ == o.quant_ && widths_ == o.widths_ && eps_ == o.eps_;
   }
 
  private:
-  int at_;
-  float scale_;
-  int dims_;
-  bool traditional_;
-  int heads_;
-  MaskKind mask_;
+  DecodeAttention attention_;
   std::array<int, 6> quant_;  // bits and group size of o_proj, gate/up, down
   std::vector<int> widths_;   // gate's and up's
   float eps_;
@@ -306,8 +291,8 @@ mx::array decode_attend(const mx::array& q, const mx::array& keys, const mx::arr
   const auto kind = mask_kind(mask, keys.shape(0), heads, at);
   if (mask) inputs.push_back(*mask);
   return mx::array({keys.shape(0), 1, heads * values.shape(3)}, mx::float32,
-                   std::make_shared<DecodeAttend>(mx::default_stream(mx::Device::cpu), at, scale, dims, traditional,
-                                                  heads, kind),
+                   std::make_shared<DecodeAttend>(mx::default_stream(mx::Device::cpu),
+                                                  DecodeAttention{at, scale, dims, traditional, heads, kind}),
                    inputs);
 }
 
@@ -347,8 +332,8 @@ mx::array decode_tail(const mx::array& q, const mx::array& keys, const mx::array
   if (mask) inputs.push_back(*mask);
   const std::array<int, 6> quant = {o_bits, o_gs, gu_bits, gu_gs, d_bits, d_gs};
   return mx::array({B, 1, hidden}, mx::float32,
-                   std::make_shared<DecodeTail>(s, at, scale, dims, traditional, heads, kind, quant, std::move(widths),
-                                                eps),
+                   std::make_shared<DecodeTail>(s, DecodeAttention{at, scale, dims, traditional, heads, kind}, quant,
+                                                std::move(widths), eps),
                    inputs);
 }
 

@@ -46,6 +46,8 @@ class Request:
     decoding: bool = False  # prefill done: it now waits on every prefill step
     held: str = ""  # text withheld because it may be the start of a stop string
     mask: GrammarMask | None = None  # its grammar, when constrained
+    # The tokens its first pass ends, while that pass's logprobs are to be kept (prompt_ends.py).
+    keep_end: list[int] | None = None
 
 
 def keeps_early(req: Request) -> bool:

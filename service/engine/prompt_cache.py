@@ -5,7 +5,8 @@ The cache itself is mlx-lm's ``LRUPromptCache`` (a token trie, LRU, bounded by b
 a longer entry is trimmed to the common prefix when that is the best match). This module
 adds what a long-lived service needs around it: one namespace per model and client (a
 shared prefix answers faster, which is a timing side channel between clients), at least one
-token always left to prefill (the model must produce the next logits), and a disk copy of the
+token left to prefill (the model must produce the next logits) unless those logits are kept
+(``prompt_ends``: an exact repeat runs no pass for its first token), and a disk copy of the
 hottest entries that survives restarts and engine crashes. Disk files are written atomically
 and named by their SHA-256, so a torn, corrupt or foreign file is detected and ignored.
 
@@ -41,7 +42,8 @@ from mlx_lm.models.cache import (
     trim_prompt_cache,
 )
 
-from lmspd.engine.upstream.cache import exact_entry, namespaces, reach
+from lmspd.engine.prompt_ends import PromptEnds
+from lmspd.engine.upstream.cache import exact_entry, fetch_whole, namespaces, reach
 
 log = logging.getLogger("lmspd.engine.cache")
 
@@ -68,6 +70,16 @@ Key = tuple[Namespace, tuple[int, ...]]
 class Hit:
     cache: list[Any] | None  # the KV cache to continue from; None: start from scratch
     cached: int  # leading tokens whose KV comes from the cache
+    # Every token cached, and the logprobs after the last of them kept (prompt_ends.py): the
+    # first token needs no pass. None: at least one token is left to run.
+    logprobs: Any | None = None
+
+    def step_back(self) -> Hit:
+        """The same hit, its last token left to run after all (its KV dropped)."""
+        if self.logprobs is None or self.cache is None:
+            return self
+        trim_prompt_cache(self.cache, 1)
+        return Hit(self.cache, self.cached - 1)
 
 
 def model_fingerprint(model_dir: Path) -> str:
@@ -97,6 +109,7 @@ class PromptCache:
             else None
         )
         self.dirty: OrderedDict[Key, None] = OrderedDict()
+        self.ends = PromptEnds()
         self.flushed_at = time.monotonic()
         # Files are written on a thread of their own: hashing and fsyncing a large cache takes
         # seconds on a slow disk, and the engine loop must not stall its streams meanwhile.
@@ -108,11 +121,16 @@ class PromptCache:
         return int(self.lru.nbytes)
 
     def fetch(self, namespace: Namespace, tokens: list[int]) -> Hit:
-        """The longest cached prefix of ``tokens`` (a copy), leaving at least one token to run:
-        from ``namespace`` first, else from the client's other namespaces (``nearest``)."""
+        """The longest cached prefix of ``tokens`` (a copy): from ``namespace`` first, else from
+        the client's other namespaces (``nearest``). It leaves at least one token to run unless
+        the logprobs after all of them are kept (``ends``)."""
         if not self.enabled or len(tokens) < 2:
             return Hit(None, 0)
-        cache, rest = self.lru.fetch_nearest_cache(self.nearest(namespace, tokens), tokens)
+        nearest = self.nearest(namespace, tokens)
+        logprobs = self.ends.get(namespace, tokens)
+        if logprobs is not None and (whole := fetch_whole(self.lru, nearest, tokens)) is not None:
+            return Hit(whole, len(tokens), logprobs)
+        cache, rest = self.lru.fetch_nearest_cache(nearest, tokens)
         if cache is None:
             return Hit(None, 0)
         if not rest:  # the whole sequence is cached, but its last token must still give logits

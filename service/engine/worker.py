@@ -15,7 +15,7 @@ from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -39,7 +39,14 @@ from lmspd.logs import LogFormat
 from lmspd.logs import setup as setup_logging
 from lmspd.models.tokenizer import IncrementalDetokenizer
 
+if TYPE_CHECKING:  # it imports MLX, which the engine loads only after its BLAS (main)
+    from lmspd.engine.prompt_cache import Hit
+
 log = logging.getLogger("lmspd.engine")
+
+# The uid of a request answered by its first token alone: it never joins the batch, and is
+# gone again before anything else is admitted.
+ANSWERED_AT_ONCE = -1
 
 
 class Engine(Residency):
@@ -71,6 +78,8 @@ class Engine(Residency):
         self.by_id: dict[str, tuple[LoadedModel, Request]] = {}
         self.running = True
         self.finished: list[p.Finished] = []
+        # First tokens that needed no pass (a kept prompt end): sent before the next step runs.
+        self.early: list[p.Delta] = []
         self.lifecycle = Lifecycle(config.keep_alive_secs)
         self.budget = MemoryBudget(config)
 
@@ -109,6 +118,9 @@ class Engine(Residency):
             self._admit_compiled()
             self._unload_idle()
             self._admit_waiting()
+            if self.early:
+                self.send(p.Deltas(self.early))
+                self.early = []
             deltas: list[p.Delta] = []
             for lm in list(self.models.values()):
                 if lm.requests:
@@ -282,9 +294,16 @@ class Engine(Residency):
             )
         stops = StopSequences([[t] for t in cmd.stop_token_ids] or None)
         hit = self.prompt_cache.fetch((lm.fingerprint, cmd.cache_key), tokens)
+        first = self._first_token(hit, sampler, cmd, processors)
+        if first is None:
+            hit = hit.step_back()
+        elif first in cmd.stop_token_ids or remaining == 1:
+            return self._answer_at_once(lm, cmd, hit, first)
+        # The first token is the batch's to run next, as a resumed request's last one.
+        run = [first] if first is not None else tokens[hit.cached :]
         (uid,) = lm.batch.insert(
-            [tokens[hit.cached :]],
-            max_tokens=[remaining],
+            [run],
+            max_tokens=[remaining - (first is not None)],
             caches=[hit.cache] if hit.cache is not None else None,
             # What the cache already holds: the batch reports it back with the finished cache.
             all_tokens=[tokens[: hit.cached]],
@@ -292,12 +311,42 @@ class Engine(Residency):
             logits_processors=[list(processors)],
             stop_sequences=[stops],
         )
-        req = Request(cmd, uid, IncrementalDetokenizer(lm.tokenizer, cmd.generated), len(cmd.generated))
+        req = self._admit(lm, cmd, uid, hit)
         req.mask = processors[0] if processors else None
+        if first is None and not processors and self.prompt_cache.enabled:
+            req.keep_end = tokens
+        if first is not None:
+            self._on_token(lm, req, first, None, self.early, self._score_first(lm, req, hit, first))
+        return None
+
+    def _admit(self, lm: LoadedModel, cmd: p.Generate, uid: int, hit: Hit) -> Request:
+        req = Request(cmd, uid, IncrementalDetokenizer(lm.tokenizer, cmd.generated), len(cmd.generated))
         # A resumed request's cached tokens are counted against its prompt only.
         req.cached_tokens = min(hit.cached, len(cmd.prompt))
         lm.requests[uid] = req
         self.by_id[cmd.request_id] = (lm, req)
+        return req
+
+    @staticmethod
+    def _first_token(hit: Hit, sampler: Any, cmd: p.Generate, processors: list[GrammarMask]) -> int | None:
+        """The first token, sampled from a whole hit's kept logprobs (prompt_ends.py); None
+        when it comes from a pass. A grammar's mask applies to a pass's logits, and a resumed
+        request's tokens never ended a kept pass."""
+        if hit.logprobs is None or processors or cmd.generated:
+            return None
+        return int(sampler(hit.logprobs[None]).item())
+
+    def _answer_at_once(self, lm: LoadedModel, cmd: p.Generate, hit: Hit, first: int) -> None:
+        """A first token that ends the answer (a stop token, or the only one it may have): the
+        request never joins the batch."""
+        req = self._admit(lm, cmd, ANSWERED_AT_ONCE, hit)
+        finish = "stop" if first in cmd.stop_token_ids else "length"
+        self._on_token(lm, req, first, finish, self.early, self._score_first(lm, req, hit, first))
+
+    def _score_first(self, lm: LoadedModel, req: Request, hit: Hit, first: int) -> p.TokenLogprob | None:
+        if req.cmd.logprobs is None:
+            return None
+        return self._score(lm, [(req.uid, first, hit.logprobs, req.cmd.logprobs)]).get(req.uid)
 
     def _cancel(self, request_id: str) -> None:
         # Not in the batch yet: waiting for its model, or for its grammar to compile.
@@ -354,8 +403,17 @@ class Engine(Residency):
                 req.decoding = True
         self._keep_prompts(lm, prefilled)
         live = [(r, req) for r in responses if (req := lm.requests.get(r.uid)) is not None]
+        self._keep_ends(lm, live)
         try:
-            scored = self._score(lm, live)
+            # Only the requests that asked pay; a stop token is not output, so it gets no entry.
+            scored = self._score(
+                lm,
+                [
+                    (r.uid, r.token, r.logprobs, req.cmd.logprobs)
+                    for r, req in live
+                    if req.cmd.logprobs is not None and r.finish_reason != "stop"
+                ],
+            )
         except Exception as exc:  # only the requests that asked for logprobs depend on them
             log.exception("logprobs failed")
             for _, req in live:
@@ -378,22 +436,17 @@ class Engine(Residency):
             self._on_token(lm, req, r.token, r.finish_reason, deltas, scored.get(r.uid))
 
     @staticmethod
-    def _score(lm: LoadedModel, live: list[tuple[Any, Request]]) -> dict[int, p.TokenLogprob]:
-        """Logprobs for the tokens of requests that asked; others pay nothing."""
-        # A stop token is not output, so it gets no entry either.
-        wanted = [
-            (r, req.cmd.logprobs) for r, req in live if req.cmd.logprobs is not None and r.finish_reason != "stop"
-        ]
+    def _score(lm: LoadedModel, wanted: list[tuple[int, int, Any, int]]) -> dict[int, p.TokenLogprob]:
+        """Logprobs of each (uid, token, its logprobs row, how many alternatives): one partial
+        sort for all of them."""
         if not wanted:
             return {}
-        chosen, tops = top_logprobs(
-            [r.logprobs for r, _ in wanted], [r.token for r, _ in wanted], [k for _, k in wanted]
-        )
+        chosen, tops = top_logprobs([w[2] for w in wanted], [w[1] for w in wanted], [w[3] for w in wanted])
         pieces = lm.token_pieces()
         scored: dict[int, p.TokenLogprob] = {}
-        for (r, _), logprob, top in zip(wanted, chosen, tops, strict=True):
+        for (uid, token, _, _), logprob, top in zip(wanted, chosen, tops, strict=True):
             alternatives = [p.TopLogprob(*pieces.scored(t, v)) for t, v in top]
-            scored[r.uid] = p.TokenLogprob(*pieces.scored(r.token, logprob), alternatives)
+            scored[uid] = p.TokenLogprob(*pieces.scored(token, logprob), alternatives)
         return scored
 
     def _on_token(
@@ -439,6 +492,14 @@ class Engine(Residency):
         keep = max((k for s in stops for k in range(1, len(s)) if pending.endswith(s[:k])), default=0)
         req.held = pending[len(pending) - keep :] if keep else ""
         return pending[: len(pending) - keep], False
+
+    def _keep_ends(self, lm: LoadedModel, live: list[tuple[Any, Request]]) -> None:
+        """The logprobs of each request's first pass, which ended its prompt: an exact repeat
+        then takes its first token from them (prompt_ends.py)."""
+        for r, req in live:
+            if req.keep_end is not None:
+                self.prompt_cache.ends.keep((lm.fingerprint, req.cmd.cache_key), req.keep_end, r.logprobs)
+                req.keep_end = None
 
     def _keep_prompts(self, lm: LoadedModel, prefilled: list[Any]) -> None:
         """Cache a long prompt as soon as it is prefilled, not only when its answer ends: a

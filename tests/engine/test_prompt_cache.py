@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import mlx.core as mx
+import msgspec
 import pytest
 from mlx_lm.models.cache import KVCache
 from support.disk import fill, free, small_disk
@@ -169,14 +170,66 @@ def test_which_prompts_are_cached_once_prefilled(
     assert keeps_early(req) == kept
 
 
-async def test_an_exact_repeat_still_runs_its_last_token(
+async def run_all(engine: EngineClient, cmd: p.Generate) -> tuple[list[p.Delta], p.Finished]:
+    deltas: list[p.Delta] = []
+    async for ev in engine.generate(cmd):
+        if isinstance(ev, p.Delta):
+            deltas.append(ev)
+        else:
+            return deltas, ev
+    raise AssertionError("no Finished")
+
+
+async def test_an_exact_repeat_takes_its_first_token_from_the_kept_prompt_end(
     warm: EngineClient, cold: EngineClient, tiny: ResolvedModel, key: str
 ) -> None:
     prompt = first_prompt(tiny)
-    first, _ = await run(warm, command(tiny, prompt, key=key))
+    first, fin = await run(warm, command(tiny, prompt, key=key))
+    assert fin.cached_tokens == 0
     again, fin = await run(warm, command(tiny, prompt, key=key))
-    assert fin.cached_tokens == len(prompt) - 1
+    # Every prompt token's KV came from the cache: no pass ran over the last one.
+    assert fin.cached_tokens == len(prompt)
     assert again == first == (await run(cold, command(tiny, prompt)))[0]
+
+
+async def test_a_prompt_end_gives_the_same_logprobs_and_seeded_samples(
+    warm: EngineClient, cold: EngineClient, tiny: ResolvedModel, key: str
+) -> None:
+    prompt = first_prompt(tiny)
+    asked = msgspec.structs.replace(command(tiny, prompt, key=key), logprobs=3)
+    deltas, _ = await run_all(warm, asked)
+    repeat, fin = await run_all(warm, msgspec.structs.replace(asked, request_id=uuid.uuid4().hex))
+    assert fin.cached_tokens == len(prompt)
+    assert [d.logprobs for d in repeat] == [d.logprobs for d in deltas]
+    seeded = p.SamplingParams(temperature=1.0, seed=5)
+    sampled = msgspec.structs.replace(command(tiny, prompt, key=key), sampling=seeded)
+    got, fin = await run(warm, sampled)
+    assert fin.cached_tokens == len(prompt)
+    assert got == (await run(cold, msgspec.structs.replace(sampled, request_id=uuid.uuid4().hex)))[0]
+
+
+async def test_a_first_token_that_ends_the_answer_never_joins_the_batch(
+    warm: EngineClient, tiny: ResolvedModel, key: str
+) -> None:
+    prompt = first_prompt(tiny)
+    answer, _ = await run(warm, command(tiny, prompt, key=key))
+    # The only token it may have: answered from the prompt end, finished by length.
+    one, fin = await run(warm, command(tiny, prompt, max_tokens=1, key=key))
+    assert (one, fin.reason, fin.completion_tokens, fin.cached_tokens) == (answer[:1], "length", 1, len(prompt))
+    # Its first token a stop token: the answer is empty, and ends with "stop".
+    stopping = msgspec.structs.replace(command(tiny, prompt, key=key), stop_token_ids=[answer[0]])
+    none, fin = await run(warm, stopping)
+    assert (none, fin.reason, fin.completion_tokens, fin.cached_tokens) == ([], "stop", 0, len(prompt))
+    # The engine goes on serving: the repeat after them is whole and the same.
+    assert (await run(warm, command(tiny, prompt, key=key)))[0] == answer
+
+
+async def test_a_constrained_repeat_runs_its_last_token(warm: EngineClient, tiny: ResolvedModel, key: str) -> None:
+    prompt = first_prompt(tiny)
+    await run(warm, command(tiny, prompt, key=key))
+    lark = "start: /[a-z ]{1,8}/"
+    _, fin = await run(warm, msgspec.structs.replace(command(tiny, prompt, key=key), grammar=lark))
+    assert fin.cached_tokens == len(prompt) - 1  # a grammar masks a pass's logits: the pass runs
 
 
 async def test_clients_never_share_cached_prefixes(warm: EngineClient, tiny: ResolvedModel, key: str) -> None:

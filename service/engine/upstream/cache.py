@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Hashable, Sequence
 from typing import Any
+
+from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
 
 def exact_entry(lru: Any, namespace: Hashable, tokens: Sequence[int]) -> Any | None:
@@ -29,3 +32,20 @@ def reach(lru: Any, namespace: Hashable, tokens: Sequence[int]) -> int:
         return len(tokens)
     shorter = len(found.shorter) if found.shorter is not None else 0
     return max(shorter, found.common_prefix if found.longer is not None else 0)
+
+
+def fetch_whole(lru: Any, namespace: Hashable, tokens: Sequence[int]) -> list[Any] | None:
+    """A copy of the KV of exactly ``tokens``, from an entry that holds them all (as they are,
+    or as the start of a longer one), or None. ``fetch_nearest_cache`` always leaves the last
+    token out of a longer entry; this is its search without that rule."""
+    found = lru._trie.search(namespace, list(tokens))
+    if found.exact is not None:
+        return copy.deepcopy(lru._trie.get(found.model, found.exact).prompt_cache)  # type: ignore[no-any-return]
+    if found.longer is None or found.common_prefix < len(tokens):
+        return None
+    entry = lru._trie.get(found.model, found.longer)
+    if not can_trim_prompt_cache(entry.prompt_cache):
+        return None
+    cache: list[Any] = copy.deepcopy(entry.prompt_cache)
+    trim_prompt_cache(cache, len(found.longer) - len(tokens))
+    return cache

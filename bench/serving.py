@@ -19,10 +19,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def spawn(cmd: list[str], ready_url: str, log: Path, timeout: float = 300) -> subprocess.Popen[bytes]:
+def spawn(
+    cmd: list[str], ready_url: str, log: Path, timeout: float = 300, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
     """Start ``cmd`` in its own process group (so a kill takes its children too), logging to
     ``log``, and wait until ``ready_url`` answers 200."""
-    proc = subprocess.Popen(cmd, stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(cmd, stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True, env=env)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:

@@ -186,6 +186,9 @@ def _stream(
                 count = int(chunk["usage"]["completion_tokens"])
                 if usage is not None:
                     usage.update({k: v for k, v in chunk["usage"].items() if isinstance(v, int)})
+                    details = chunk["usage"].get("prompt_tokens_details") or {}
+                    if isinstance(details.get("cached_tokens"), int):
+                        usage["cached_tokens"] = details["cached_tokens"]
     return first - start, last - first, count or pieces  # a server without usage: a piece a token
 
 

@@ -58,6 +58,7 @@ def main() -> None:
     args = parser.parse_args()
     model_dir = (args.model_dir or default_model_dir()).resolve()
     rows: dict[str, dict[str, list[float]]] = {"repeated": {}, "distinct": {}}
+    cached: dict[str, tuple[int, int]] = {}
     with tempfile.TemporaryDirectory(prefix="lmspd-ttft-against-") as tmp:
         work = Path(tmp)
         procs = []
@@ -72,16 +73,20 @@ def main() -> None:
             for k in range(args.rounds):
                 order = list(sides.items()) if k % 2 == 0 else list(sides.items())[::-1]
                 for name, (_, port) in order:
-                    repeated = f"Tell me one fact about rivers (round {k}, {name})."
+                    repeated = f"Tell me one fact about rivers (round {k})."
                     stream(port, "bench", repeated, 8)
-                    rows["repeated"].setdefault(name, []).append(stream(port, "bench", repeated, 8)[0])
-                    distinct = f"Tell me one fact about lakes (round {k}, {name})."
+                    usage: dict[str, int] = {}
+                    rows["repeated"].setdefault(name, []).append(stream(port, "bench", repeated, 8, usage=usage)[0])
+                    cached[name] = (usage.get("cached_tokens", 0), usage.get("prompt_tokens", 0))
+                    distinct = f"Tell me one fact about lakes (round {k})."
                     rows["distinct"].setdefault(name, []).append(stream(port, "bench", distinct, 8)[0])
         finally:
             for proc in procs:
                 kill(proc)
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(work / "tree")], check=False)
     print(f"\ntime to first token, {args.rounds} rounds alternating, {os.cpu_count()} CPUs")
+    for name, (hit, prompt) in cached.items():
+        print(f"{name}: the repeated prompt's last time, {hit} of {prompt} prompt tokens cached")
     print(f"| prompt | this checkout, median | {args.rev}, median | {args.rev} / this checkout, median of rounds |")
     print("|---|---|---|---|")
     for row, by in rows.items():

@@ -15,13 +15,13 @@ from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 
 from lmspd.config import EngineConfig
 from lmspd.engine import protocol as p
-from lmspd.engine.constraint import GrammarError, GrammarMask
+from lmspd.engine.admission import Admission
 from lmspd.engine.lifecycle import Lifecycle, MemoryBudget
 from lmspd.engine.loaded import (
     BUFFER_CACHE_BYTES,
@@ -32,24 +32,13 @@ from lmspd.engine.loaded import (
     keeps_early,
 )
 from lmspd.engine.logprobs import top_logprobs
-from lmspd.engine.residency import Residency
-from lmspd.engine.sampling import SeededSampler
-from lmspd.errors import LmspdError
 from lmspd.logs import LogFormat
 from lmspd.logs import setup as setup_logging
-from lmspd.models.tokenizer import IncrementalDetokenizer
-
-if TYPE_CHECKING:  # it imports MLX, which the engine loads only after its BLAS (main)
-    from lmspd.engine.prompt_cache import Hit
 
 log = logging.getLogger("lmspd.engine")
 
-# The uid of a request answered by its first token alone: it never joins the batch, and is
-# gone again before anything else is admitted.
-ANSWERED_AT_ONCE = -1
 
-
-class Engine(Residency):
+class Engine(Admission):
     def __init__(self, conn: Connection, config: EngineConfig, cache_dir: Path | None = None, blas: str = "") -> None:
         from lmspd.engine.prompt_cache import PromptCache
 
@@ -182,171 +171,6 @@ class Engine(Residency):
             (self.lifecycle.pinned.add if cmd.pinned else self.lifecycle.pinned.discard)(cmd.model)
         elif isinstance(cmd, p.Status):
             self.send(self._status(cmd.query))
-
-    def _admit_waiting(self) -> None:
-        for _ in range(len(self.pending_loads)):
-            load = self.pending_loads.popleft()
-            if self._can_load(load.model, load.path):
-                self.handle(load)
-            else:
-                self.pending_loads.append(load)
-        for _ in range(len(self.waiting)):
-            cmd = self.waiting.popleft()
-            if self._can_load(cmd.model, cmd.path):
-                self._submit(cmd)
-            else:
-                self.waiting.append(cmd)
-
-    # --- requests ---------------------------------------------------------------------------
-
-    def _fail(self, cmd: p.Generate, code: str, message: str, param: str | None = None) -> None:
-        self.send(p.Failed(request_id=cmd.request_id, code=code, message=message, param=param, model=cmd.model))
-
-    def _admit_compiled(self) -> None:
-        """Requests whose grammar has compiled join the batch (or fail, if it did not compile)."""
-        for request_id, (cmd, future) in list(self.compiling.items()):
-            if not future.done():
-                continue
-            del self.compiling[request_id]
-            try:
-                template = future.result()
-            except GrammarError as exc:
-                self._fail(cmd, "invalid_request", f"the output grammar cannot be used: {exc}", "text.format")
-                continue
-            except Exception as exc:
-                log.exception("compiling a grammar failed")
-                self._fail(cmd, "server_error", f"the output grammar could not be compiled: {exc}")
-                continue
-            if (lm := self.models.get(cmd.model)) is not None and cmd.grammar is not None:
-                lm.grammar_set().keep(cmd.grammar, template)
-            self._submit(cmd)
-
-    def _submit(self, cmd: p.Generate) -> None:
-        if cmd.request_id in self.by_id or cmd.request_id in self.compiling:
-            return self._fail(cmd, "invalid_request", f"request id {cmd.request_id} is already running")
-        if cmd.model not in self.models and (refused := self.budget.refusal(cmd.model, cmd.path)) is not None:
-            return self._fail(cmd, refused.code, refused.message, "model")  # it would wait forever
-        if not self._can_load(cmd.model, cmd.path):
-            self.waiting.append(cmd)
-            return None
-        lm = self._load_or_fail(cmd.model, cmd.path)
-        if lm is None:
-            # The model exists (it was resolved) but did not load: not a 404.
-            return self._fail(cmd, "model_load_failed", f"model '{cmd.model}' could not be loaded", "model")
-        try:
-            cmd.sampling.validate()
-            p.validate_top_logprobs(cmd.logprobs)
-        except LmspdError as exc:
-            return self._fail(cmd, exc.code, exc.message, exc.param)
-        tokens = cmd.prompt + cmd.generated
-        if not cmd.prompt:
-            return self._fail(cmd, "invalid_request", "the prompt is empty", "input")
-        if any(not 0 <= t < lm.vocab_size for t in tokens):
-            # MLX does not bounds-check embedding lookups: an out-of-range id reads garbage.
-            return self._fail(cmd, "invalid_request", f"token ids must be in [0, {lm.vocab_size})", "input")
-        if cmd.max_tokens < 1:
-            return self._fail(
-                cmd, "invalid_request", f"max_tokens must be >= 1, got {cmd.max_tokens}", "max_output_tokens"
-            )
-        if len(tokens) >= lm.context_length:
-            return self._fail(
-                cmd,
-                "context_length_exceeded",
-                f"{len(tokens)} tokens exceed the model's context of {lm.context_length}",
-                "input",
-            )
-        remaining = min(cmd.max_tokens - len(cmd.generated), lm.context_length - len(tokens))
-        if remaining <= 0:
-            self.send(
-                p.Finished(
-                    request_id=cmd.request_id,
-                    reason="length",
-                    prompt_tokens=len(cmd.prompt),
-                    completion_tokens=len(cmd.generated),
-                )
-            )
-            return None
-        if cmd.grammar and not lm.grammar_set().compiled(cmd.grammar):
-            if self._compiler is None:
-                self._compiler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
-            self.compiling[cmd.request_id] = (cmd, self._compiler.submit(lm.grammar_set().compile, cmd.grammar))
-            return None
-        try:
-            processors = [lm.grammar_mask(cmd.grammar, cmd.generated)] if cmd.grammar else []
-        except GrammarError as exc:
-            return self._fail(cmd, "invalid_request", f"the output grammar cannot be used: {exc}", "text.format")
-        self._insert(lm, cmd, tokens, remaining, processors)
-        return None
-
-    def _insert(
-        self, lm: LoadedModel, cmd: p.Generate, tokens: list[int], remaining: int, processors: list[GrammarMask]
-    ) -> None:
-        from mlx_lm.generate import StopSequences
-        from mlx_lm.sample_utils import make_sampler
-
-        s = cmd.sampling
-        sampler: Any
-        if s.seed is not None and s.temperature > 0:
-            sampler = SeededSampler(s, s.seed, already=len(cmd.generated))
-        else:  # greedy ignores a seed; unseeded sampling draws from MLX's global generator
-            sampler = make_sampler(
-                temp=s.temperature, top_p=s.top_p if s.top_p < 1.0 else 0.0, top_k=s.top_k, min_p=s.min_p
-            )
-        stops = StopSequences([[t] for t in cmd.stop_token_ids] or None)
-        hit = self.prompt_cache.fetch((lm.fingerprint, cmd.cache_key), tokens)
-        first = self._first_token(hit, sampler, cmd, processors)
-        if first is None:
-            hit = hit.step_back()
-        elif first in cmd.stop_token_ids or remaining == 1:
-            return self._answer_at_once(lm, cmd, hit, first)
-        # The first token is the batch's to run next, as a resumed request's last one.
-        run = [first] if first is not None else tokens[hit.cached :]
-        (uid,) = lm.batch.insert(
-            [run],
-            max_tokens=[remaining - (first is not None)],
-            caches=[hit.cache] if hit.cache is not None else None,
-            # What the cache already holds: the batch reports it back with the finished cache.
-            all_tokens=[tokens[: hit.cached]],
-            samplers=[sampler],
-            logits_processors=[list(processors)],
-            stop_sequences=[stops],
-        )
-        req = self._admit(lm, cmd, uid, hit)
-        req.mask = processors[0] if processors else None
-        if first is None and not processors and self.prompt_cache.enabled:
-            req.keep_end = tokens
-        if first is not None:
-            self._on_token(lm, req, first, None, self.early, self._score_first(lm, req, hit, first))
-        return None
-
-    def _admit(self, lm: LoadedModel, cmd: p.Generate, uid: int, hit: Hit) -> Request:
-        req = Request(cmd, uid, IncrementalDetokenizer(lm.tokenizer, cmd.generated), len(cmd.generated))
-        # A resumed request's cached tokens are counted against its prompt only.
-        req.cached_tokens = min(hit.cached, len(cmd.prompt))
-        lm.requests[uid] = req
-        self.by_id[cmd.request_id] = (lm, req)
-        return req
-
-    @staticmethod
-    def _first_token(hit: Hit, sampler: Any, cmd: p.Generate, processors: list[GrammarMask]) -> int | None:
-        """The first token, sampled from a whole hit's kept logprobs (prompt_ends.py); None
-        when it comes from a pass. A grammar's mask applies to a pass's logits, and a resumed
-        request's tokens never ended a kept pass."""
-        if hit.logprobs is None or processors or cmd.generated:
-            return None
-        return int(sampler(hit.logprobs[None]).item())
-
-    def _answer_at_once(self, lm: LoadedModel, cmd: p.Generate, hit: Hit, first: int) -> None:
-        """A first token that ends the answer (a stop token, or the only one it may have): the
-        request never joins the batch."""
-        req = self._admit(lm, cmd, ANSWERED_AT_ONCE, hit)
-        finish = "stop" if first in cmd.stop_token_ids else "length"
-        self._on_token(lm, req, first, finish, self.early, self._score_first(lm, req, hit, first))
-
-    def _score_first(self, lm: LoadedModel, req: Request, hit: Hit, first: int) -> p.TokenLogprob | None:
-        if req.cmd.logprobs is None:
-            return None
-        return self._score(lm, [(req.uid, first, hit.logprobs, req.cmd.logprobs)]).get(req.uid)
 
     def _cancel(self, request_id: str) -> None:
         # Not in the batch yet: waiting for its model, or for its grammar to compile.

@@ -42,6 +42,7 @@ from mlx_lm.models.cache import (
     trim_prompt_cache,
 )
 
+from lmspd.engine.prompt_ends import DEFAULT_MAX_BYTES as DEFAULT_ENDS_BYTES
 from lmspd.engine.prompt_ends import PromptEnds
 from lmspd.engine.upstream.cache import exact_entry, fetch_whole, namespaces, reach
 
@@ -110,6 +111,7 @@ class PromptCache:
         )
         self.dirty: OrderedDict[Key, None] = OrderedDict()
         self.ends = PromptEnds()
+        self.fit(max_bytes)
         self.flushed_at = time.monotonic()
         # Files are written on a thread of their own: hashing and fsyncing a large cache takes
         # seconds on a slow disk, and the engine loop must not stall its streams meanwhile.
@@ -118,7 +120,14 @@ class PromptCache:
 
     @property
     def nbytes(self) -> int:
-        return int(self.lru.nbytes)
+        return int(self.lru.nbytes) + self.ends.nbytes
+
+    def fit(self, room: int) -> None:
+        """Hold at most ``room`` bytes from now on: a sixteenth of it (16 MiB at most) for the
+        prompt ends, the rest for the KV; the least recently used go first."""
+        self.ends.resize(min(DEFAULT_ENDS_BYTES, room // 16))
+        self.lru.max_bytes = room - self.ends.max_bytes
+        self.lru.trim_to(n_bytes=self.lru.max_bytes)
 
     def fetch(self, namespace: Namespace, tokens: list[int]) -> Hit:
         """The longest cached prefix of ``tokens`` (a copy): from ``namespace`` first, else from

@@ -12,7 +12,8 @@ beside it (tests/engine/test_engine.py, ``test_a_seeded_request_is_unaffected_by
 Only a pass without logits processors is kept (a grammar's mask is the request's own), and
 only a request without them uses one. Kept per namespace, as the KV is (a shared prompt end
 would answer faster: the same side channel, docs/responses.md, "The prompt cache"), in
-memory only, least recently used first out, within ``max_bytes``.
+memory only, least recently used first out, within ``max_bytes`` (``PromptCache.fit`` gives
+them a sixteenth of the prompt cache's bound, 16 MiB at most).
 
 Only the engine process imports this module (it imports MLX).
 """
@@ -53,6 +54,13 @@ class PromptEnds:
             return
         self._kept[key] = row
         self.nbytes += row.nbytes
+        self._trim()
+
+    def resize(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._trim()
+
+    def _trim(self) -> None:
         while self.nbytes > self.max_bytes:
             _, evicted = self._kept.popitem(last=False)
             self.nbytes -= evicted.nbytes

@@ -130,9 +130,7 @@ class Residency:
     def _fit_cache(self, extra: int = 0) -> None:
         """The prompt cache keeps what the models (and ``extra`` bytes about to load) leave."""
         if self.prompt_cache.enabled:
-            room = self.budget.cache_room(self._held() + extra)
-            self.prompt_cache.lru.max_bytes = room
-            self.prompt_cache.lru.trim_to(n_bytes=room)
+            self.prompt_cache.fit(self.budget.cache_room(self._held() + extra))
 
     def _fit_memory(self, loaded: str) -> None:
         idle = [n for n in self._idle() if n != loaded]

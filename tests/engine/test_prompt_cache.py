@@ -337,6 +337,30 @@ def test_the_memory_bound_holds_and_the_newest_entry_stays() -> None:
     assert cache.fetch(("m", ""), [*range(0, 300), 7]).cached == 0
 
 
+def test_prompt_ends_share_the_bound_and_go_least_recently_used_first() -> None:
+    row = mx.arange(1000, dtype=mx.float32)  # 4,000 bytes
+    cache = PromptCache(max_bytes=16 * 10_000)  # a sixteenth for the ends: two rows and a half
+    assert cache.ends.max_bytes == 10_000 and cache.lru.max_bytes == 15 * 10_000
+    for i in range(3):
+        cache.ends.keep(("m", ""), [i, i + 1], row + i)
+        cache.ends.get(("m", ""), [0, 1])  # the first stays the most recently used
+    assert cache.ends.get(("m", ""), [1, 2]) is None  # the least recently used went
+    kept = cache.ends.get(("m", ""), [0, 1])
+    assert kept is not None and mx.array_equal(kept, row).item()
+    assert cache.ends.get(("m", "other client"), [0, 1]) is None
+    assert cache.nbytes == cache.ends.nbytes == 8_000
+    cache.fit(16 * 4_000)  # the engine's memory budget shrank
+    assert len(cache.ends) == 1 and cache.nbytes == 4_000 and cache.lru.max_bytes == 15 * 4_000
+    # A kept row is a copy: a view would hold its whole step's batch.
+    cache.fit(1 << 30)
+    batch = list(mx.ones((8, 1 << 20)))  # as a step's logprobs reach the engine (mlx-lm's _step)
+    mx.eval(batch)
+    with_batch = mx.get_active_memory()
+    cache.ends.keep(("m", ""), [5, 6], batch[3])
+    del batch
+    assert mx.get_active_memory() <= with_batch - 7 * (4 << 20)
+
+
 def test_a_disabled_cache_keeps_nothing() -> None:
     cache = PromptCache(max_bytes=0)
     cache.store(("m", ""), [1, 2, 3], kv(3))

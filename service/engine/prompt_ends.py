@@ -3,8 +3,8 @@ prompt takes its first token without a forward pass.
 
 A cached prompt still needs the logits after its last token. Without them the prompt cache
 hands out every token's KV but the last, and the request's first step runs that token again:
-one decode pass (~16 ms at batch 1 on two cores, docs/benchmarks.md, "Time to first token")
-before the first token, for logits an earlier request already computed. The pass is a
+one decode pass before the first token, for logits an earlier request already computed
+(what that cost: docs/benchmarks.md, "Seventh pass"). The pass is a
 function of the tokens alone, so its logprobs, kept here beside the KV, are the ones it would
 give again: each row of a decode step is computed as it would be alone, whatever the batch
 beside it (tests/engine/test_engine.py, ``test_a_seeded_request_is_unaffected_by_its_batch``).

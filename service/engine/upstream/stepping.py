@@ -1,22 +1,36 @@
-"""Decode steps that hand each token out as soon as its forward pass is done (CPU backend).
+"""Decode steps that hand each token out as soon as its forward pass is done (CPU backend), and
+run one pass ahead only while nothing about the batch is about to change.
 
 mlx-lm's ``GenerationBatch._step`` pipelines: it builds and ``mx.async_eval``s the pass for
 token n + 1 and only then returns token n, so that on Metal the GPU computes the next pass
 while Python handles this token. On MLX's CPU backend ``async_eval`` returns only once most of
-the work it was given is done (a 2.2 s chain of ops: its ``async_eval`` call took 1.9 s), so
-nothing overlaps and every token is handed out one pass late: a first token costs two passes
-(a cached prompt's first token took 2.6 decode steps, docs/benchmarks.md, "Step profile"), a
-new request's first pass runs apart from the batch's, and each request ends with a pass
-whose token nobody reads.
+the work it was given is done (MLX's CPU scheduler takes ten tasks of ten primitives before it
+blocks), so every token is handed out most of a pass late: a first token costs two passes (a
+cached prompt's first token took 2.6 decode steps, docs/benchmarks.md, "Step profile"), a new
+request's first pass runs apart from the batch's, and each request ends with a pass whose
+token nobody reads.
 
-``StepNow`` changes only that order: a step runs the pass for the tokens handed out last
-time, waits for it, and hands out its tokens. A batch made for new requests runs no pass of
-its own: its first tokens come from the next step, with the running requests' rows. Every
-row sees the same inputs, cache and logits processors as before, so greedy outputs are the
-same token for token (``tests/engine/test_stepping.py``).
+``StepNow`` runs a step *now*: the pass for the tokens handed out last time, waited for, its
+tokens handed out. A batch made for new requests runs no pass of its own: its first tokens come
+from the next step, with the running requests' rows. Every row sees the same inputs, cache and
+logits processors as before, so greedy outputs are the same token for token
+(``tests/engine/test_stepping.py``).
+
+Once a batch has settled (a step after the last request joined, no request joining, no logits
+processors, no request at its last token), it runs *ahead*, as upstream does: a step starts
+the pass after the one in flight and hands out the in-flight one's tokens. With a step of 168
+primitives, about 100 of them still run when ``async_eval`` returns, and the Python around a
+step (the engine loop's handling of the tokens, the next graph's construction: ~2 ms at batch
+1) runs meanwhile instead of before the pass (docs/benchmarks.md, "Seventh pass"). The tokens
+are the same either way; only when they are evaluated moves. A step that runs ahead never
+meets a joining request: ``BatchGenerator._next`` says before its generation step whether a
+prompt is waiting (``steady``), and a batch ahead finishes the pass in flight and hands it out
+(``_drain``) before anything joins.
 
 It relies on ``GenerationBatch``'s private state (``_step``, ``_next_tokens``,
-``_next_logprobs``, ``__init__`` calling ``_step`` once): upstream/README.md.
+``_next_logprobs``, ``_num_tokens``, ``__init__`` calling ``_step`` once) and on
+``BatchGenerator._next``, ``_unprocessed_sequences``, ``_prompt_batch`` and
+``_generation_batch``: upstream/README.md.
 """
 
 from __future__ import annotations
@@ -30,13 +44,18 @@ import mlx.core as mx
 generate: Any = importlib.import_module("mlx_lm.generate")
 
 _Upstream: Any = generate.GenerationBatch
+_upstream_next: Any = generate.BatchGenerator._next
 
 
 class StepNow(_Upstream):  # type: ignore[misc]
-    """``GenerationBatch`` whose step returns the tokens its own pass computed."""
+    """``GenerationBatch`` whose step returns the tokens its own pass computed, or, once the
+    batch has settled, the tokens of the pass in flight."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._deferred = True  # __init__'s own _step: no pass yet (the next step runs it)
+        self._ahead = False  # a pass over the tokens handed out last is in flight, unread
+        self._settled = False  # a step has run since the last request joined
+        self.steady = False  # no prompt waits to join (BatchGenerator._next says, each step)
         super().__init__(*args, **kwargs)
         self._deferred = False
         # Rows not yet stepped: placeholders, so filter() and extend() index as upstream does.
@@ -45,10 +64,57 @@ class StepNow(_Upstream):  # type: ignore[misc]
     def _step(self) -> tuple[list[int], list[Any]]:
         if self._deferred:
             return [], []
+        if self._ahead:
+            if not self._may_run_ahead():
+                return self._drain()
+            # The pass after the one in flight, started; the in-flight one's tokens, handed out.
+            tokens, logprobs = super()._step()
+            return list(tokens), list(logprobs)
         super()._step()  # the pass over the tokens handed out last time, started
         tokens, logprobs = self._next_tokens, self._next_logprobs
         mx.eval(tokens, logprobs)  # ...and finished: its tokens are this step's
+        handed = list(tokens.tolist()), list(logprobs)
+        if self._settled and self._may_run_ahead():
+            super()._step()  # the next pass, over these tokens, started before they go out
+            self._ahead = True
+        self._settled = True
+        return handed
+
+    def _may_run_ahead(self) -> bool:
+        """Whether the pass after the next tokens may start before they are handed out: no
+        prompt is waiting to join, no row's logits processors need the tokens' values, and no
+        row's next token is its last by ``max_tokens`` (a pass after it would be wasted)."""
+        return (
+            self.steady
+            and not any(self.logits_processors)
+            and all(n + 1 < m for n, m in zip(self._num_tokens, self.max_tokens, strict=True))
+        )
+
+    def _drain(self) -> tuple[list[int], list[Any]]:
+        """The pass in flight, finished and handed out; nothing started after it."""
+        tokens, logprobs = self._next_tokens, self._next_logprobs
+        mx.eval(tokens, logprobs)
+        self._ahead = False
         return list(tokens.tolist()), list(logprobs)
+
+    def extend(self, batch: Any) -> None:
+        if self._ahead:  # its rows' next tokens are unread outputs, the new rows' are inputs
+            raise RuntimeError("a request joined a batch running a pass ahead")
+        super().extend(batch)
+        self._settled = False
+
+    def filter(self, keep: list[int]) -> None:
+        super().filter(keep)
+        if not keep:
+            self._ahead = False
+
+
+def _next(self: Any) -> Any:
+    """``BatchGenerator._next``, telling its generation batch first whether a prompt waits."""
+    batch = self._generation_batch
+    if isinstance(batch, StepNow):
+        batch.steady = not self._unprocessed_sequences and len(self._prompt_batch) == 0
+    return _upstream_next(self)
 
 
 def install() -> bool:
@@ -56,4 +122,5 @@ def install() -> bool:
     if mx.metal.is_available():
         return False
     generate.GenerationBatch = StepNow
+    generate.BatchGenerator._next = _next
     return True

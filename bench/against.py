@@ -1,14 +1,16 @@
-"""Time to first token of this checkout against another git revision, side by side.
+"""This checkout's server against another git revision's, side by side: bench.peers' rows.
 
-    python -m bench.ttft_against REV [--rounds 20] [--model-dir DIR]
+    python -m bench.against REV [--rounds 10] [--model-dir DIR]
 
 Starts ``lmspd serve`` from this checkout and from REV (a ``git worktree`` in a temporary
 folder, imported ahead of this checkout's package), both on the bundled model (or
 ``--model-dir``) with their default config, and alternates between them, round by round, the
-rows bench.peers measures against llama-server: a repeated prompt (sent once, then timed when
-sent again) and a distinct one (new each round). Each row prints both medians and the median
-of the rounds' ratios (REV's over this checkout's), so the machine's drift between rounds
-cancels. Both servers stay up, each idle while the other answers.
+rows bench.peers measures against llama-server but the long prompt's (``bench.peers.measure``):
+the first token of a repeated and of a distinct prompt, one stream's decode, and 4 and 8
+streams at once. Each row prints both medians and the median of the rounds' ratios (this
+checkout's over REV's, the better one above 1), so the machine's drift between rounds cancels.
+Both servers stay up, each idle while the other answers. A last line per side says how many of
+a repeated prompt's tokens came from the prompt cache.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.peers import stream
+from bench.peers import LOWER_BETTER, ROWS, measure, stream
 from bench.serving import free_port, kill, spawn
 from bench.step_profile import default_model_dir
 
@@ -53,19 +55,20 @@ def serve(work: Path, model_dir: Path, pythonpath: str | None) -> tuple[subproce
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("rev")
-    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--model-dir", type=Path, default=None)
     args = parser.parse_args()
     model_dir = (args.model_dir or default_model_dir()).resolve()
-    rows: dict[str, dict[str, list[float]]] = {"repeated": {}, "distinct": {}}
+    this = "this checkout"
+    runs: dict[str, list[dict[str, float]]] = {this: [], args.rev: []}
     cached: dict[str, tuple[int, int]] = {}
-    with tempfile.TemporaryDirectory(prefix="lmspd-ttft-against-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="lmspd-against-") as tmp:
         work = Path(tmp)
         procs = []
         try:
             root = worktree(args.rev, work)
-            sides = {"this checkout": serve(work / "this", model_dir, None)}
-            procs.append(sides["this checkout"][0])
+            sides = {this: serve(work / "this", model_dir, None)}
+            procs.append(sides[this][0])
             sides[args.rev] = serve(work / "rev", model_dir, str(root))
             procs.append(sides[args.rev][0])
             for _, port in sides.values():
@@ -73,29 +76,31 @@ def main() -> None:
             for k in range(args.rounds):
                 order = list(sides.items()) if k % 2 == 0 else list(sides.items())[::-1]
                 for name, (_, port) in order:
-                    repeated = f"Tell me one fact about rivers (round {k})."
-                    stream(port, "bench", repeated, 8)
-                    usage: dict[str, int] = {}
-                    rows["repeated"].setdefault(name, []).append(stream(port, "bench", repeated, 8, usage=usage)[0])
-                    cached[name] = (usage.get("cached_tokens", 0), usage.get("prompt_tokens", 0))
-                    distinct = f"Tell me one fact about lakes (round {k})."
-                    rows["distinct"].setdefault(name, []).append(stream(port, "bench", distinct, 8)[0])
+                    runs[name].append(measure(port, "bench", k, ""))
+                print(f"round {k + 1}: " + ", ".join(f"{n} {r[-1]['decode']:.1f} tok/s" for n, r in runs.items()))
+            for name, (_, port) in sides.items():
+                usage: dict[str, int] = {}
+                stream(port, "bench", "Once more, please.", 2)
+                stream(port, "bench", "Once more, please.", 2, usage=usage)
+                cached[name] = (usage.get("cached_tokens", 0), usage.get("prompt_tokens", 0))
         finally:
             for proc in procs:
                 kill(proc)
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(work / "tree")], check=False)
-    print(f"\ntime to first token, {args.rounds} rounds alternating, {os.cpu_count()} CPUs")
-    for name, (hit, prompt) in cached.items():
-        print(f"{name}: the repeated prompt's last time, {hit} of {prompt} prompt tokens cached")
-    print(f"| prompt | this checkout, median | {args.rev}, median | {args.rev} / this checkout, median of rounds |")
+    print(f"\n{args.rounds} rounds alternating, {os.cpu_count()} CPUs")
+    print(f"| | {this}, median | {args.rev}, median | {this} ahead by, median of rounds |")
     print("|---|---|---|---|")
-    for row, by in rows.items():
-        ours, theirs = by["this checkout"], by[args.rev]
-        ratio = statistics.median(t / o for o, t in zip(ours, theirs, strict=True))
-        print(
-            f"| {row} | {statistics.median(ours) * 1e3:.1f} ms | {statistics.median(theirs) * 1e3:.1f} ms "
-            f"| {ratio:.2f}× |"
-        )
+    for label, key, ahead in ROWS:
+        ours = [r[key] for r in runs[this] if key in r]
+        theirs = [r[key] for r in runs[args.rev] if key in r]
+        if not ours or not theirs:
+            continue
+        ratio = statistics.median(ahead(o, t) for o, t in zip(ours, theirs, strict=True))
+        unit = " s" if key in LOWER_BETTER else ""
+        medians = f"{statistics.median(ours):.3f}{unit} | {statistics.median(theirs):.3f}{unit}"
+        print(f"| {label} | {medians} | {ratio:.3f}× |")
+    for name, (hit, prompt) in cached.items():
+        print(f"{name}: a repeated prompt, {hit} of its {prompt} tokens from the prompt cache")
 
 
 if __name__ == "__main__":

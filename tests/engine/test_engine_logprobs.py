@@ -6,7 +6,7 @@ import asyncio
 
 import msgspec
 import pytest
-from support.generation import PROMPTS, collect, request
+from support.generation import PROMPTS, collect, deltas_of, request
 
 from lmspd.engine import protocol as p
 from lmspd.engine.logprobs import LOGPROB_FLOOR, TokenPieces, top_logprobs
@@ -18,16 +18,6 @@ from lmspd.prompting.generation import tokenizer_for
 
 def with_logprobs(cmd: p.Generate, k: int | None) -> p.Generate:
     return msgspec.structs.replace(cmd, logprobs=k)
-
-
-async def deltas_of(engine: EngineClient, cmd: p.Generate) -> tuple[list[p.Delta], p.Finished]:
-    deltas: list[p.Delta] = []
-    async for ev in engine.generate(cmd):
-        if isinstance(ev, p.Delta):
-            deltas.append(ev)
-        else:
-            return deltas, ev
-    raise AssertionError("stream ended without Finished")
 
 
 def entries(deltas: list[p.Delta]) -> list[p.TokenLogprob]:

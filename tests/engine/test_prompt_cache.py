@@ -20,6 +20,7 @@ import msgspec
 import pytest
 from mlx_lm.models.cache import KVCache
 from support.disk import fill, free, small_disk
+from support.generation import deltas_of
 from support.wait import wait_until_async
 
 from lmspd.config import EngineConfig
@@ -170,16 +171,6 @@ def test_which_prompts_are_cached_once_prefilled(
     assert keeps_early(req) == kept
 
 
-async def run_all(engine: EngineClient, cmd: p.Generate) -> tuple[list[p.Delta], p.Finished]:
-    deltas: list[p.Delta] = []
-    async for ev in engine.generate(cmd):
-        if isinstance(ev, p.Delta):
-            deltas.append(ev)
-        else:
-            return deltas, ev
-    raise AssertionError("no Finished")
-
-
 async def test_an_exact_repeat_takes_its_first_token_from_the_kept_prompt_end(
     warm: EngineClient, cold: EngineClient, tiny: ResolvedModel, key: str
 ) -> None:
@@ -197,8 +188,8 @@ async def test_a_prompt_end_gives_the_same_logprobs_and_seeded_samples(
 ) -> None:
     prompt = first_prompt(tiny)
     asked = msgspec.structs.replace(command(tiny, prompt, key=key), logprobs=3)
-    deltas, _ = await run_all(warm, asked)
-    repeat, fin = await run_all(warm, msgspec.structs.replace(asked, request_id=uuid.uuid4().hex))
+    deltas, _ = await deltas_of(warm, asked)
+    repeat, fin = await deltas_of(warm, msgspec.structs.replace(asked, request_id=uuid.uuid4().hex))
     assert fin.cached_tokens == len(prompt)
     assert [d.logprobs for d in repeat] == [d.logprobs for d in deltas]
     seeded = p.SamplingParams(temperature=1.0, seed=5)

@@ -1,4 +1,5 @@
-"""Engine commands for the engine tier: a greedy chat request, and a whole stream collected."""
+"""Engine commands for the engine tier: a greedy chat request, and a whole stream collected
+(its tokens and text, or its deltas as they came)."""
 
 from __future__ import annotations
 
@@ -34,4 +35,14 @@ async def collect(engine: EngineClient, cmd: p.Generate) -> tuple[list[int], str
             text += ev.text
         else:
             return ids, text + ev.text, ev
+    raise AssertionError("stream ended without Finished")
+
+
+async def deltas_of(engine: EngineClient, cmd: p.Generate) -> tuple[list[p.Delta], p.Finished]:
+    deltas: list[p.Delta] = []
+    async for ev in engine.generate(cmd):
+        if isinstance(ev, p.Delta):
+            deltas.append(ev)
+        else:
+            return deltas, ev
     raise AssertionError("stream ended without Finished")

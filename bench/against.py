@@ -19,12 +19,11 @@ import argparse
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 from bench.peers import LOWER_BETTER, ROWS, measure, stream
-from bench.serving import free_port, kill, spawn
+from bench.serving import kill, serve
 from bench.step_profile import default_model_dir
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,16 +39,16 @@ def worktree(rev: str, where: Path) -> Path:
     return root
 
 
-def serve(work: Path, model_dir: Path, pythonpath: str | None) -> tuple[subprocess.Popen[bytes], int]:
+def serve_from(work: Path, model_dir: Path, pythonpath: str | None) -> tuple[subprocess.Popen[bytes], int]:
+    """``lmspd serve`` on the model, its package imported from ``pythonpath`` (None: this
+    checkout's): the process and its port."""
     work.mkdir()
-    (work / "lmspd.toml").write_text(f'[models.bench]\npath = "{model_dir}"\n[server]\ndata_dir = "{work}"\n')
-    port = free_port()
     env = dict(os.environ)
     if pythonpath is not None:
         env["PYTHONPATH"] = pythonpath
-    cmd = [sys.executable, "-m", "lmspd.cli", "serve", "--config", str(work / "lmspd.toml")]
-    cmd += ["--port", str(port), "--model", "bench"]
-    return spawn(cmd, f"http://127.0.0.1:{port}/readyz", work / "server.log", env=env), port
+    config = f'[models.bench]\npath = "{model_dir}"\n[server]\ndata_dir = "{work}"\n'
+    proc, url = serve(work, config, env=env)
+    return proc, int(url.rsplit(":", 1)[1])
 
 
 def main() -> None:
@@ -67,9 +66,9 @@ def main() -> None:
         procs = []
         try:
             root = worktree(args.rev, work)
-            sides = {this: serve(work / "this", model_dir, None)}
+            sides = {this: serve_from(work / "this", model_dir, None)}
             procs.append(sides[this][0])
-            sides[args.rev] = serve(work / "rev", model_dir, str(root))
+            sides[args.rev] = serve_from(work / "rev", model_dir, str(root))
             procs.append(sides[args.rev][0])
             for _, port in sides.values():
                 stream(port, "bench", "Warm up.", 4)

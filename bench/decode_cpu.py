@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -27,7 +26,7 @@ from pathlib import Path
 import httpx
 
 from bench.peers import children, process_label
-from bench.serving import free_port, kill, spawn
+from bench.serving import kill, serve
 from bench.step_profile import default_model_dir, thread_cpu
 
 
@@ -60,11 +59,7 @@ def main() -> None:
     model_dir = args.model_dir or default_model_dir()
     with tempfile.TemporaryDirectory(prefix="lmspd-decode-cpu-") as tmp:
         work = Path(tmp)
-        (work / "lmspd.toml").write_text(f'[models.bench]\npath = "{model_dir}"\n[server]\ndata_dir = "{work}"\n')
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        cmd = [sys.executable, "-m", "lmspd.cli", "serve", "--config", str(work / "lmspd.toml")]
-        proc = spawn([*cmd, "--port", str(port), "--model", "bench"], f"{url}/readyz", work / "server.log")
+        proc, url = serve(work, f'[models.bench]\npath = "{model_dir}"\n[server]\ndata_dir = "{work}"\n')
         client = httpx.Client(timeout=600, limits=httpx.Limits(max_connections=2 * args.streams))
         try:
             answer(client, url, "Warm up.", 16)

@@ -39,15 +39,18 @@ def spawn(
     raise RuntimeError(f"{cmd[0]} did not become ready at {ready_url}")
 
 
-def serve(work: Path, config: str, timeout: float = 120) -> tuple[subprocess.Popen[bytes], str]:
+def serve(
+    work: Path, config: str, timeout: float = 120, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen[bytes], str]:
     """``lmspd serve`` on ``config`` (TOML text, written to ``work``), ready on a free port:
-    the process and its base URL. Its log is ``work/server.log``."""
+    the process and its base URL. Its log is ``work/server.log``; ``env``: its environment,
+    if not this process's."""
     path = work / "lmspd.toml"
     path.write_text(config)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "lmspd.cli", "serve", "--config", str(path), "--port", str(port)]
-    return spawn(cmd, f"{url}/readyz", work / "server.log", timeout=timeout), url
+    return spawn(cmd, f"{url}/readyz", work / "server.log", timeout=timeout, env=env), url
 
 
 def kill(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: float = 30) -> None:

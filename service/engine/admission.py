@@ -50,10 +50,6 @@ class Admission(Residency):
     ) -> None:
         raise NotImplementedError
 
-    @staticmethod
-    def _score(lm: LoadedModel, wanted: list[tuple[int, int, Any, int]]) -> dict[int, p.TokenLogprob]:
-        raise NotImplementedError
-
     def handle(self, cmd: p.Command) -> None:
         raise NotImplementedError
 
@@ -220,4 +216,4 @@ class Admission(Residency):
     def _score_first(self, lm: LoadedModel, req: Request, hit: Hit, first: int) -> p.TokenLogprob | None:
         if req.cmd.logprobs is None:
             return None
-        return self._score(lm, [(req.uid, first, hit.logprobs, req.cmd.logprobs)]).get(req.uid)
+        return lm.score([(req.uid, first, hit.logprobs, req.cmd.logprobs)]).get(req.uid)

@@ -8,7 +8,7 @@ from typing import Any
 
 from lmspd.engine import protocol as p
 from lmspd.engine.constraint import GrammarMask, Grammars
-from lmspd.engine.logprobs import TokenPieces
+from lmspd.engine.logprobs import TokenPieces, top_logprobs
 from lmspd.engine.pacing import PrefillPacer
 from lmspd.models.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -77,6 +77,19 @@ class LoadedModel:
         if self.pieces is None:
             self.pieces = TokenPieces(Path(self.path))
         return self.pieces
+
+    def score(self, wanted: list[tuple[int, int, Any, int]]) -> dict[int, p.TokenLogprob]:
+        """Logprobs of each (uid, token, its logprobs row, how many alternatives), by uid: one
+        partial sort for all of them."""
+        if not wanted:
+            return {}
+        chosen, tops = top_logprobs([w[2] for w in wanted], [w[1] for w in wanted], [w[3] for w in wanted])
+        pieces = self.token_pieces()
+        scored: dict[int, p.TokenLogprob] = {}
+        for (uid, token, _, _), logprob, top in zip(wanted, chosen, tops, strict=True):
+            alternatives = [p.TopLogprob(*pieces.scored(t, v)) for t, v in top]
+            scored[uid] = p.TokenLogprob(*pieces.scored(token, logprob), alternatives)
+        return scored
 
     def grammar_set(self) -> Grammars:
         if self.grammars is None:

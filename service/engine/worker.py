@@ -31,7 +31,6 @@ from lmspd.engine.loaded import (
     bound_buffer_cache,
     keeps_early,
 )
-from lmspd.engine.logprobs import top_logprobs
 from lmspd.logs import LogFormat
 from lmspd.logs import setup as setup_logging
 
@@ -230,8 +229,7 @@ class Engine(Admission):
         self._keep_ends(lm, live)
         try:
             # Only the requests that asked pay; a stop token is not output, so it gets no entry.
-            scored = self._score(
-                lm,
+            scored = lm.score(
                 [
                     (r.uid, r.token, r.logprobs, req.cmd.logprobs)
                     for r, req in live
@@ -258,20 +256,6 @@ class Engine(Admission):
             if r.finish_reason is not None and r.prompt_cache is not None:
                 self.prompt_cache.store((lm.fingerprint, req.cmd.cache_key), r.all_tokens, r.prompt_cache)
             self._on_token(lm, req, r.token, r.finish_reason, deltas, scored.get(r.uid))
-
-    @staticmethod
-    def _score(lm: LoadedModel, wanted: list[tuple[int, int, Any, int]]) -> dict[int, p.TokenLogprob]:
-        """Logprobs of each (uid, token, its logprobs row, how many alternatives): one partial
-        sort for all of them."""
-        if not wanted:
-            return {}
-        chosen, tops = top_logprobs([w[2] for w in wanted], [w[1] for w in wanted], [w[3] for w in wanted])
-        pieces = lm.token_pieces()
-        scored: dict[int, p.TokenLogprob] = {}
-        for (uid, token, _, _), logprob, top in zip(wanted, chosen, tops, strict=True):
-            alternatives = [p.TopLogprob(*pieces.scored(t, v)) for t, v in top]
-            scored[uid] = p.TokenLogprob(*pieces.scored(token, logprob), alternatives)
-        return scored
 
     def _on_token(
         self,

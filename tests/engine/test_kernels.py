@@ -82,6 +82,18 @@ def test_simd_matvec_computes_the_portable_kernels_bits(
             assert mx.array_equal(got, want).item(), (rows, split)
 
 
+@pytest.mark.parametrize("rows", [1, 4, 8])
+def test_a_product_of_many_chunks_computes_every_column_once(ext: ModuleType, rows: int) -> None:
+    """The two threads take runs of chunks from the two ends of the columns until they meet
+    (quantized.cpp, Pool::claim): hundreds of chunks here, the last one narrower, and every column
+    gets the one-thread kernel's bits."""
+    q, s, b = _quantized(4099, 256, 32, 4, mx.float16)
+    x = mx.random.normal((rows, 256), key=mx.random.key(7 + rows))
+    alone = ext.quantized_matvec(x, q, s, b, 32, 4, False)
+    for _ in range(20):  # where the threads meet moves from run to run
+        assert mx.array_equal(ext.quantized_matvec(x, q, s, b, 32, 4, True), alone).item()
+
+
 @pytest.mark.parametrize(("bits", "group"), [(4, 32), (8, 64), (2, 32)])
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
 def test_stacked_siblings_give_each_products_bits(ext: ModuleType, bits: int, group: int, dtype: mx.Dtype) -> None:

@@ -35,6 +35,7 @@
 #include <cstring>
 #include <functional>
 #include <mutex>
+#include <sched.h>
 #include <stdexcept>
 #include <thread>
 #include <vector>
@@ -127,7 +128,11 @@ class Pool {
     uint32_t seen = 0;
     for (;;) {
       const auto until = clock::now() + std::chrono::microseconds(SPIN_US);
-      while (posted_.load(std::memory_order_relaxed) == seen && clock::now() < until) pause();
+      // Spinning, the helper yields its core rather than pausing on it: in a served decode the
+      // engine's main thread (the next step's graph) and the server's threads want the same two
+      // cores between products, and a spin that holds one makes them wait (one stream 1.04x,
+      // docs/benchmarks.md, "Eighth pass"). With nothing else to run, sched_yield returns at once.
+      while (posted_.load(std::memory_order_relaxed) == seen && clock::now() < until) sched_yield();
       posted_.wait(seen);  // returns at once when a job came meanwhile
       seen = posted_.load();
       working_.store(seen);  // before claiming: the caller waits while the helper is in its job

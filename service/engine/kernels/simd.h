@@ -1,5 +1,7 @@
 // The matvec kernel in explicit SIMD: AVX2 + FMA + F16C on x86-64, NEON on arm64, chosen at
 // build time by the compiler's target (-march=native, so the build key's CPU decides).
+// Where the target also has AVX-512VL, a 4-bit weight's float comes from a table in one
+// instruction instead of a mask and a conversion (the same values).
 //
 // Bit for bit the portable kernel's arithmetic (quantized.cpp, qmv_portable), which is the one
 // lmspd has always computed: per output, 8 float32 lanes; per group, lane l sums x * q over the
@@ -51,9 +53,18 @@ struct Unpacker;
 template <>
 struct Unpacker<4> {
   const __m256i shift = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), mask = _mm256_set1_epi32(15);
+#if defined(__AVX512VL__)
+  // The nibble's float from a table of 0..15: vpermt2ps reads only an index's low four bits,
+  // so one instruction does the mask's and the conversion's work, with the same values.
+  const V low = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), high = _mm256_setr_ps(8, 9, 10, 11, 12, 13, 14, 15);
+  V operator()(const uint32_t* wg, int i) const {
+    return _mm256_permutex2var_ps(low, _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(wg[i])), shift), high);
+  }
+#else
   V operator()(const uint32_t* wg, int i) const {
     return from_u32(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(wg[i])), shift), mask));
   }
+#endif
 };
 template <>
 struct Unpacker<8> {

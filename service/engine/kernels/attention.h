@@ -74,7 +74,8 @@ LMSPD_NO_CONTRACT_ATTR void softmax_row(float* s, int n) {
 }
 
 // A mask's strides broadcast to (B, H, L, Lk): 0 along its axes of size 1 and those it lacks.
-std::array<int64_t, 4> broadcast_strides(const mx::array& m) {
+template <typename A>
+std::array<int64_t, 4> broadcast_strides(const A& m) {
   std::array<int64_t, 4> st = {0, 0, 0, 0};
   const int nd = m.ndim();
   for (int d = 0; d < nd; ++d)
@@ -153,7 +154,8 @@ void attend_rows(const float* qp, int B, int H, int L, int D, const Keys& kv, Ma
   }
 }
 
-std::array<int64_t, 4> strides4(const mx::array& a) {
+template <typename A>
+std::array<int64_t, 4> strides4(const A& a) {
   return {a.strides()[0], a.strides()[1], a.strides()[2], a.strides()[3]};
 }
 
@@ -167,7 +169,7 @@ class Attention : public mx::UnaryPrimitive {
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     auto& enc = mx::cpu::get_command_encoder(stream());
     enc.dispatch([weak = task_arrays(inputs, out, enc), scale = scale_, mask = mask_]() mutable {
-      const mx::array &q = weak[0], &k = weak[1], &v = weak[2];
+      const View &q = weak[0], &k = weak[1], &v = weak[2];
       std::vector<float> q_copy;
       const float* qp = rows_of(q, q_copy);
       const Keys kv{k.data<float>(), v.data<float>(), strides4(k), strides4(v), k.shape(1), k.shape(2), v.shape(3)};

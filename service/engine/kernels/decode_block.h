@@ -41,9 +41,10 @@ struct RopeArgs {
   int positions, dims;
   bool traditional;
 };
-RopeArgs rope_args(const mx::array& cos, const mx::array& sin, const mx::array& offset, int dims, bool trad) {
-  RopeArgs r{cos.data<float>(), sin.data<float>(), std::vector<int32_t>(offset.size()), cos.shape(0), dims, trad};
-  const int32_t* o = offset.data<int32_t>();
+template <typename A>
+RopeArgs rope_args(const A& cos, const A& sin, const A& offset, int dims, bool trad) {
+  RopeArgs r{cos.template data<float>(), sin.template data<float>(), std::vector<int32_t>(offset.size()), cos.shape(0), dims, trad};
+  const int32_t* o = offset.template data<int32_t>();
   const int64_t step = offset.ndim() == 0 ? 0 : offset.strides()[0];
   for (size_t i = 0; i < offset.size(); ++i) r.offset[i] = o[int64_t(i) * step];
   return r;
@@ -65,11 +66,10 @@ class CacheWrite : public mx::UnaryPrimitive {
     auto& enc = mx::cpu::get_command_encoder(stream());
     for (const auto& a : inputs) enc.set_input_array(a);
     enc.set_output_array(out);
-    std::vector<mx::array> weak;
-    for (const auto& a : inputs) weak.push_back(mx::array::unsafe_weak_copy(a));
-    weak.push_back(mx::array::unsafe_weak_copy(out));
+    std::vector<View> weak(inputs.begin(), inputs.end());
+    weak.emplace_back(out);
     enc.dispatch([weak = std::move(weak), taken, at = at_, rope = rope_, dims = dims_, trad = traditional_]() mutable {
-      mx::array& o = weak.back();
+      const View& o = weak.back();
       const int B = o.shape(0), H = o.shape(1), cap = o.shape(2), D = o.shape(3);
       if (!taken) std::memcpy(o.data<float>(), weak[1].data<float>(), o.nbytes());  // row-contiguous: see below
       std::vector<float> copy, roped;
@@ -115,8 +115,8 @@ struct DecodeAttention {
 
   // a: q, keys, values, cos, sin, offset, and the mask, when there is one, at a[mask_at]; into op
   // (B * heads rows of Dv).
-  void run(const std::vector<mx::array>& a, size_t mask_at, float* op) const {
-    const mx::array &q = a[0], &keys = a[1], &values = a[2];
+  void run(const std::vector<View>& a, size_t mask_at, float* op) const {
+    const View &q = a[0], &keys = a[1], &values = a[2];
     const int B = keys.shape(0), kvH = keys.shape(1), D = keys.shape(3);
     const RopeArgs r = rope_args(a[3], a[4], a[5], dims, traditional);
     std::vector<float> copy, qr(size_t(B) * heads * D);
@@ -158,9 +158,9 @@ class DecodeAttend : public mx::UnaryPrimitive {
 struct Packed {
   int first, bits, group_size;
   Kernel kernel;
-  const uint32_t* w(const std::vector<mx::array>& in) const { return in[first].data<uint32_t>(); }
-  const uint8_t* s(const std::vector<mx::array>& in) const { return in[first + 1].data<uint8_t>(); }
-  const uint8_t* b(const std::vector<mx::array>& in) const { return in[first + 2].data<uint8_t>(); }
+  const uint32_t* w(const std::vector<View>& in) const { return in[first].data<uint32_t>(); }
+  const uint8_t* s(const std::vector<View>& in) const { return in[first + 1].data<uint8_t>(); }
+  const uint8_t* b(const std::vector<View>& in) const { return in[first + 2].data<uint8_t>(); }
 };
 
 class DecodeTail : public mx::UnaryPrimitive {
@@ -173,14 +173,14 @@ class DecodeTail : public mx::UnaryPrimitive {
   // w, scales, biases, down's w, scales, biases[, mask]
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     auto& enc = mx::cpu::get_command_encoder(stream());
-    std::vector<mx::array> weak = task_arrays(inputs, out, enc);
+    std::vector<View> weak = task_arrays(inputs, out, enc);
     const auto kernel = [&](int first, int q) {
       return Packed{first, quant_[q], quant_[q + 1], kernel_for(quant_[q], quant_[q + 1], inputs[first + 1].dtype())};
     };
     const Packed o = kernel(7, 0), gate_up = kernel(11, 2), down = kernel(14, 4);
     enc.dispatch([weak = std::move(weak), attention = attention_, o, gate_up, down, widths = widths_,
                   eps = eps_]() mutable {
-      const mx::array& x = weak[6];
+      const View& x = weak[6];
       const int B = x.shape(0), HDv = attention.heads * weak[2].shape(3), hidden = x.shape(-1), inner = widths[0];
       // DecodeAttend's arithmetic, into rows on a cache line for o_proj.
       lmspd::Floats attended(size_t(B) * HDv), h(size_t(B) * hidden), normed(size_t(B) * hidden);

@@ -84,8 +84,7 @@ class SwiGLU : public mx::UnaryPrimitive {
     auto& enc = mx::cpu::get_command_encoder(stream());
     for (const auto& a : inputs) enc.set_input_array(a);
     enc.set_output_array(out);
-    enc.dispatch([g = mx::array::unsafe_weak_copy(inputs[0]), x = mx::array::unsafe_weak_copy(inputs[1]),
-                  out = mx::array::unsafe_weak_copy(out)]() mutable {
+    enc.dispatch([g = View(inputs[0]), x = View(inputs[1]), out = View(out)]() mutable {
       std::vector<float> g_copy, x_copy;
       const float *gp = rows_of(g, g_copy), *xp = rows_of(x, x_copy);
       float* op = out.data<float>();
@@ -149,7 +148,7 @@ class LogSumExp : public mx::UnaryPrimitive {
     auto& enc = mx::cpu::get_command_encoder(stream());
     enc.set_input_array(inputs[0]);
     enc.set_output_array(out);
-    enc.dispatch([x = mx::array::unsafe_weak_copy(inputs[0]), out = mx::array::unsafe_weak_copy(out)]() mutable {
+    enc.dispatch([x = View(inputs[0]), out = View(out)]() mutable {
       std::vector<float> copy;
       const float* xp = rows_of(x, copy);
       float* op = out.data<float>();

@@ -24,19 +24,65 @@
 
 namespace {
 
+// What a task reads of an array: the address of its elements and its layout, taken when the
+// primitive is evaluated (its inputs' buffers are set by then, its output's just before). MLX's
+// own tasks capture array::unsafe_weak_copy: four allocations an array (a descriptor, its shape,
+// its strides, the buffer's holder), made on the engine's main thread and freed on the stream's,
+// ~1,200 arrays a decode step and a tenth of the main thread's CPU (docs/benchmarks.md, "Ninth
+// pass"). As with the weak copies, the encoder holds the buffers until the task has run.
+class View {
+ public:
+  static constexpr int kMaxDims = 8;
+  explicit View(const mx::array& a)
+      : data_(const_cast<void*>(a.data<void>())),
+        size_(a.size()),
+        itemsize_(a.itemsize()),
+        dtype_(a.dtype()),
+        flags_(a.flags()),
+        ndim_(a.ndim()) {
+    if (ndim_ > kMaxDims) throw std::invalid_argument("lmspd's kernels take arrays of at most 8 dimensions");
+    for (int d = 0; d < ndim_; ++d) {
+      shape_[d] = a.shape(d);
+      strides_[d] = a.strides()[d];
+    }
+  }
+  template <typename T>
+  T* data() const {
+    return static_cast<T*>(data_);
+  }
+  int ndim() const { return ndim_; }
+  int shape(int d) const { return shape_[d < 0 ? d + ndim_ : d]; }
+  const std::array<int32_t, kMaxDims>& shape() const { return shape_; }
+  const std::array<int64_t, kMaxDims>& strides() const { return strides_; }
+  size_t size() const { return size_; }
+  size_t itemsize() const { return itemsize_; }
+  size_t nbytes() const { return size_ * itemsize_; }
+  mx::Dtype dtype() const { return dtype_; }
+  const mx::array::Flags& flags() const { return flags_; }
+
+ private:
+  void* data_;
+  size_t size_, itemsize_;
+  mx::Dtype dtype_;
+  mx::array::Flags flags_;
+  int ndim_;
+  std::array<int32_t, kMaxDims> shape_{};
+  std::array<int64_t, kMaxDims> strides_{};
+};
+
 // An activation's elements in row-major order, for the kernels, which read rows. Activations
 // reach the primitives as they come: a Contiguous node per activation per call was 242 of a
 // decode step's 1,340 primitives (docs/benchmarks.md, "Step profile"), and at evaluation they
 // are nearly always row-contiguous already (MLX flags a transposed axis of size 1 so); only
 // otherwise are they copied, here.
-template <typename Vec>
-inline const float* rows_of(const mx::array& x, Vec& copy) {
-  if (x.flags().row_contiguous || x.size() == 0) return x.data<float>();
+template <typename A, typename Vec>
+inline const float* rows_of(const A& x, Vec& copy) {
+  if (x.flags().row_contiguous || x.size() == 0) return x.template data<float>();
   copy.resize(x.size());
   const auto& shape = x.shape();
   const auto& strides = x.strides();
   const int nd = x.ndim();
-  const float* base = x.data<float>();
+  const float* base = x.template data<float>();
   const size_t inner = shape[nd - 1];
   const int64_t step = strides[nd - 1];
   std::vector<int> at(nd, 0);
@@ -53,28 +99,30 @@ inline const float* rows_of(const mx::array& x, Vec& copy) {
 }
 
 // rows_of, on a cache-line boundary (portable.h, Aligned64): copied when MLX's buffer is not.
-inline const float* aligned_rows_of(const mx::array& x, lmspd::Floats& copy) {
+template <typename A>
+inline const float* aligned_rows_of(const A& x, lmspd::Floats& copy) {
   if (!x.flags().row_contiguous || x.size() == 0) return rows_of(x, copy);
-  const float* p = x.data<float>();
+  const float* p = x.template data<float>();
   if (reinterpret_cast<uintptr_t>(p) % 64 == 0) return p;
   copy.assign(p, p + x.size());
   return copy.data();
 }
 
 // A single-output primitive's arrays for its task: the output given a fresh buffer, every array
-// registered with the stream's encoder, and weak copies of the inputs then the output (the task
-// runs after eval_cpu returns; the graph keeps the arrays alive until it has).
-inline std::vector<mx::array> task_arrays(const std::vector<mx::array>& inputs, mx::array& out,
-                                          mx::cpu::CommandEncoder& enc) {
+// registered with the stream's encoder (which holds their buffers until the task has run), and
+// views of the inputs then the output.
+inline std::vector<View> task_arrays(const std::vector<mx::array>& inputs, mx::array& out,
+                                     mx::cpu::CommandEncoder& enc) {
   out.set_data(mx::allocator::malloc(out.nbytes()));
-  std::vector<mx::array> weak;
+  std::vector<View> views;
+  views.reserve(inputs.size() + 1);
   for (const auto& a : inputs) {
     enc.set_input_array(a);
-    weak.push_back(mx::array::unsafe_weak_copy(a));
+    views.emplace_back(a);
   }
   enc.set_output_array(out);
-  weak.push_back(mx::array::unsafe_weak_copy(out));
-  return weak;
+  views.emplace_back(out);
+  return views;
 }
 
 // x: (B, H, T, D) row-contiguous; cs, sn: (P, dims / 2); offset: B positions, or one for all.
@@ -121,10 +169,8 @@ class TableRope : public mx::UnaryPrimitive {
     enc.set_output_array(out);
     const int D = x.shape(-1), T = x.shape(-2), H = x.shape(-3), B = static_cast<int>(x.size() / (D * T * H));
     const int P = inputs[1].shape(0), n_offsets = static_cast<int>(inputs[3].size());
-    enc.dispatch([x = mx::array::unsafe_weak_copy(x), c = mx::array::unsafe_weak_copy(inputs[1]),
-                  s = mx::array::unsafe_weak_copy(inputs[2]), off = mx::array::unsafe_weak_copy(inputs[3]),
-                  out = mx::array::unsafe_weak_copy(out), B, H, T, D, P, n_offsets, dims = dims_,
-                  trad = traditional_]() mutable {
+    enc.dispatch([x = View(x), c = View(inputs[1]), s = View(inputs[2]), off = View(inputs[3]), out = View(out), B,
+                  H, T, D, P, n_offsets, dims = dims_, trad = traditional_]() mutable {
       std::vector<float> copy;
       rope_rows(rows_of(x, copy), c.data<float>(), s.data<float>(), off.data<int32_t>(), n_offsets, out.data<float>(),
                 B, H, T, D, dims, P, trad);
@@ -180,8 +226,7 @@ class RmsNorm : public mx::UnaryPrimitive {
     for (const auto& a : inputs) enc.set_input_array(a);
     enc.set_output_array(out);
     const int D = x.shape(-1);
-    enc.dispatch([x = mx::array::unsafe_weak_copy(x), w = mx::array::unsafe_weak_copy(inputs[1]),
-                  out = mx::array::unsafe_weak_copy(out), D, eps = eps_]() mutable {
+    enc.dispatch([x = View(x), w = View(inputs[1]), out = View(out), D, eps = eps_]() mutable {
       std::vector<float> copy;
       rms_norm_rows(rows_of(x, copy), w.data<float>(), out.data<float>(), x.size() / D, D, eps);
     });

@@ -342,12 +342,9 @@ class QuantizedMatvec : public mx::UnaryPrimitive {
     const bool split = split_;
     const int GS = group_size_;
     // After x, w, scales, biases: up (swiglu), then the residual.
-    const mx::array up = mx::array::unsafe_weak_copy(swiglu_ ? inputs[4] : x);
-    const mx::array res = mx::array::unsafe_weak_copy(residual_ ? inputs.back() : x);
-    enc.dispatch([x = mx::array::unsafe_weak_copy(x), w = mx::array::unsafe_weak_copy(w),
-                  sc = mx::array::unsafe_weak_copy(sc), bi = mx::array::unsafe_weak_copy(bi), up, res,
-                  out = mx::array::unsafe_weak_copy(out), M, N, K, GS, kernel, split, swiglu = swiglu_,
-                  residual = residual_]() mutable {
+    const View up(swiglu_ ? inputs[4] : x), res(residual_ ? inputs.back() : x);
+    enc.dispatch([x = View(x), w = View(w), sc = View(sc), bi = View(bi), up, res, out = View(out), M, N, K, GS,
+                  kernel, split, swiglu = swiglu_, residual = residual_]() mutable {
       lmspd::Floats copy, act;
       std::vector<float> up_copy;
       const float* xp = swiglu ? rows_of(x, copy) : aligned_rows_of(x, copy);
@@ -411,9 +408,10 @@ class QuantizedMatvecs : public mx::Primitive {
     const size_t item = sc.itemsize();
     Kernel kernel = kernel_for(bits_, group_size_, sc.dtype(), true);
     std::vector<int> widths = widths_;
-    std::vector<mx::array> weak;
-    for (const auto& a : inputs) weak.push_back(mx::array::unsafe_weak_copy(a));
-    for (const auto& o : outputs) weak.push_back(mx::array::unsafe_weak_copy(o));
+    std::vector<View> weak;
+    weak.reserve(inputs.size() + outputs.size());
+    for (const auto& a : inputs) weak.emplace_back(a);
+    for (const auto& o : outputs) weak.emplace_back(o);
     const size_t first_out = inputs.size();
     enc.dispatch([weak = std::move(weak), widths, M, K, GS, bits, item, kernel, split = split_, norm = norm_,
                   eps = eps_, first_out]() mutable {
@@ -462,8 +460,7 @@ class Dequantize : public mx::UnaryPrimitive {
     const int N = out.shape(0);
     const int K = out.shape(1);
     Dequantizer dq = dequantizer_for(bits_, group_size_, sc.dtype());
-    enc.dispatch([w = mx::array::unsafe_weak_copy(w), sc = mx::array::unsafe_weak_copy(sc),
-                  bi = mx::array::unsafe_weak_copy(bi), out = mx::array::unsafe_weak_copy(out), N, K, dq]() mutable {
+    enc.dispatch([w = View(w), sc = View(sc), bi = View(bi), out = View(out), N, K, dq]() mutable {
       const uint32_t* wp = w.data<uint32_t>();
       const void* sp = sc.data<uint8_t>();
       const void* bp = bi.data<uint8_t>();

@@ -6,7 +6,9 @@
 - reasoning items that carry ``encrypted_content`` get back the text sealed in it
   (lmspd.responses.sealing), so the turn renders as it was generated.
 
-The task stores the resolved input: it never depends on a response that is deleted before it
+Every route that reads a request's input resolves it here (create, ``input_tokens``,
+``/responses/compact``), so a reference or a seal means one thing, or is one refusal, on all of
+them. The task stores the resolved input: it never depends on a response that is deleted before it
 runs, and a refused reference or seal is a 400 before anything is written.
 """
 

@@ -303,7 +303,8 @@ class Core:
         compaction item. Stores nothing; the summary is one greedy generation on the engine."""
         if not self.accepting:
             raise ServerOverloadedError("the server is shutting down")
-        request = body.request()
+        # Resolved as create resolves it: a reference or a seal create refuses, this refuses too.
+        request = await resolve(body.request(), owner, self.items, self.sealer)
         model_name = body.model or self.config.default_model
         response_id, item_id = f"resp_{ulid.new()}", f"cmp_{ulid.new()}"
         created_at = int(time.time())

@@ -172,6 +172,14 @@ def decode_payload(content: str, param: str) -> tuple[str, list[Item]]:
         raise InvalidRequestError(f"{param} is not a compaction payload: {detail}", param=param) from None
     if any(isinstance(i, CompactionItem) for i in items):
         raise InvalidRequestError(f"{param}: a compaction payload cannot hold a compaction item", param=param)
+    for j, item in enumerate(items):
+        # Intake resolves the references of the input, not those inside a payload: lmspd never
+        # writes one there (it preserves the items themselves), so one is refused, not rendered.
+        if isinstance(item, ItemReference):
+            raise InvalidRequestError(
+                f"{param}.items[{j}] is an item reference: a compaction payload holds the items themselves",
+                param=param,
+            )
     return payload.summary, items
 
 

@@ -1,8 +1,10 @@
-"""What an adversarial round found accepted, or answering 500, where create refuses it (issue
-41): ``/responses/compact`` skipping intake's resolution of item references and seals."""
+"""What an adversarial round found still answering 500, or accepted where create refuses it
+(issue 41): ``/responses/compact`` skipping intake's resolution of references and seals, and an
+item reference inside a compaction payload."""
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -89,6 +91,11 @@ def tasks_of(client: TestClient, headers: dict[str, str]) -> list[str]:
     return [t["id"] for t in r.json()["data"]]
 
 
+def payload(items: list[Any], summary: str = "Earlier: a greeting.") -> str:
+    """A compaction item's encrypted_content (lmspd.responses.inputs.encode_payload's format)."""
+    return base64.urlsafe_b64encode(msgspec.json.encode({"summary": summary, "items": items})).decode().rstrip("=")
+
+
 def stored_item(client: TestClient, headers: dict[str, str]) -> dict[str, Any]:
     r = client.post("/v1/responses", json={**QUICK, "max_output_tokens": 16}, headers=headers)
     assert r.status_code == 200, r.text
@@ -162,3 +169,23 @@ def test_compact_summarizes_the_items_a_reference_and_a_seal_stand_for(
     assert [i["type"] for i in compacted["output"]] == [i["type"] for i in expected["output"]]
     # The compaction item carries the summary and what it preserves: the same, item for item.
     assert compacted["output"][-1]["encrypted_content"] == expected["output"][-1]["encrypted_content"]
+
+
+# --- an item reference inside a compaction payload --------------------------------------------
+
+
+@pytest.mark.parametrize("typed", [True, False], ids=["typed", "untyped"])
+@pytest.mark.parametrize(("route", "wrap"), INPUTS, ids=ids(INPUTS))
+def test_a_reference_inside_a_compaction_payload_is_a_400(
+    client: TestClient, route: str, wrap: Wrap, typed: bool
+) -> None:
+    own = stored_item(client, ALICE)["id"]  # even one the caller could reference at the top level
+    for target in ("msg_no_such_item", own):
+        reference = {"type": "item_reference", "id": target} if typed else {"id": target}
+        compaction = {"type": "compaction", "encrypted_content": payload([USER, reference])}
+        before = tasks_of(client, ALICE)
+        r = client.post(route, json=wrap({**QUICK, "input": [compaction, MORE]}), headers=ALICE)
+        error = refusal(r, route)
+        assert error["param"] == in_route(route, "input[0].encrypted_content"), error
+        assert "items[1]" in error["message"] and "item reference" in error["message"], error
+        assert tasks_of(client, ALICE) == before

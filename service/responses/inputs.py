@@ -201,7 +201,8 @@ def _part_text(part: dict[str, Any], param: str) -> str:
         return str(_convert(part, TextPart, param).text)
     if ptype == "refusal":
         return str(_convert(part, RefusalPart, param).refusal)
-    if ptype in _MEDIA:
+    # A list or an object is no type (and unhashable): an unknown one, below.
+    if isinstance(ptype, str) and ptype in _MEDIA:
         raise InvalidRequestError(
             f"{param}: content type '{ptype}' is not supported: lmspd serves text models", param=f"{param}.type"
         )
@@ -242,7 +243,7 @@ def parse_items(raw: list[Any], param: str = "input") -> list[Item]:
             compacted: CompactionItem = _convert(obj, CompactionItem, where)
             decode_payload(compacted.encrypted_content, f"{where}.encrypted_content")
             item = compacted
-        elif itype in _MEDIA:
+        elif isinstance(itype, str) and itype in _MEDIA:  # a list or an object is an unknown type
             raise InvalidRequestError(
                 f"{where}: item type '{itype}' is not supported: lmspd serves text models", param=f"{where}.type"
             )

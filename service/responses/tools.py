@@ -229,12 +229,19 @@ def hosted_refusal(kind: str, param: str) -> InvalidRequestError:
     )
 
 
+def hosted_type(tool: Any) -> str | None:
+    """The hosted tool type ``tool`` declares, or None. A ``type`` that is no string (a list, an
+    object: unhashable) declares none; parsing the tools then refuses it by name."""
+    kind = tool.get("type") if isinstance(tool, dict) else None
+    return kind if isinstance(kind, str) and kind in HOSTED_TOOLS else None
+
+
 def omit_hosted(raw: list[dict[str, Any]] | None) -> tuple[list[dict[str, Any]] | None, list[str]]:
     """``raw`` tools without the hosted ones, and the types left out (``hosted_tools = "omit"``)."""
     if not raw:
         return raw, []
-    kept = [t for t in raw if not (isinstance(t, dict) and t.get("type") in HOSTED_TOOLS)]
-    omitted = [str(t["type"]) for t in raw if isinstance(t, dict) and t.get("type") in HOSTED_TOOLS]
+    kept = [t for t in raw if hosted_type(t) is None]
+    omitted = [kind for t in raw if (kind := hosted_type(t)) is not None]
     return kept, omitted
 
 
@@ -266,9 +273,9 @@ def parse_tools(raw: list[dict[str, Any]] | None) -> ParsedTools:
     namespaces: dict[str, str] = {}
     for i, obj in enumerate(raw or []):
         where = f"tools[{i}]"
+        if (hosted := hosted_type(obj)) is not None:
+            raise hosted_refusal(hosted, where)
         kind = obj.get("type") if isinstance(obj, dict) else None
-        if kind in HOSTED_TOOLS:
-            raise hosted_refusal(str(kind), where)
         if kind not in ("function", "custom", "namespace"):
             raise InvalidRequestError(
                 f"unknown tool type {kind!r}; tools here are 'function', 'custom' and 'namespace'",

@@ -1,6 +1,6 @@
 """What an adversarial round found still answering 500, or accepted where create refuses it
-(issue 41): ``/responses/compact`` skipping intake's resolution of references and seals, and an
-item reference inside a compaction payload."""
+(issue 41): ``/responses/compact`` skipping intake's resolution of references and seals, an
+item reference inside a compaction payload, and ``type`` fields that are no string."""
 
 from __future__ import annotations
 
@@ -36,6 +36,16 @@ def client(
     host: Host, tmp_path_factory: pytest.TempPathFactory, model_cache: Path, tiny_long: ResolvedModel
 ) -> Iterator[TestClient]:
     with host.serve(config_for(tmp_path_factory.mktemp("round3"), model_cache, tiny_long)) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def omitting(
+    host: Host, tmp_path_factory: pytest.TempPathFactory, model_cache: Path, tiny_long: ResolvedModel
+) -> Iterator[TestClient]:
+    """An app that leaves hosted tools out (``hosted_tools = "omit"``) instead of refusing them."""
+    tmp = tmp_path_factory.mktemp("round3-omit")
+    with host.serve(config_for(tmp, model_cache, tiny_long, hosted_tools="omit")) as c:
         yield c
 
 
@@ -188,4 +198,40 @@ def test_a_reference_inside_a_compaction_payload_is_a_400(
         error = refusal(r, route)
         assert error["param"] == in_route(route, "input[0].encrypted_content"), error
         assert "items[1]" in error["message"] and "item reference" in error["message"], error
+        assert tasks_of(client, ALICE) == before
+
+
+# --- type fields that are no string -----------------------------------------------------------
+
+NOT_STRINGS: list[Any] = [[], {}, ["function"], {"type": "function"}]
+FUNCTION = {"type": "function", "name": "lookup", "parameters": {"type": "object", "properties": {}}}
+
+
+@pytest.mark.parametrize("hosted", ["refuse", "omit"])
+@pytest.mark.parametrize("kind", NOT_STRINGS, ids=repr)
+@pytest.mark.parametrize(("route", "wrap"), CREATES, ids=ids(CREATES))
+def test_a_tool_type_that_is_no_string_is_a_400(
+    client: TestClient, omitting: TestClient, route: str, wrap: Wrap, kind: Any, hosted: str
+) -> None:
+    app = omitting if hosted == "omit" else client
+    request = {**QUICK, "tools": [FUNCTION, {"type": kind, "name": "x"}]}
+    before = tasks_of(app, ALICE)
+    error = refusal(app.post(route, json=wrap(request), headers=ALICE), route)
+    assert error["param"] == in_route(route, "tools[1].type"), error
+    assert tasks_of(app, ALICE) == before
+
+
+@pytest.mark.parametrize("kind", NOT_STRINGS, ids=repr)
+@pytest.mark.parametrize(("route", "wrap"), INPUTS, ids=ids(INPUTS))
+def test_an_item_or_part_type_that_is_no_string_is_a_400(client: TestClient, route: str, wrap: Wrap, kind: Any) -> None:
+    cases = [
+        ([USER, {"type": kind}], "input[1].type"),
+        ([USER, {"type": kind, "role": "user", "content": "Hi"}], "input[1].type"),
+        ([{"role": "user", "content": [{"type": kind, "text": "Hi"}]}], "input[0].content[0].type"),
+        ([{"type": "compaction", "encrypted_content": payload([{"type": kind}])}, MORE], "input[0].encrypted_content"),
+    ]
+    for items, param in cases:
+        before = tasks_of(client, ALICE)
+        error = refusal(client.post(route, json=wrap({**QUICK, "input": items}), headers=ALICE), route)
+        assert error["param"] == in_route(route, param), (items, error)
         assert tasks_of(client, ALICE) == before

@@ -14,6 +14,10 @@ Invariants checked on every response: no 5xx; every error body is OpenAI's envel
 and a problem object on /lmsp/v1 (``bench.fuzz_checks``); status, content type and body as
 the document says (SSE events included); without a valid token, only 401s. Prints a table;
 exits non-zero on any failure.
+
+Then the hand-written attacks (``bench.fuzz_attacks``: item references, forged seals, ``type``
+fields that are no string, where schemathesis' bodies do not reach), each sent once to every
+documented route that reads it, on both servers; a refusal must name the field it names.
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
+
+from bench import fuzz_attacks
 from bench.serving import free_port, kill, spawn
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,6 +46,10 @@ CHECKS = (
     "response_schema_conformance,error_shape,auth_enforced"
 )
 TOKENS = {"alice": "fuzz-token-alice", "bob": "fuzz-token-bob"}
+
+
+def bearer(owner: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {TOKENS[owner]}"}
 
 
 @dataclass
@@ -158,6 +169,35 @@ def run(
     return tally
 
 
+def stored_item(client: httpx.Client, header: dict[str, str]) -> str:
+    """The id of an item of a new stored response of the header's owner (one to reference)."""
+    r = client.post("/v1/responses", json={"input": "Hi", "max_output_tokens": 4}, headers=header)
+    r.raise_for_status()
+    return str(r.json()["output"][-1]["id"])
+
+
+def attack(url: str, owner: dict[str, str], other: dict[str, str] | None, posts: set[str]) -> Tally:
+    """The hand-written attacks on one server, as ``owner`` (``other``: another owner there)."""
+    tally = Tally()
+    with httpx.Client(base_url=url, timeout=60) as client:
+        own = stored_item(client, owner)
+        others = stored_item(client, other) if other is not None else None
+        for case in fuzz_attacks.attacks(posts, own, others):
+            try:
+                response = client.post(case.path, json=case.body, headers=owner)
+            except httpx.TransportError as exc:
+                tally.errors += 1
+                print(f"attack {case.name} on POST {case.path}: no answer ({exc!r})", flush=True)
+                continue
+            tally.cases += 1
+            tally.statuses[response.status_code] += 1
+            tally.routes.add(f"POST {case.path}")
+            if (wrong := fuzz_attacks.fault(case, response)) is not None:
+                tally.failures += 1
+                print(f"attack {wrong}", flush=True)
+    return tally
+
+
 def table(rows: list[tuple[str, Tally]], documented: set[str]) -> str:
     statuses = sorted({s for _, t in rows for s in t.statuses})
     head = ["run", "cases", "routes", *map(str, statuses), "5xx", "failed"]
@@ -192,8 +232,6 @@ def main() -> int:
             cmd = [sys.executable, "-m", "lmspd.cli", "serve", "--config", str(config(data, model, tokens))]
             servers.append(spawn([*cmd, "--port", str(port)], f"http://127.0.0.1:{port}/healthz", data / "server.log"))
             urls[name] = f"http://127.0.0.1:{port}"
-        import httpx
-
         paths = httpx.get(f"{urls['open']}/openapi.json").json()["paths"]
         documented = {f"{method.upper()} {path}" for path, ops in paths.items() for method in ops}
         documented.discard("GET /openapi.json")  # schemathesis reads it, and tests the others
@@ -226,6 +264,14 @@ def main() -> int:
                 rows.setdefault(name, Tally()).add(tally)
                 total.add(tally)
             round_ += 1
+        posts = {path for path, ops in paths.items() if "post" in ops and "{" not in path}
+        for name, url, owner, other in (
+            ("attacks open", urls["open"], {}, None),
+            ("attacks token", urls["tokens"], bearer("alice"), bearer("bob")),
+        ):
+            tally = attack(url, owner, other, posts)
+            rows[name] = tally
+            total.add(tally)
         print(
             f"fuzz: schemathesis against lmspd's /openapi.json, {round_} round(s) from seed {seed}, "
             f"{time.monotonic() - started:.0f} s"

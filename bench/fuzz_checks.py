@@ -37,13 +37,17 @@ def _media(response: schemathesis.Response) -> str:
 
 @schemathesis.check
 def error_shape(ctx: schemathesis.CheckContext, response: schemathesis.Response, case: schemathesis.Case[Any]) -> None:
-    status = response.status_code
-    if status < 400:
+    if response.status_code < 400:
         return
     path = response.request.path_url.partition("?")[0]
-    body = _body(response)
+    authenticate = response.headers.get("www-authenticate") or []
+    check_error(path, response.status_code, _media(response), _body(response), authenticate)
+
+
+def check_error(path: str, status: int, media: str, body: Any, authenticate: list[str]) -> None:
+    """``error_shape`` on an answer's parts (also ``bench.fuzz``'s hand-written attacks')."""
     if _openai_path(path):
-        assert _media(response) == "application/json", f"{status} on {path} is {_media(response)}"
+        assert media == "application/json", f"{status} on {path} is {media}"
         error = body.get("error") if isinstance(body, dict) else None
         assert isinstance(error, dict) and set(error) == {"message", "type", "param", "code"}, (
             f"{status} on {path} is not OpenAI's error envelope: {body!r}"
@@ -52,14 +56,14 @@ def error_shape(ctx: schemathesis.CheckContext, response: schemathesis.Response,
         assert error["param"] is None or isinstance(error["param"], str), body
         assert error["code"] is None or isinstance(error["code"], str), body
     else:
-        assert _media(response) == "application/problem+json", f"{status} on {path} is {_media(response)}"
+        assert media == "application/problem+json", f"{status} on {path} is {media}"
         assert isinstance(body, dict), body
         assert str(body.get("type", "")).startswith("urn:lmsp:problem:"), f"not a problem object: {body!r}"
         assert body.get("status") == status, f"problem status {body.get('status')} on a {status}: {body!r}"
         assert isinstance(body.get("title"), str) and isinstance(body.get("code"), str), body
         assert body["type"] == f"urn:lmsp:problem:{body['code']}", body
     if status == 401:
-        assert response.headers.get("www-authenticate") == ["Bearer"], f"401 without WWW-Authenticate: {path}"
+        assert authenticate == ["Bearer"], f"401 without WWW-Authenticate: {path}"
 
 
 @schemathesis.check

@@ -14,6 +14,7 @@ import pytest
 from starlette.testclient import TestClient
 from support.engine_host import Host, tiny_config
 
+from bench import fuzz_attacks
 from lmspd.config import Config, EngineConfig, ResponsesConfig
 from lmspd.models.registry import ResolvedModel
 
@@ -235,3 +236,18 @@ def test_an_item_or_part_type_that_is_no_string_is_a_400(client: TestClient, rou
         error = refusal(client.post(route, json=wrap({**QUICK, "input": items}), headers=ALICE), route)
         assert error["param"] == in_route(route, param), (items, error)
         assert tasks_of(client, ALICE) == before
+
+
+# --- the fuzz harness's hand-written attacks (bench.fuzz_attacks) -------------------------------
+
+
+def test_the_fuzz_harness_attacks_are_each_answered_as_it_requires(client: TestClient) -> None:
+    """What ``bench.fuzz`` sends after schemathesis, on every documented POST route, held to
+    the harness's own verdict: it must find nothing here, as it must on a real server."""
+    paths = client.get("/openapi.json").json()["paths"]
+    posts = {path for path, ops in paths.items() if "post" in ops and "{" not in path}
+    cases = fuzz_attacks.attacks(posts, stored_item(client, ALICE)["id"], stored_item(client, BOB)["id"])
+    reached = {case.path for case in cases}
+    assert {route for route, _ in INPUTS} <= reached and "/v1/chat/completions" in reached
+    faults = [fuzz_attacks.fault(case, client.post(case.path, json=case.body, headers=ALICE)) for case in cases]
+    assert [f for f in faults if f is not None] == []

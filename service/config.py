@@ -7,6 +7,7 @@ section rejects unknown keys so a typo fails loudly, naming the key.
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -83,6 +84,15 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # (/lmsp/v1/models/{name}/...); an ordinary token there is refused with 403.
     admin_tokens: dict[str, str] = msgspec.field(default_factory=dict)
     allow_unauthenticated_remote: bool = False
+    # Host names (beyond loopback's) this server answers to; ".example.com" takes its
+    # subdomains too, "*" any name (behind a proxy that checks Host). A page that rebinds a
+    # name of its own to 127.0.0.1 sends its name, and is refused (docs/operations.md,
+    # "Security"; env LMSPD_ALLOWED_HOSTS, comma-separated).
+    allowed_hosts: list[str] = msgspec.field(default_factory=list)
+    # Browser origins ("https://app.example:8443") that may call every route and read the
+    # answers (CORS). Pages of any other origin may not change anything here; the console's
+    # own origin needs no entry (env LMSPD_ALLOWED_ORIGINS, comma-separated).
+    allowed_origins: list[str] = msgspec.field(default_factory=list)
     max_body_bytes: int = 8 * 1024 * 1024
     max_queued_tasks: int = 1000
     event_retention_secs: int = 86400
@@ -109,6 +119,23 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             _positive(f"server.{key}", getattr(self, key))
         if not 0 < self.port < 65536:
             raise ConfigError(f"server.port must be 1-65535, got {self.port}", param="server.port")
+        for host in self.allowed_hosts:
+            if not _HOST_ENTRY.fullmatch(host):
+                raise ConfigError(
+                    f"server.allowed_hosts: {host!r} is not a host name, '.suffix' or '*'", param="server.allowed_hosts"
+                )
+        for origin in self.allowed_origins:
+            if origin == "*" and not (self.tokens or self.admin_tokens):
+                raise ConfigError(
+                    "server.allowed_origins = ['*'] lets any web page drive a server without tokens: "
+                    "name the origins, or configure server.tokens",
+                    param="server.allowed_origins",
+                )
+            if origin != "*" and not _ORIGIN.fullmatch(origin):
+                raise ConfigError(
+                    f"server.allowed_origins: {origin!r} is not an origin (scheme://host[:port], no path)",
+                    param="server.allowed_origins",
+                )
 
     @property
     def database_path(self) -> Path:
@@ -240,6 +267,10 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         return Path(base) / "lmspd" / "models"
 
 
+_HOST_ENTRY = re.compile(r"\*|\.?[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*\.?|\[[0-9A-Fa-f:.]+\]")
+_ORIGIN = re.compile(r"https?://([A-Za-z0-9_.-]+|\[[0-9A-Fa-f:.]+\])(:[0-9]{1,5})?")
+
+
 def _positive(key: str, value: int) -> None:
     if value < 1:
         raise ConfigError(f"{key} must be >= 1, got {value}", param=key)
@@ -271,6 +302,9 @@ ENV_VARS = {
 }
 
 
+LIST_ENV_VARS = {"LMSPD_ALLOWED_HOSTS": "server.allowed_hosts", "LMSPD_ALLOWED_ORIGINS": "server.allowed_origins"}
+
+
 def _set(tree: dict[str, Any], dotted: str, value: Any) -> None:
     *parents, leaf = dotted.split(".")
     for part in parents:
@@ -298,6 +332,9 @@ def load_config(
     for var, key in ENV_VARS.items():
         if var in environ:
             _set(tree, key, environ[var])
+    for var, key in LIST_ENV_VARS.items():  # comma-separated, as OLLAMA_ORIGINS
+        if var in environ:
+            _set(tree, key, [entry.strip() for entry in environ[var].split(",") if entry.strip()])
     if environ.get("LMSP_API_KEYS"):
         _set(tree, "server.tokens", parse_api_keys(environ["LMSP_API_KEYS"]))
     for key, value in (overrides or {}).items():

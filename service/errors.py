@@ -170,6 +170,25 @@ class ForbiddenError(LmspdError):
     openai_code = "forbidden"
 
 
+class ForbiddenOriginError(ForbiddenError):
+    """A browser page of another origin calling a state-changing route (docs/operations.md,
+    "Security"): refused whatever token it carries."""
+
+    code = "forbidden_origin"
+    title = "Forbidden origin"
+    openai_code = "forbidden_origin"
+
+
+class MisdirectedRequestError(LmspdError):
+    """A ``Host`` this server does not answer to: what a DNS-rebinding page sends
+    (docs/operations.md, "Security")."""
+
+    code = "misdirected_request"
+    status = 421
+    title = "Misdirected request"
+    openai_code = "misdirected_request"
+
+
 class ModelBusyError(LmspdError):
     """An unload of a model that tasks are running on (``?force=true`` cancels them)."""
 

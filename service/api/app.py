@@ -27,13 +27,16 @@ import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import Response
 
 from lmspd.api import chat, cluster, console, events, models, openapi, responses, summary, tasks, wire
 from lmspd.api.access_log import AccessLog
 from lmspd.api.auth import Authenticator
+from lmspd.api.guard import HostPolicy, RequestGuard, is_loopback
 from lmspd.api.problems import is_openai_path, openai_response, problem_response
+from lmspd.api.responses import OMITTED_TOOLS_HEADER
 from lmspd.api.routing import AUTH, Op, Operation
 from lmspd.api.state import AppState, state_of
 from lmspd.api.wire import Capabilities, CapabilityFlags, Health, Limits
@@ -162,6 +165,26 @@ ROUTES = [
 ]
 
 
+def middleware(config: Config) -> list[Middleware]:
+    """Outermost first: every request is logged, refusals too; the guard refuses before any
+    route runs; CORS grants only ``[server] allowed_origins`` (docs/operations.md, "Security")."""
+    s = config.server
+    hosts = HostPolicy(s.allowed_hosts, listens_beyond_loopback=not is_loopback(s.host))
+    stack = [Middleware(AccessLog), Middleware(RequestGuard, hosts=hosts, origins=s.allowed_origins)]
+    if s.allowed_origins:
+        stack.append(
+            Middleware(
+                CORSMiddleware,
+                allow_origins=s.allowed_origins,
+                allow_methods=["*"],
+                allow_headers=["*"],
+                expose_headers=["Location", "ETag", "Retry-After", "Idempotent-Replayed", OMITTED_TOOLS_HEADER],
+                max_age=600,
+            )
+        )
+    return stack
+
+
 def create_app(config: Config, engine: EngineClient | None = None, shutdown: asyncio.Event | None = None) -> Starlette:
     """The app, serving the service :func:`lmspd.core.runtime.started` builds (``engine`` and
     ``shutdown`` are passed on to it)."""
@@ -179,7 +202,7 @@ def create_app(config: Config, engine: EngineClient | None = None, shutdown: asy
 
     return Starlette(
         routes=ROUTES,
-        middleware=[Middleware(AccessLog)],
+        middleware=middleware(config),
         lifespan=lifespan,
         exception_handlers={
             LmspdError: on_lmspd_error,

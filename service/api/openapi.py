@@ -108,6 +108,14 @@ def _events_schema(op: Op, schemas: _Schemas) -> dict[str, Any]:
     return {"type": "object", "properties": fields}
 
 
+def _guarded(method: str) -> tuple[type[e.LmspdError], ...]:
+    """What lmspd.api.guard answers before any route runs: a foreign Host on every
+    operation; a foreign Origin and a body that is not JSON on every one that is no read."""
+    if method in ("get", "head"):
+        return (e.MisdirectedRequestError,)
+    return (e.MisdirectedRequestError, e.ForbiddenOriginError, e.UnsupportedMediaTypeError)
+
+
 def _operation(path: str, method: str, op: Op, schemas: _Schemas) -> dict[str, Any]:
     openai = is_openai_path(path)
     alias = openai and not path.startswith("/v1/")
@@ -144,7 +152,7 @@ def _operation(path: str, method: str, op: Op, schemas: _Schemas) -> dict[str, A
         responses[str(status)] = {"description": text} | (
             {"content": {"application/json": {"schema": schemas.ref(body)}}} if body is not None else {}
         )
-    responses |= _error_responses(op.errors, openai=openai, schemas=schemas)
+    responses |= _error_responses((*_guarded(method), *op.errors), openai=openai, schemas=schemas)
     out["responses"] = dict(sorted(responses.items(), key=lambda kv: (kv[0] == "default", kv[0])))
     out["security"] = [{"bearer": []}, {}] if op.auth else []
     return out

@@ -10,6 +10,7 @@ from typing import Any, Literal, TypeVar
 import msgspec
 from starlette.requests import Request
 
+from lmspd.api.guard import is_json
 from lmspd.errors import InvalidRequestError, PayloadTooLargeError, UnsupportedMediaTypeError
 from lmspd.store.task_store import TaskRecord
 
@@ -242,15 +243,14 @@ def task_cursor(raw: str | None) -> str | None:
 
 
 def _require_json(request: Request) -> None:
-    """A body must say it is JSON, or say nothing (curl without -H, urllib): a form or text
-    body is refused rather than read as what it does not claim to be (OpenAI answers 415)."""
+    """A body must say it is JSON: a form or text body, or one that declares nothing (a
+    page's ``no-cors`` fetch of a Blob), is refused rather than read as what it does not
+    claim to be (OpenAI answers 415; docs/operations.md, "Security")."""
     declared = request.headers.get("content-type")
-    if declared is None:
-        return
-    kind = declared.partition(";")[0].strip().lower()
-    if kind != "application/json" and not (kind.startswith("application/") and kind.endswith("+json")):
+    if declared is None or not is_json(declared):
+        shown = repr(declared) if declared is not None else "none"
         raise UnsupportedMediaTypeError(
-            f"Content-Type {declared!r} is not supported: send application/json", param="Content-Type"
+            f"Content-Type {shown} is not supported: send application/json", param="Content-Type"
         )
 
 

@@ -4,26 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import ipaddress
 import logging
 import signal
 import socket
 from typing import Any
 
+from lmspd.api.guard import is_loopback
 from lmspd.cli.systemd import notify, notify_address, notify_when_ready
 from lmspd.config import Config
 from lmspd.errors import ConfigError, LmspdError
 
 log = logging.getLogger("lmspd.server")
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class StartupError(LmspdError):

@@ -155,7 +155,7 @@ def cli(client: TestClient, argv: list[str]) -> int:
 
     args = build_parser().parse_args(argv)
     args.transport = httpx.MockTransport(forward)
-    args.url = "http://testserver"
+    args.url = "http://127.0.0.1"
     return COMMANDS[(args.command, args.models_command)](args)
 
 

@@ -131,7 +131,7 @@ def test_openapi_errors_streams_and_bodies_per_path(doc: Doc) -> None:
 
 
 async def test_openapi_served_and_printed(app: Starlette, doc: Doc, capsys: pytest.CaptureFixture[str]) -> None:
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://lmspd") as client:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1") as client:
         served = await client.get("/openapi.json")
         health = await client.get("/healthz")
     assert served.status_code == 200 and served.headers["content-type"] == "application/json"

@@ -106,7 +106,7 @@ def test_a_reader_that_never_reads_is_disconnected_and_resumes(server: Server) -
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.connect(("127.0.0.1", server.port))
-    sock.sendall(f"GET /lmsp/v1/tasks/{server.task_id}/events HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    sock.sendall(f"GET /lmsp/v1/tasks/{server.task_id}/events HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
     wait_until(lambda: server.fds() > baseline, "the connection accepted", timeout=30, interval=0.05)
     # Not reading: the server's writes block; after two keep-alive intervals it gives up on us
     # (the app ends the stream, and on Linux the kernel drops the socket even while we hold it).

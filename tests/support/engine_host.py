@@ -52,7 +52,7 @@ def serve(app: Starlette, portal: BlockingPortal) -> Iterator[TestClient]:
     """Like ``with TestClient(app)``, but on ``portal``'s event loop."""
     with portal.wrap_async_context_manager(app.router.lifespan_context(app)):
         # Not entered with ``with``: that would start a loop of its own and the lifespan again.
-        client = TestClient(app)
+        client = TestClient(app, base_url="http://127.0.0.1")  # a loopback Host (lmspd.api.guard)
         client.portal = portal  # requests run on the shared loop
         try:
             yield client

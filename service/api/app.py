@@ -2,7 +2,7 @@
 
 /healthz, /readyz                         liveness, readiness (no token)
 /openapi.json                             this app's OpenAPI document (no token) -> lmspd.api.openapi
-/metrics                                  Prometheus metrics        -> lmspd.metrics
+/metrics                                  Prometheus metrics (operators) -> lmspd.metrics
 /lmsp/v1/capabilities, /lmsp/v1/models    discovery (docs/lmsp.md §10)
 /lmsp/v1/tasks[...]                       durable tasks (docs/lmsp.md §7)  -> lmspd.api.tasks
 /lmsp/v1/tasks/{id}/events                event stream (docs/lmsp.md §6.4) -> lmspd.api.events
@@ -40,7 +40,7 @@ from lmspd.api.wire import Capabilities, CapabilityFlags, Health, Limits
 from lmspd.config import Config
 from lmspd.core import runtime
 from lmspd.engine.process import EngineClient
-from lmspd.errors import InvalidRequestError, LmspdError, MethodNotAllowedError, NotFoundError
+from lmspd.errors import ForbiddenError, InvalidRequestError, LmspdError, MethodNotAllowedError, NotFoundError
 from lmspd.metrics import CONTENT_TYPE
 
 log = logging.getLogger("lmspd.server")
@@ -91,7 +91,9 @@ async def openapi_json(request: Request) -> Response:
 
 async def scrape(request: Request) -> Response:
     app = state_of(request)
-    app.auth.owner(request)  # a token when tokens are configured, as everywhere but the probes
+    # Server-wide figures (every tenant's queue among them): operators' alone once tokens are
+    # configured; without tokens (loopback only) anyone local may (docs/operations.md, "Metrics").
+    app.auth.operator(request)
     return Response(await app.core.metrics_text(), media_type=CONTENT_TYPE)
 
 
@@ -137,9 +139,13 @@ ROUTES = [
             "Metrics in the Prometheus text format",
             "meta",
             str,
-            errors=AUTH,
+            errors=(*AUTH, ForbiddenError),
             media="text/plain; version=0.0.4; charset=utf-8",
-            description="Counters, gauges and histograms of tasks, tokens, latency, the engine, streams and the store.",
+            description=(
+                "Counters, gauges and histograms of tasks, tokens, latency, the engine, streams and the store, "
+                "server-wide. Needs an operator token (`server.admin_tokens`) when tokens are configured: "
+                "an ordinary token gets 403."
+            ),
         ),
     ),
     Operation(

@@ -50,8 +50,9 @@ ROUTE = Operation(
         wire.Summary,
         errors=AUTH,
         description=(
-            "What the console's server page shows (docs/console.md). Task counts are the caller's "
-            "own; the models, the engine and the speed (the last 32 generations) are the server's."
+            "What the console's server page shows (docs/console.md). Task counts and the engine's "
+            "`in_flight` are the caller's own; the models, the engine's state, pid, RSS and uptime, and "
+            "the speed (the last 32 generations) are the server's."
         ),
     ),
 )

@@ -155,7 +155,7 @@ class EngineSummary(msgspec.Struct, kw_only=True):
     state: Literal["up", "down", "recycling"]
     pid: int | None = None
     rss_bytes: int | None = None  # the engine process's resident set (None while it is down)
-    in_flight: int = 0  # generations running on it
+    in_flight: int = 0  # the caller's own generations running on it (never another token's)
     uptime_secs: float = 0.0  # since the current engine started
 
 

@@ -95,9 +95,6 @@ class Core:
         self.accepting = True
         self._limits_enforced_at = 0.0
         self._chores: set[asyncio.Task[None]] = set()  # abandoned requests still settling
-        # /responses/compact generations go straight to the engine (nothing durable to keep):
-        # at most as many at once as the engine runs, so they queue here, not in the engine.
-        self._compactions = asyncio.Semaphore(config.engine.max_concurrency)
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -325,12 +322,16 @@ class Core:
             return model, prepared
 
         model, prepared = await asyncio.to_thread(prepare)
-        async with self._compactions:
-            await self.supervisor.slots.acquire(item_id, model.name)
-            try:
-                summary, finished = await compactor.summarize(self.supervisor.engine, model, prepared.generate)
-            finally:
-                self.supervisor.slots.release(item_id)
+        # Straight to the engine (nothing durable to keep), within the tasks' decode slots: at
+        # most as many generations at once as the engine decodes, so a compaction never keeps a
+        # task that reads running waiting in the engine's queue (docs/lmsp.md §7.2).
+        await self.supervisor.slots.acquire(item_id, model.name)
+        try:
+            await self.supervisor.decoding.acquire(item_id, model.name)
+            summary, finished = await compactor.summarize(self.supervisor.engine, model, prepared.generate)
+        finally:
+            self.supervisor.decoding.release(item_id)
+            self.supervisor.slots.release(item_id)
         if finished.reason == "cancelled":
             raise ServerOverloadedError("the summarising generation was cancelled")
         item = compactor.item(prepared, summary, item_id)

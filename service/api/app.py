@@ -55,9 +55,8 @@ async def healthz(request: Request) -> Response:
 
 
 async def readyz(request: Request) -> Response:
-    app = state_of(request)
-    ready = app.core.accepting and app.core.supervisor.engine.alive
-    return _json(Health("ready" if ready else "not_ready"), 200 if ready else 503)
+    why = state_of(request).core.not_ready()
+    return _json(Health("ready") if why is None else Health("not_ready", why), 200 if why is None else 503)
 
 
 async def capabilities(request: Request) -> Response:
@@ -124,11 +123,17 @@ ROUTES = [
         "/readyz",
         readyz,
         Op(
-            "Readiness: accepting work and the engine is up",
+            "Readiness: accepting work, the engine up and the default model able to load",
             "health",
             wire.Health,
             auth=False,
-            other={503: ("not ready (starting, shutting down or the engine is down)", wire.Health)},
+            other={
+                503: (
+                    "not ready, `reason` saying why: shutting down, the engine down, or the default model "
+                    "unable to load (the memory budget refuses it)",
+                    wire.Health,
+                )
+            },
         ),
     ),
     Operation("/openapi.json", openapi_json, Op("This OpenAPI document", "meta", dict[str, Any], auth=False)),

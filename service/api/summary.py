@@ -22,7 +22,7 @@ async def summary(request: Request) -> Response:
     body = wire.Summary(
         version=__version__,
         now=st.now,
-        ready=st.accepting and st.engine == "up",
+        ready=st.not_ready is None,
         tasks=wire.TaskCounts(**st.tasks),
         models=[lmsp_model(v) for v in st.models],
         engine=wire.EngineSummary(

@@ -281,11 +281,20 @@ class Core:
         """An operator's engine recycle (lmspd.core.recycle); False: one is under way already."""
         return self.supervisor.recycle("operator")
 
+    def not_ready(self) -> str | None:
+        """Why ``/readyz`` answers 503 (None: ready). Read on every probe: nothing here loads
+        or reads a model (the default model's verdict was decided at its preload)."""
+        if not self.accepting:
+            return "the server is shutting down"
+        if not self.supervisor.engine.alive:
+            return "the engine is down (it is restarted)"
+        return self.supervisor.default_refused
+
     async def summary(self, owner: str) -> ServerState:
         """``GET /lmsp/v1/summary`` (the console's server page): ``owner``'s task counts, the
         models, the engine and the recent speed (lmspd.core.summary)."""
         return await server_state(
-            owner, store=self.store, supervisor=self.supervisor, metrics=self.metrics, accepting=self.accepting
+            owner, store=self.store, supervisor=self.supervisor, metrics=self.metrics, not_ready=self.not_ready()
         )
 
     async def metrics_text(self) -> bytes:

@@ -28,7 +28,7 @@ EngineState = Literal["up", "down", "recycling"]
 @dataclass(frozen=True)
 class ServerState:
     now: int  # unix seconds on the server (the page counts unload times down from it)
-    accepting: bool
+    not_ready: str | None  # why /readyz answers 503 (None: ready)
     tasks: dict[str, int]  # the owner's tasks by status, every status named
     models: list[ModelView]
     engine: EngineState
@@ -42,7 +42,7 @@ class ServerState:
 
 
 async def server_state(
-    owner: str, *, store: TaskStore, supervisor: Supervisor, metrics: Metrics, accepting: bool
+    owner: str, *, store: TaskStore, supervisor: Supervisor, metrics: Metrics, not_ready: str | None
 ) -> ServerState:
     engine = supervisor.engine
     rss: int | None = None
@@ -55,7 +55,7 @@ async def server_state(
     tasks = await store.owner_status_counts(owner)
     return ServerState(
         now=int(time.time()),
-        accepting=accepting,
+        not_ready=not_ready,
         tasks=tasks,
         models=await supervisor.lifecycle.views(),
         engine=state,

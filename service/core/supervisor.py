@@ -33,11 +33,13 @@ from lmspd.errors import (
     EngineRecycledError,
     LeaseLostError,
     LmspdError,
+    ModelTooLargeError,
     StorageFullError,
     StoreUnavailableError,
     error_for,
 )
 from lmspd.metrics import Metrics
+from lmspd.models.footprint import refuse_oversized
 from lmspd.models.registry import ModelRegistry, ResolvedModel
 from lmspd.models.slots import DecodeSlots, ModelSlots
 from lmspd.prompting.generation import build_generate, cache_key, prompt_for, tokenizer_for
@@ -92,6 +94,9 @@ class Supervisor:
         self.storage = StorageBackoff(config.server.database_path)
         self.lifecycle = ModelLifecycle(config, engine, registry, self.metrics)
         self.recycler = Recycler(self)
+        # Why the default model can never load (None: it can), decided once by preload from
+        # its files and the memory budget, so /readyz reads it without touching the model.
+        self.default_refused: str | None = None
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -116,10 +121,19 @@ class Supervisor:
     async def preload(self) -> None:
         """Load the default model now, so the first task does not wait for it; then [engine]
         preload's, each warmed by one short prefill (the server is ready only after this)."""
+        default = self.config.default_model
         try:
-            model = await asyncio.to_thread(self.registry.resolve_local, self.config.default_model)
+            model = await asyncio.to_thread(self.registry.resolve_local, default)
             if model is not None:
+                # The memory budget's verdict, as intake gives it (lmspd.models.footprint): a model
+                # that cannot fit even alone never loads, so the server is not ready while it
+                # serves on (docs/operations.md, "Readiness"). No load is tried for it.
+                await asyncio.to_thread(refuse_oversized, model.name, model.path, self.config.engine)
+                self.default_refused = None
                 await self.engine.load(model.name, str(model.path))
+        except ModelTooLargeError as exc:
+            self.default_refused = f"the default model cannot load: {exc.message}"
+            log.error("not ready: %s", self.default_refused, extra={"model": default, "code": exc.code, "ready": False})
         except LmspdError as exc:  # tasks naming it will fail with the reason; others still run
             log.error("default model %s did not load: %s", self.config.default_model, exc.message)
         for name in self.config.engine.preload:

@@ -107,6 +107,7 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     allow_model_paths: bool = False
 
     def __post_init__(self) -> None:
+        _one_owner_per_name(self.tokens, self.admin_tokens)
         for key in (
             "max_body_bytes",
             "max_queued_tasks",
@@ -269,6 +270,27 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 _HOST_ENTRY = re.compile(r"\*|\.?[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*\.?|\[[0-9A-Fa-f:.]+\]")
 _ORIGIN = re.compile(r"https?://([A-Za-z0-9_.-]+|\[[0-9A-Fa-f:.]+\])(:[0-9]{1,5})?")
+
+
+def _one_owner_per_name(tokens: dict[str, str], admin_tokens: dict[str, str]) -> None:
+    """A token's name owns what the token creates (docs/lmsp.md §9.1). A name with both an
+    ordinary and an operator token would be one owner under two tokens (the operator's then
+    owning the other's tasks), and one token under two names would be whichever matched last:
+    both are refused at start, naming the key (LMSP_API_KEYS replaces ``tokens``, so it is held
+    to the same rule). The token itself is never named."""
+    if both := sorted(tokens.keys() & admin_tokens.keys()):
+        raise ConfigError(
+            f"server.admin_tokens.{both[0]}: the name {both[0]!r} is also in server.tokens (or "
+            "LMSP_API_KEYS); each name owns what its token creates: give the operator a name of its own",
+            param=f"server.admin_tokens.{both[0]}",
+        )
+    named: dict[str, str] = {}
+    for key, token in [
+        *((f"server.tokens.{n}", t) for n, t in tokens.items()),
+        *((f"server.admin_tokens.{n}", t) for n, t in admin_tokens.items()),
+    ]:
+        if (first := named.setdefault(token, key)) != key:
+            raise ConfigError(f"{key} has the same token as {first}: each token must be its own", param=key)
 
 
 def _positive(key: str, value: int) -> None:

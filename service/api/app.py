@@ -2,7 +2,7 @@
 
 /healthz, /readyz                         liveness, readiness (no token)
 /openapi.json                             this app's OpenAPI document (no token) -> lmspd.api.openapi
-/metrics                                  Prometheus metrics        -> lmspd.metrics
+/metrics                                  Prometheus metrics (operators) -> lmspd.metrics
 /lmsp/v1/capabilities, /lmsp/v1/models    discovery (docs/lmsp.md §10)
 /lmsp/v1/tasks[...]                       durable tasks (docs/lmsp.md §7)  -> lmspd.api.tasks
 /lmsp/v1/tasks/{id}/events                event stream (docs/lmsp.md §6.4) -> lmspd.api.events
@@ -43,7 +43,7 @@ from lmspd.api.wire import Capabilities, CapabilityFlags, Health, Limits
 from lmspd.config import Config
 from lmspd.core import runtime
 from lmspd.engine.process import EngineClient
-from lmspd.errors import InvalidRequestError, LmspdError, MethodNotAllowedError, NotFoundError
+from lmspd.errors import ForbiddenError, InvalidRequestError, LmspdError, MethodNotAllowedError, NotFoundError
 from lmspd.metrics import CONTENT_TYPE
 
 log = logging.getLogger("lmspd.server")
@@ -58,9 +58,8 @@ async def healthz(request: Request) -> Response:
 
 
 async def readyz(request: Request) -> Response:
-    app = state_of(request)
-    ready = app.core.accepting and app.core.supervisor.engine.alive
-    return _json(Health("ready" if ready else "not_ready"), 200 if ready else 503)
+    why = state_of(request).core.not_ready()
+    return _json(Health("ready") if why is None else Health("not_ready", why), 200 if why is None else 503)
 
 
 async def capabilities(request: Request) -> Response:
@@ -94,7 +93,9 @@ async def openapi_json(request: Request) -> Response:
 
 async def scrape(request: Request) -> Response:
     app = state_of(request)
-    app.auth.owner(request)  # a token when tokens are configured, as everywhere but the probes
+    # Server-wide figures (every tenant's queue among them): operators' alone once tokens are
+    # configured; without tokens (loopback only) anyone local may (docs/operations.md, "Metrics").
+    app.auth.operator(request)
     return Response(await app.core.metrics_text(), media_type=CONTENT_TYPE)
 
 
@@ -125,11 +126,17 @@ ROUTES = [
         "/readyz",
         readyz,
         Op(
-            "Readiness: accepting work and the engine is up",
+            "Readiness: accepting work, the engine up and the default model able to load",
             "health",
             wire.Health,
             auth=False,
-            other={503: ("not ready (starting, shutting down or the engine is down)", wire.Health)},
+            other={
+                503: (
+                    "not ready, `reason` saying why: shutting down, the engine down, or the default model "
+                    "unable to load (the memory budget refuses it)",
+                    wire.Health,
+                )
+            },
         ),
     ),
     Operation("/openapi.json", openapi_json, Op("This OpenAPI document", "meta", dict[str, Any], auth=False)),
@@ -140,9 +147,13 @@ ROUTES = [
             "Metrics in the Prometheus text format",
             "meta",
             str,
-            errors=AUTH,
+            errors=(*AUTH, ForbiddenError),
             media="text/plain; version=0.0.4; charset=utf-8",
-            description="Counters, gauges and histograms of tasks, tokens, latency, the engine, streams and the store.",
+            description=(
+                "Counters, gauges and histograms of tasks, tokens, latency, the engine, streams and the store, "
+                "server-wide. Needs an operator token (`server.admin_tokens`) when tokens are configured: "
+                "an ordinary token gets 403."
+            ),
         ),
     ),
     Operation(

@@ -22,7 +22,7 @@ async def summary(request: Request) -> Response:
     body = wire.Summary(
         version=__version__,
         now=st.now,
-        ready=st.accepting and st.engine == "up",
+        ready=st.not_ready is None,
         tasks=wire.TaskCounts(**st.tasks),
         models=[lmsp_model(v) for v in st.models],
         engine=wire.EngineSummary(
@@ -50,8 +50,9 @@ ROUTE = Operation(
         wire.Summary,
         errors=AUTH,
         description=(
-            "What the console's server page shows (docs/console.md). Task counts are the caller's "
-            "own; the models, the engine and the speed (the last 32 generations) are the server's."
+            "What the console's server page shows (docs/console.md). Task counts and the engine's "
+            "`in_flight` are the caller's own; the models, the engine's state, pid, RSS and uptime, and "
+            "the speed (the last 32 generations) are the server's."
         ),
     ),
 )

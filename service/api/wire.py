@@ -47,10 +47,12 @@ class TaskList(msgspec.Struct, kw_only=True):
     last_id: str | None
 
 
-class Health(msgspec.Struct):
-    """``/healthz`` (always ``ok``) and ``/readyz`` (``ready``, or ``not_ready`` with a 503)."""
+class Health(msgspec.Struct, omit_defaults=True):
+    """``/healthz`` (always ``ok``) and ``/readyz`` (``ready``, or ``not_ready`` with a 503 and
+    the ``reason``: shutting down, the engine down, or the default model unable to load)."""
 
     status: Literal["ok", "ready", "not_ready"]
+    reason: str | None = None
 
 
 class CapabilityFlags(msgspec.Struct, kw_only=True):
@@ -156,7 +158,7 @@ class EngineSummary(msgspec.Struct, kw_only=True):
     state: Literal["up", "down", "recycling"]
     pid: int | None = None
     rss_bytes: int | None = None  # the engine process's resident set (None while it is down)
-    in_flight: int = 0  # generations running on it
+    in_flight: int = 0  # the caller's own generations running on it (never another token's)
     uptime_secs: float = 0.0  # since the current engine started
 
 
@@ -174,7 +176,7 @@ class Summary(msgspec.Struct, kw_only=True):
     object: Literal["summary"] = "summary"
     version: str
     now: int  # unix seconds on the server: models' ``unload_at`` count down from it
-    ready: bool  # as /readyz: accepting work and the engine is up
+    ready: bool  # as /readyz: accepting work, the engine up and the default model able to load
     tasks: TaskCounts  # the caller's own tasks only
     models: list[LmspModel]
     engine: EngineSummary

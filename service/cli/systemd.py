@@ -13,10 +13,15 @@ import logging
 import os
 import socket
 
+import msgspec
+
 log = logging.getLogger("lmspd.server")
 
-# How often the readiness probe asks /readyz while the server is starting.
+# How often the readiness probe asks /readyz while the server is starting...
 PROBE_INTERVAL_SECS = 0.05
+# ...and once it answers but is not ready (the default model cannot load): it is up and has said
+# why, and each probe is a line of the access log.
+NOT_READY_INTERVAL_SECS = 5.0
 PROBE_TIMEOUT_SECS = 5.0
 
 
@@ -51,19 +56,30 @@ def probe_host(host: str) -> str:
     return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
 
 
-async def readyz_ok(host: str, port: int) -> bool:
-    """Whether ``GET /readyz`` on the server answers 200 (refused or 503 while starting)."""
+class _Health(msgspec.Struct):
+    reason: str | None = None
+
+
+async def readyz(host: str, port: int) -> tuple[bool, str | None]:
+    """Whether ``GET /readyz`` on the server answers 200 (refused or 503 while starting), and the
+    ``reason`` a 503 gives (None: no answer, or none given)."""
     try:
         reader, writer = await asyncio.open_connection(probe_host(host), port)
     except OSError:
-        return False
+        return False, None
     try:
         writer.write(b"GET /readyz HTTP/1.1\r\nHost: lmspd\r\nConnection: close\r\n\r\n")
         await writer.drain()
-        status = await reader.readline()  # b"HTTP/1.1 200 \r\n"
-        return status.split(b" ")[1:2] == [b"200"]
+        answer = b""  # b"HTTP/1.1 503 \r\n...\r\n\r\n{...}", to the end (Connection: close)
+        while len(answer) < 1 << 16 and (chunk := await reader.read(1 << 16)):
+            answer += chunk
+        if answer.split(b" ")[1:2] == [b"200"]:
+            return True, None
+        with contextlib.suppress(msgspec.DecodeError):
+            return False, msgspec.json.decode(answer.partition(b"\r\n\r\n")[2], type=_Health).reason
+        return False, None
     except OSError:
-        return False
+        return False, None
     finally:
         writer.close()
         with contextlib.suppress(OSError):
@@ -73,11 +89,21 @@ async def readyz_ok(host: str, port: int) -> bool:
 async def notify_when_ready(host: str, port: int, status: str) -> None:
     """Send ``READY=1`` once the server itself answers ``/readyz`` 200: after the default model's
     preload, the lifespan's recovery of unfinished tasks, the engine start and the listener —
-    readiness as any client sees it, not as a step of startup guesses it."""
+    readiness as any client sees it, not as a step of startup guesses it. A server that answers
+    503 with a reason (its default model cannot load) is up but not ready: systemd hears
+    ``STATUS=not ready: <reason>`` instead, and never READY=1 unless that changes
+    (docs/operations.md, "Readiness")."""
+    said: str | None = None
     while True:
+        reason: str | None = None
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(PROBE_TIMEOUT_SECS):
-                if await readyz_ok(host, port):
+                ready, reason = await readyz(host, port)
+                if ready:
                     break
-        await asyncio.sleep(PROBE_INTERVAL_SECS)
+        if reason is not None and reason != said:
+            said = reason
+            log.warning("not ready, READY=1 withheld: %s", reason, extra={"ready": False})
+            notify(f"STATUS=not ready: {reason}")
+        await asyncio.sleep(PROBE_INTERVAL_SECS if reason is None else NOT_READY_INTERVAL_SECS)
     notify(f"READY=1\nSTATUS={status}")

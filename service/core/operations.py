@@ -95,9 +95,6 @@ class Core:
         self.accepting = True
         self._limits_enforced_at = 0.0
         self._chores: set[asyncio.Task[None]] = set()  # abandoned requests still settling
-        # /responses/compact generations go straight to the engine (nothing durable to keep):
-        # at most as many at once as the engine runs, so they queue here, not in the engine.
-        self._compactions = asyncio.Semaphore(config.engine.max_concurrency)
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -284,11 +281,20 @@ class Core:
         """An operator's engine recycle (lmspd.core.recycle); False: one is under way already."""
         return self.supervisor.recycle("operator")
 
+    def not_ready(self) -> str | None:
+        """Why ``/readyz`` answers 503 (None: ready). Read on every probe: nothing here loads
+        or reads a model (the default model's verdict was decided at its preload)."""
+        if not self.accepting:
+            return "the server is shutting down"
+        if not self.supervisor.engine.alive:
+            return "the engine is down (it is restarted)"
+        return self.supervisor.default_refused
+
     async def summary(self, owner: str) -> ServerState:
         """``GET /lmsp/v1/summary`` (the console's server page): ``owner``'s task counts, the
         models, the engine and the recent speed (lmspd.core.summary)."""
         return await server_state(
-            owner, store=self.store, supervisor=self.supervisor, metrics=self.metrics, accepting=self.accepting
+            owner, store=self.store, supervisor=self.supervisor, metrics=self.metrics, not_ready=self.not_ready()
         )
 
     async def metrics_text(self) -> bytes:
@@ -326,12 +332,16 @@ class Core:
             return model, prepared
 
         model, prepared = await asyncio.to_thread(prepare)
-        async with self._compactions:
-            await self.supervisor.slots.acquire(item_id, model.name)
-            try:
-                summary, finished = await compactor.summarize(self.supervisor.engine, model, prepared.generate)
-            finally:
-                self.supervisor.slots.release(item_id)
+        # Straight to the engine (nothing durable to keep), within the tasks' decode slots: at
+        # most as many generations at once as the engine decodes, so a compaction never keeps a
+        # task that reads running waiting in the engine's queue (docs/lmsp.md §7.2).
+        await self.supervisor.slots.acquire(item_id, model.name)
+        try:
+            await self.supervisor.decoding.acquire(item_id, model.name)
+            summary, finished = await compactor.summarize(self.supervisor.engine, model, prepared.generate)
+        finally:
+            self.supervisor.decoding.release(item_id)
+            self.supervisor.slots.release(item_id)
         if finished.reason == "cancelled":
             raise ServerOverloadedError("the summarising generation was cancelled")
         item = compactor.item(prepared, summary, item_id)

@@ -1,9 +1,13 @@
 """The server's state in one read, for the console's server page (``GET /lmsp/v1/summary``,
 docs/console.md): the owner's tasks by status, the models, the engine and the recent speed.
 
-Counts are the owner's own (a token never learns the size of another's queue); the models, the
-engine and the speed are the server's, as ``/lmsp/v1/models`` and ``/metrics`` already show any
-token."""
+What could tell one tenant of another's work is the owner's own: the task counts and the engine's
+``in_flight`` (the owner's generations on it: its ``running`` tasks, which since docs/lmsp.md §7.2
+are exactly the ones the engine decodes). Counting everyone's there would let a token watch
+another's queue drain, which ``/metrics``, server-wide, keeps for operators. The rest is the
+server's and says so: the engine's state, pid, RSS and uptime, the models (as ``/lmsp/v1/models``
+shows any token: a model's ``running`` is bounded by ``max_concurrency``, never a queue) and the
+speed of the last generations, whoever ran them."""
 
 from __future__ import annotations
 
@@ -24,13 +28,13 @@ EngineState = Literal["up", "down", "recycling"]
 @dataclass(frozen=True)
 class ServerState:
     now: int  # unix seconds on the server (the page counts unload times down from it)
-    accepting: bool
+    not_ready: str | None  # why /readyz answers 503 (None: ready)
     tasks: dict[str, int]  # the owner's tasks by status, every status named
     models: list[ModelView]
     engine: EngineState
     engine_pid: int | None
     engine_rss_bytes: int | None  # None when the engine is down
-    engine_in_flight: int
+    engine_in_flight: int  # the owner's generations on the engine (its running tasks)
     engine_uptime_secs: float
     generations: int  # how many recent generations the speed figures describe
     ttft_secs: float | None  # their median time to first token
@@ -38,7 +42,7 @@ class ServerState:
 
 
 async def server_state(
-    owner: str, *, store: TaskStore, supervisor: Supervisor, metrics: Metrics, accepting: bool
+    owner: str, *, store: TaskStore, supervisor: Supervisor, metrics: Metrics, not_ready: str | None
 ) -> ServerState:
     engine = supervisor.engine
     rss: int | None = None
@@ -48,15 +52,16 @@ async def server_state(
     state: EngineState = "recycling" if supervisor.recycler.busy else ("up" if engine.alive else "down")
     stats = engine.stats()
     generations, ttft, speed = metrics.recent.figures()
+    tasks = await store.owner_status_counts(owner)
     return ServerState(
         now=int(time.time()),
-        accepting=accepting,
-        tasks=await store.owner_status_counts(owner),
+        not_ready=not_ready,
+        tasks=tasks,
         models=await supervisor.lifecycle.views(),
         engine=state,
         engine_pid=stats["pid"] if engine.alive else None,
         engine_rss_bytes=rss,
-        engine_in_flight=int(stats["in_flight"]),
+        engine_in_flight=tasks.get("running", 0),
         engine_uptime_secs=round(time.monotonic() - supervisor.recycler.started_at, 1),
         generations=generations,
         ttft_secs=ttft,

@@ -1,10 +1,11 @@
 """The supervisor: runs queued tasks on the engine and keeps their event logs.
 
-It claims queued tasks in order (a compare-and-set to ``loading``), drives the
-engine, turns token deltas into response events, persists them *before*
-waking any reader, applies cancellation, and restarts a dead engine with
-backoff. Work interrupted by an engine crash or a server restart follows the
-task's ``on_restart`` policy.
+It claims queued tasks in order (a compare-and-set to ``loading``), no more of a
+model's at once than the engine decodes (its decode slots: a task reads ``running``
+only while it is decoded, docs/lmsp.md §7.2), drives the engine, turns token deltas
+into response events, persists them *before* waking any reader, applies
+cancellation, and restarts a dead engine with backoff. Work interrupted by an engine
+crash or a server restart follows the task's ``on_restart`` policy.
 """
 
 from __future__ import annotations
@@ -32,13 +33,15 @@ from lmspd.errors import (
     EngineRecycledError,
     LeaseLostError,
     LmspdError,
+    ModelTooLargeError,
     StorageFullError,
     StoreUnavailableError,
     error_for,
 )
 from lmspd.metrics import Metrics
+from lmspd.models.footprint import refuse_oversized
 from lmspd.models.registry import ModelRegistry, ResolvedModel
-from lmspd.models.slots import ModelSlots
+from lmspd.models.slots import DecodeSlots, ModelSlots
 from lmspd.prompting.generation import build_generate, cache_key, prompt_for, tokenizer_for
 from lmspd.responses import schema as s
 from lmspd.responses.builder import ResponseState
@@ -85,10 +88,15 @@ class Supervisor:
         self._stopping = False
         self._backoff = 0.5
         self.slots = ModelSlots(config.engine.max_loaded_models)
+        # What the engine decodes at once: a task is claimed running only with one of these.
+        self.decoding = DecodeSlots(config.engine.max_concurrency)
         self._resolved: dict[str, ResolvedModel] = {}  # requested model name -> what it resolved to
         self.storage = StorageBackoff(config.server.database_path)
         self.lifecycle = ModelLifecycle(config, engine, registry, self.metrics)
         self.recycler = Recycler(self)
+        # Why the default model can never load (None: it can), decided once by preload from
+        # its files and the memory budget, so /readyz reads it without touching the model.
+        self.default_refused: str | None = None
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -104,6 +112,7 @@ class Supervisor:
         """New generations go to ``engine`` from now on (an engine recycle)."""
         self.engine = engine
         self.lifecycle.engine = engine
+        self.decoding.next_engine()
 
     def recycle(self, reason: str = "operator") -> bool:
         """Replace the engine while serving (lmspd.core.recycle); False: one is under way."""
@@ -112,10 +121,19 @@ class Supervisor:
     async def preload(self) -> None:
         """Load the default model now, so the first task does not wait for it; then [engine]
         preload's, each warmed by one short prefill (the server is ready only after this)."""
+        default = self.config.default_model
         try:
-            model = await asyncio.to_thread(self.registry.resolve_local, self.config.default_model)
+            model = await asyncio.to_thread(self.registry.resolve_local, default)
             if model is not None:
+                # The memory budget's verdict, as intake gives it (lmspd.models.footprint): a model
+                # that cannot fit even alone never loads, so the server is not ready while it
+                # serves on (docs/operations.md, "Readiness"). No load is tried for it.
+                await asyncio.to_thread(refuse_oversized, model.name, model.path, self.config.engine)
+                self.default_refused = None
                 await self.engine.load(model.name, str(model.path))
+        except ModelTooLargeError as exc:
+            self.default_refused = f"the default model cannot load: {exc.message}"
+            log.error("not ready: %s", self.default_refused, extra={"model": default, "code": exc.code, "ready": False})
         except LmspdError as exc:  # tasks naming it will fail with the reason; others still run
             log.error("default model %s did not load: %s", self.config.default_model, exc.message)
         for name in self.config.engine.preload:
@@ -312,6 +330,7 @@ class Supervisor:
                     await self._fail(task_id, state, "server_error", "internal error while running the task")
         finally:
             self.running.pop(task_id, None)
+            self.decoding.release(task_id)
             self.slots.release(task_id)
             self.engine.forget(task_id)  # a cancel that came before a Generate that never went
             self.engine.forget(summary_id(task_id))
@@ -378,10 +397,17 @@ class Supervisor:
         # token does not wait for its fsync, and nothing of the task's is committed (nor any
         # other state of it touched) before it has landed.
         known = self._resolved.get(name)
-        resident = not clustered and self.engine.resident(known.name if known is not None else name)
+        canonical = known.name if known is not None else name
+        resident = not clustered and self.engine.resident(canonical)
         claim: asyncio.Future[bool] | None = None
         if resident:
+            # Running means decoding (docs/lmsp.md §7.2): past max_concurrency, a task waits
+            # here, queued, rather than in the engine's own queue reading running.
+            waited = await self.slots.acquire(task_id, canonical)  # given back when _run ends
+            waited = await self.decoding.acquire(task_id, canonical) or waited
             claim = asyncio.ensure_future(self._to(task_id, "running", state.in_progress(), via="loading"))
+            if waited and not await claim:
+                return  # cancelled while it waited: no generation starts for it
         elif not clustered and not await self._to(task_id, "loading", []):
             return  # cancelled (or claimed) first
         try:
@@ -410,8 +436,9 @@ class Supervisor:
                 if len(self._resolved) >= CANONICAL_NAMES_KEPT:
                     self._resolved.clear()
                 self._resolved[name] = model
-            await self.slots.acquire(task_id, model.name)  # given back when _run ends
-            if claim is None:
+            if claim is None:  # (a resident model's slots were taken before its claim)
+                await self.slots.acquire(task_id, model.name)  # given back when _run ends
+                await self.decoding.acquire(task_id, model.name)
                 await self.engine.load(model.name, str(model.path))
                 if not await self._to(task_id, "running", state.in_progress()):
                     return await self._settle_cancel(task_id, state)

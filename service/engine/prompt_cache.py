@@ -45,6 +45,7 @@ from mlx_lm.models.cache import (
 from lmspd.engine.prompt_ends import DEFAULT_MAX_BYTES as DEFAULT_ENDS_BYTES
 from lmspd.engine.prompt_ends import PromptEnds
 from lmspd.engine.upstream.cache import exact_entry, fetch_whole, namespaces, reach
+from lmspd.store.files import PRIVATE_FILE, private_dir
 
 log = logging.getLogger("lmspd.engine.cache")
 
@@ -336,10 +337,11 @@ class DiskCache:
         folder = self.directory / namespace[0]
         tmp = folder / f"{TMP_PREFIX}{os.getpid()}-{n}{SUFFIX}"
         try:
-            folder.mkdir(parents=True, exist_ok=True)
+            private_dir(folder)  # a client's prompts, as KV: the owner's alone (docs/operations.md)
             metadata = {"format": FORMAT, "model": namespace[0], "namespace": namespace[1]}
             metadata["tokens"] = json.dumps(tokens)
             save_prompt_cache(str(tmp), cache, metadata)
+            os.chmod(tmp, PRIVATE_FILE)  # MLX writes it as the umask says
         except Exception as exc:  # MLX reports a full disk as a RuntimeError ("[write] Unable to write")
             self.failed(tmp, exc)
             return None

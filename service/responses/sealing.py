@@ -26,6 +26,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from lmspd.errors import InvalidRequestError
+from lmspd.store.files import private_dir
 
 KEY_FILE = "reasoning.key"
 PREFIX = "lmspd.r1."  # the format's version: a later one can still open these
@@ -52,7 +53,7 @@ class Sealer:
         """The data directory's sealer; its key is made the first time (by one process only)."""
         path = data_dir / KEY_FILE
         if not path.exists():
-            data_dir.mkdir(parents=True, exist_ok=True)
+            private_dir(data_dir)
             # Written whole under another name, then linked into place: a process that reads
             # the key never sees half of it, and of two making one at once, one key wins.
             draft = data_dir / f".{KEY_FILE}.{os.getpid()}"

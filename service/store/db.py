@@ -27,6 +27,7 @@ import aiosqlite
 from lmspd.errors import LmspdError, StorageFullError
 from lmspd.store.check import DatabaseUnusableError, check, disk_problem, refusal
 from lmspd.store.conn import Conn, Job, Row, SqliteConn
+from lmspd.store.files import private_dir, private_file
 from lmspd.store.migrate import migrate
 from lmspd.store.queries import queries
 
@@ -248,7 +249,10 @@ class SqliteDatabase(Database):
         await asyncio.to_thread(check, path, migrations_dir)
         opened: list[aiosqlite.Connection] = []
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            # Every tenant's prompts and answers: the owner's alone, whatever the umask (SQLite
+            # gives the WAL and SHM files the database's mode; docs/operations.md).
+            private_dir(path.parent)
+            private_file(path)
             writer = await aiosqlite.connect(path, isolation_level=None)
             opened.append(writer)
             await on_thread(writer, _configure, True)

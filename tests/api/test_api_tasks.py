@@ -26,6 +26,7 @@ from lmspd.models.registry import ResolvedModel
 TOKENS = {"alice": "alice-secret-token", "bob": "bob-secret-token"}
 ALICE = {"Authorization": f"Bearer {TOKENS['alice']}"}
 BOB = {"Authorization": f"Bearer {TOKENS['bob']}"}
+OPS = {"Authorization": "Bearer ops-secret-token"}  # an operator's: /metrics is server-wide
 
 
 def task_body(text: str = "Tell me a story.", **extra: Any) -> dict[str, Any]:
@@ -38,7 +39,14 @@ ENGINE = EngineConfig(weight_dtype="quantized")
 @pytest.fixture
 def server_config(tmp_path: Path, model_cache: Path, tiny_long: ResolvedModel) -> Config:
     return tiny_config(
-        tiny_long, model_cache, tmp_path / "data", ENGINE, tokens=TOKENS, max_body_bytes=64 * 1024, keepalive_secs=0.5
+        tiny_long,
+        model_cache,
+        tmp_path / "data",
+        ENGINE,
+        tokens=TOKENS,
+        admin_tokens={"ops": "ops-secret-token"},
+        max_body_bytes=64 * 1024,
+        keepalive_secs=0.5,
     )
 
 
@@ -380,7 +388,7 @@ PROMPT = "Tell me a story about the zebra Quagga-4711."
 
 
 def scrape(client: TestClient) -> MetricSamples:
-    r = client.get("/metrics", headers=ALICE)
+    r = client.get("/metrics", headers=OPS)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     return {
         (s.name, tuple(sorted(s.labels.items()))): s.value
@@ -403,6 +411,7 @@ def test_metrics_move_by_what_the_tasks_did(
     caplog.set_level(logging.INFO, logger="lmspd")
     with host.serve(server_config) as client:
         assert client.get("/metrics").status_code == 401  # tokens are configured: one is required
+        assert client.get("/metrics", headers=ALICE).status_code == 403  # and an operator's
         before = scrape(client)
         assert value(before, "lmspd_engine_up") == 1
         body = {"type": "response", "input": {"input": PROMPT, "temperature": 0, "max_output_tokens": 16}}

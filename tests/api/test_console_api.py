@@ -28,9 +28,10 @@ BOB = {"Authorization": f"Bearer {TOKENS['bob']}"}
 
 @pytest.fixture(scope="module")
 def client(
-    host: Host, tmp_path_factory: pytest.TempPathFactory, model_cache: Path, tiny: ResolvedModel
+    host: Host, tmp_path_factory: pytest.TempPathFactory, model_cache: Path, tiny_long: ResolvedModel
 ) -> Iterator[TestClient]:
-    config = tiny_config(tiny, model_cache, tmp_path_factory.mktemp("console") / "data", ENGINE, tokens=TOKENS)
+    # tiny_long: a generation long enough to be seen running (its context holds 3000 tokens).
+    config = tiny_config(tiny_long, model_cache, tmp_path_factory.mktemp("console") / "data", ENGINE, tokens=TOKENS)
     with host.serve(config) as c:
         yield c
 
@@ -122,11 +123,44 @@ def test_the_summary_counts_only_the_callers_tasks_and_the_speed_moves(client: T
     assert abs(alice["now"] - before_alice["now"]) < 3600  # the server's clock, in unix seconds
 
 
+def generating(client: TestClient, task_id: str, headers: dict[str, str]) -> None:
+    """Return once the task's first token is in its event log (read from its event stream)."""
+    with client.stream("GET", f"/lmsp/v1/tasks/{task_id}/events", headers=headers) as r:
+        for line in r.iter_lines():
+            if line == "event: response.output_text.delta":
+                return
+    raise AssertionError(f"{task_id} ended without generating")
+
+
+def test_the_engines_in_flight_is_the_callers_own(client: TestClient) -> None:
+    """Alice's generation runs on the engine: her summary counts it, Bob's does not (a count of
+    everyone's would let him watch her queue drain; docs/console.md)."""
+    body = {"type": "response", "input": {"input": "Tell me a story.", "temperature": 0, "max_output_tokens": 3000}}
+    r = client.post("/lmsp/v1/tasks", json=body, headers=ALICE)
+    assert r.status_code == 202, r.text
+    task_id = r.json()["id"]
+    try:
+        generating(client, task_id, ALICE)
+        alice, bob = summary(client, ALICE), summary(client, BOB)
+        assert alice["tasks"]["running"] == 1 and alice["engine"]["in_flight"] == 1
+        assert bob["tasks"]["running"] == 0 and bob["engine"]["in_flight"] == 0, bob
+        assert bob["engine"]["state"] == "up" and bob["engine"]["pid"] == alice["engine"]["pid"]  # the server's
+    finally:
+        client.post(f"/lmsp/v1/tasks/{task_id}/cancel", headers=ALICE)
+
+        def cancelled() -> bool:
+            return bool(client.get(f"/lmsp/v1/tasks/{task_id}", headers=ALICE).json()["status"] == "cancelled")
+
+        wait_until(cancelled, f"{task_id} to be cancelled")
+
+
 def test_the_openapi_document_has_the_summary_and_the_console(client: TestClient) -> None:
     doc = client.get("/openapi.json").json()
     op = doc["paths"]["/lmsp/v1/summary"]["get"]
     assert op["responses"]["200"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/Summary"}
     assert op["security"] == [{"bearer": []}, {}]
+    scrape = doc["paths"]["/metrics"]["get"]
+    assert "403" in scrape["responses"] and "401" in scrape["responses"]  # operators alone
     page = doc["paths"]["/"]["get"]
     assert page["security"] == [] and "text/html" in page["responses"]["200"]["content"]
     assert "304" in page["responses"]

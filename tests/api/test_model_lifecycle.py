@@ -71,7 +71,7 @@ def wait_status(client: TestClient, task_id: str, statuses: tuple[str, ...]) -> 
 
 
 def metric(client: TestClient, name: str, **labels: str) -> float:
-    text = client.get("/metrics", headers=ALICE).text
+    text = client.get("/metrics", headers=OPS).text
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):

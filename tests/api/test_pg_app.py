@@ -134,7 +134,7 @@ def test_metrics_name_this_node_and_count_the_nodes_by_lease(client: TestClient)
     body = client.get("/lmsp/v1/cluster", headers=ops).json()
 
     def metrics() -> str:
-        return client.get("/metrics", headers=ALICE).text
+        return client.get("/metrics", headers=ops).text
 
     assert f'lmspd_node_info{{epoch="{body["epoch"]}",node="{body["node"]}"}} 1.0' in metrics()  # labels sorted
     assert "lmspd_node_leases_lost_total 0.0" in metrics()

@@ -278,3 +278,14 @@ def test_alice_keeps_what_is_hers(client: TestClient, alice: Alice) -> None:
     ).json()["input_tokens"]
     alone = client.post("/v1/responses/input_tokens", json={"input": "Hi"}, headers=_as("alice")).json()
     assert counted > alone["input_tokens"], "Alice's conversation lost its transcript"
+
+
+def test_server_wide_figures_are_for_operators_alone(client: TestClient, alice: Alice) -> None:
+    """``/metrics`` counts every tenant's tasks (``lmspd_tasks{status}``): an ordinary token, Alice's
+    own included, is refused, so Bob never reads the size of her queue there
+    (docs/operations.md, "Metrics and logs")."""
+    for who in ("alice", "bob"):
+        r = client.get("/metrics", headers=_as(who))
+        assert r.status_code == 403, f"{who}: {r.status_code} {r.text[:200]}"
+        _error_shape("/metrics", r)
+        assert r.json()["code"] == "forbidden" and "lmspd_tasks" not in r.text

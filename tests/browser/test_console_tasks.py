@@ -186,3 +186,65 @@ def test_the_page_asks_for_a_token_and_shows_only_its_owners_tasks(
     # Bob got for Alice's task.
     console.assert_clean("status of 401", "status of 404")
     context.close()
+
+
+def storages(page: Page) -> str:
+    """Everything the page keeps in the browser, both storages."""
+    return str(page.evaluate("JSON.stringify([localStorage, sessionStorage])"))
+
+
+def chat_as(page: Page, token: str, system: str, text: str) -> None:
+    """Sign in on the chat page and send one message, with ``system`` as the system prompt."""
+    page.goto("/#/chat")
+    expect(page.get_by_role("heading", name="Sign in")).to_be_visible(timeout=SLOW)
+    sign_in(page, token)
+    expect(page.get_by_label("Model", exact=True)).to_have_value("tiny", timeout=SLOW)
+    page.get_by_label("Max output tokens", exact=True).fill("4")
+    page.get_by_label("System prompt", exact=True).fill(system)
+    page.get_by_label("Message", exact=True).fill(text)
+    page.get_by_label("Message", exact=True).press("Enter")
+    expect(page.locator(".turn.assistant .meta").last).to_contain_text("tokens", timeout=SLOW)
+
+
+def test_the_next_person_on_the_browser_never_gets_the_last_ones_conversation(
+    browser: Browser, tokened: Server, console: Console
+) -> None:
+    """Alice's system prompt and turn ids are hers: gone when she signs out (or closes her tab), so
+    Bob, signing in next on the same browser, neither sees them nor sends them (docs/console.md)."""
+    server = tokened
+    secret = "Alice's system prompt: the vault code is 7741."
+    context = browser.new_context(viewport=LAPTOP, base_url=server.url)
+    page = console.watch(context.new_page())
+    chat_as(page, TOKENS["alice"], secret, "Hello from Alice")
+    assert secret in storages(page)  # kept while she is signed in (a reload keeps her conversation)
+    page.get_by_role("button", name="Sign out").click()
+    expect(page.get_by_role("heading", name="Sign in")).to_be_visible()
+    assert secret not in storages(page) and "lmspd.chat" not in storages(page), storages(page)
+
+    sign_in(page, TOKENS["bob"])
+    expect(page.get_by_label("Model", exact=True)).to_have_value("tiny", timeout=SLOW)
+    expect(page.get_by_label("System prompt", exact=True)).to_have_value("")
+    expect(page.locator(".turn")).to_have_count(0)
+    page.get_by_label("Max output tokens", exact=True).fill("4")
+    page.get_by_label("Message", exact=True).fill("Hello from Bob")
+    page.get_by_label("Message", exact=True).press("Enter")
+    expect(page.locator(".turn.assistant .meta").last).to_contain_text("tokens", timeout=SLOW)
+    (turn,) = msgspec.json.decode(page.evaluate("sessionStorage.getItem('lmspd.chat')"))["turns"]
+    bobs = {"Authorization": f"Bearer {TOKENS['bob']}"}
+    sent = httpx.get(f"{server.url}/v1/responses/{turn['id']}", headers=bobs, timeout=10).json()
+    assert sent["instructions"] is None and sent["previous_response_id"] is None, sent
+
+    # Alice leaves by closing her tab, without signing out: Bob's new tab starts afresh too.
+    hers = console.watch(context.new_page())
+    chat_as(hers, TOKENS["alice"], secret, "Hello again")
+    hers.close()
+    his = console.watch(context.new_page())
+    his.goto("/#/chat")
+    expect(his.get_by_role("heading", name="Sign in")).to_be_visible(timeout=SLOW)
+    sign_in(his, TOKENS["bob"])
+    expect(his.get_by_label("Model", exact=True)).to_have_value("tiny", timeout=SLOW)
+    expect(his.get_by_label("System prompt", exact=True)).to_have_value("")
+    expect(his.locator(".turn")).to_have_count(0)
+    assert secret not in storages(his)
+    console.assert_clean("status of 401")  # the 401s that made each tab ask for a token
+    context.close()

@@ -305,6 +305,20 @@ def test_disk_entries_round_trip_and_are_bounded(tmp_path: Path) -> None:
     assert list(disk.files) == [key_b]
 
 
+def test_disk_files_are_the_owners_alone(tmp_path: Path) -> None:
+    """A client's prompts, as KV: 0600 files in 0700 directories whatever the umask (022 here, a
+    login shell's; docs/operations.md, "Files and permissions")."""
+    old = os.umask(0o022)
+    try:
+        DiskCache(tmp_path / "data" / "prompt-cache", max_bytes=1 << 30).write((("m", ""), (1, 2, 3)), kv(3))
+    finally:
+        os.umask(old)
+    (path,) = (tmp_path / "data").rglob(f"*{SUFFIX}")
+    made = [tmp_path / "data", tmp_path / "data" / "prompt-cache", path.parent]
+    assert {d.name: oct(d.stat().st_mode & 0o777) for d in made} == {d.name: "0o700" for d in made}
+    assert oct(path.stat().st_mode & 0o777) == "0o600"
+
+
 def test_a_file_of_another_model_is_not_trusted(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     disk = DiskCache(tmp_path, max_bytes=1 << 30)
     disk.write((("m", ""), (1, 2, 3)), kv(3))

@@ -1,5 +1,6 @@
 """Service units: the shipped and printed systemd unit and launchd plist, and sd_notify against a
-real ``lmspd serve`` (READY=1 only once /readyz answers 200, STOPPING=1 on SIGTERM)."""
+real ``lmspd serve`` (READY=1 only once /readyz answers 200, STOPPING=1 on SIGTERM; a default
+model the memory budget refuses: serving, not ready, STATUS saying why and never READY=1)."""
 
 from __future__ import annotations
 
@@ -236,3 +237,47 @@ def test_ready_only_once_ready_and_stopping_on_sigterm(
         srv.proc.send_signal(signal.SIGTERM)
         assert srv.proc.wait(30) == 0, srv.log.read_text()
         assert drain(sock) == ["STOPPING=1"]  # once, after READY=1, and nothing else
+
+
+def test_never_ready_while_the_default_model_cannot_load(
+    tmp_path: Path, model_cache: Path, tiny: ResolvedModel, notify_socket: tuple[str, socket.socket]
+) -> None:
+    """[engine] max_memory_bytes below the default model's estimate (the tiny model needs about
+    3.5 MB): the server comes up and serves, /readyz answers 503 naming why, and systemd hears that
+    reason as its STATUS, never READY=1 (docs/operations.md, "Readiness")."""
+    path, sock = notify_socket
+    with tiny_server(tmp_path, model_cache, tiny, engine="max_memory_bytes = 1000000\n") as srv:
+        srv.proc = subprocess.Popen(
+            [sys.executable, "-m", "lmspd.cli", "serve", "--config", str(srv.config), "--port", str(srv.port)],
+            stdout=srv.log.open("ab"),
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "NOTIFY_SOCKET": path},
+        )
+
+        def answer() -> httpx.Response | None:
+            """/readyz's first answer: nothing listens before the app's start (preload) is done."""
+            assert srv.proc is not None and srv.proc.poll() is None, srv.log.read_text()
+            try:
+                return httpx.get(f"{srv.url}/readyz", timeout=5)
+            except httpx.TransportError:
+                return None
+
+        r = wait_until(answer, lambda: srv.log.read_text(), timeout=120)
+        assert r.status_code == 503, r.text
+        reason = r.json()["reason"]
+        assert "default model" in reason and "'tiny'" in reason and "1000000" in reason, reason
+        assert httpx.get(f"{srv.url}/healthz", timeout=5).status_code == 200
+
+        messages: list[str] = []
+
+        def told() -> bool:
+            messages.extend(drain(sock))
+            return any(m.startswith("STATUS=not ready") for m in messages)
+
+        wait_until(told, lambda: f"the probe to say why: {messages} {srv.log.read_text()}", timeout=60)
+        assert messages == [f"STATUS=not ready: {reason}"]  # nothing else, READY=1 least of all
+        assert "not ready, READY=1 withheld" in srv.log.read_text()
+
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(30) == 0, srv.log.read_text()
+        assert drain(sock) == ["STOPPING=1"]

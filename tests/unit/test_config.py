@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -100,3 +101,31 @@ def test_seed_store_flags_environment_variables() -> None:
     assert (r.store_max_bytes, r.store_ttl_secs, r.background_ephemeral_ttl_secs) == (268435456, 3600, 600)
     with pytest.raises(ConfigError, match="background_ephemeral_ttl_secs"):
         load_config(environ={"MLXCEL_RESPONSES_BACKGROUND_EPHEMERAL_TTL_SECS": "0"})
+
+
+@pytest.mark.parametrize(
+    ("text", "environ", "named"),
+    [
+        # One name, two tokens: the operator's would own the other's tasks.
+        ('[server]\ntokens = { alice = "a1" }\nadmin_tokens = { alice = "a2" }\n', {}, "server.admin_tokens.alice"),
+        ('[server]\nadmin_tokens = { alice = "a2" }\n', {"LMSP_API_KEYS": "alice:a1"}, "server.admin_tokens.alice"),
+        # One token, two names: it would be whichever matched last (the operator's, here).
+        ('[server]\ntokens = { bob = "t" }\nadmin_tokens = { ops = "t" }\n', {}, "server.admin_tokens.ops"),
+        ('[server]\ntokens = { bob = "t", carol = "t" }\n', {}, "server.tokens.carol"),
+    ],
+    ids=["name-in-both", "name-in-both-by-env", "token-in-both", "token-twice"],
+)
+def test_a_name_or_token_given_twice_fails_at_start_naming_the_key(
+    tmp_path: Path, text: str, environ: dict[str, str], named: str
+) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=re.escape(named)) as raised:
+        load_config(path, environ=environ)
+    assert raised.value.param == named
+    assert '"t"' not in raised.value.message and "a1" not in raised.value.message  # never the token
+
+
+def test_distinct_operator_and_ordinary_tokens_load() -> None:
+    config = load_config(environ={"LMSP_API_KEYS": "alice:a1,bob:b1"}, overrides={"server.admin_tokens": {"ops": "o1"}})
+    assert config.server.tokens == {"alice": "a1", "bob": "b1"} and config.server.admin_tokens == {"ops": "o1"}

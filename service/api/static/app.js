@@ -4,6 +4,7 @@
 import { api, setToken, token, Unauthorized } from "./api.js";
 import { errorText, field, h } from "./dom.js";
 import * as chat from "./chat.js";
+import { forgetChat } from "./chat.js";
 import * as server from "./server.js";
 import * as tasks from "./tasks.js";
 
@@ -25,6 +26,7 @@ function tokenForm(reason) {
     setToken(input.value.trim());
     try {
       await api("/lmsp/v1/capabilities");
+      forgetChat(); // whatever this browser kept before is not this token's
       route();
     } catch (err) {
       setToken("");
@@ -47,11 +49,13 @@ function showTokenForm(reason) {
 document.addEventListener("lmspd:unauthorized", () => {
   const had = Boolean(token());
   setToken("");
+  forgetChat();
   if (!main.querySelector(".token-form")) showTokenForm(had ? "That token is no longer accepted." : "");
 });
 
 signout.addEventListener("click", () => {
   setToken("");
+  forgetChat(); // the system prompt and turn ids are the token's: the next person never sends them
   location.hash = "#/chat";
   showTokenForm("");
 });

@@ -1,24 +1,38 @@
 // Chat: /v1/responses streamed (stream: true), stored, each turn chained to the last with
-// previous_response_id. The conversation is a list of response ids in localStorage; after a
-// reload each turn's text is read back from the server (GET /v1/responses/{id} and its
-// input_items), never from the browser.
+// previous_response_id. The conversation is a list of response ids and the settings (the system
+// prompt among them); after a reload each turn's text is read back from the server (GET
+// /v1/responses/{id} and its input_items), never from the browser.
 
-import { api, ApiError, check, frames, headers } from "./api.js";
+import { api, ApiError, check, frames, headers, token } from "./api.js";
 import { errorText, field, h } from "./dom.js";
 
 const KEY = "lmspd.chat";
 
-function load() {
+// Whose conversation it is (docs/console.md, "Tokens and ownership"): under a token it is kept
+// beside the token, in this tab's sessionStorage, so the next person to sign in on this browser
+// (after a sign-out, or in a new tab) never sends it; without tokens (loopback, one owner) in
+// localStorage, across tabs.
+function storage() {
+  return token() ? sessionStorage : localStorage;
+}
+
+// Sign-out, a refused token and a new sign-in: nothing of the last conversation stays.
+export function forgetChat() {
+  sessionStorage.removeItem(KEY);
+  localStorage.removeItem(KEY);
+}
+
+function load(store) {
   try {
-    const saved = JSON.parse(localStorage.getItem(KEY) || "{}");
+    const saved = JSON.parse(store.getItem(KEY) || "{}");
     return { model: saved.model || "", instructions: saved.instructions || "", max: saved.max || "", temperature: saved.temperature ?? "", turns: Array.isArray(saved.turns) ? saved.turns : [] };
   } catch {
     return { model: "", instructions: "", max: "", temperature: "", turns: [] };
   }
 }
 
-function save(state) {
-  localStorage.setItem(KEY, JSON.stringify(state));
+function save(store, state) {
+  store.setItem(KEY, JSON.stringify(state));
 }
 
 // One output item as it streams: a message, a reasoning trace, a (custom) tool call.
@@ -55,7 +69,12 @@ function stats(turn) {
 }
 
 export function mount(main) {
-  const state = load();
+  const store = storage(); // this page's owner's: a late write never lands in another's
+  let mounted = true;
+  const state = load(store);
+  const remember = () => {
+    if (mounted) save(store, state);
+  };
   const controller = new AbortController();
   let running = null; // {id, stop: AbortController}
 
@@ -83,17 +102,17 @@ export function mount(main) {
       transcript, status, composer),
   );
 
-  function remember() {
+  function settings() {
     state.model = model.value;
     state.instructions = system.value;
     state.max = maxTokens.value;
     state.temperature = temperature.value;
-    save(state);
+    remember();
   }
-  model.addEventListener("change", remember);
-  system.addEventListener("change", remember);
-  maxTokens.addEventListener("change", remember);
-  temperature.addEventListener("change", remember);
+  model.addEventListener("change", settings);
+  system.addEventListener("change", settings);
+  maxTokens.addEventListener("change", settings);
+  temperature.addEventListener("change", settings);
 
   function userTurn(text) {
     const li = h("li", { class: "turn user" }, h("div", { class: "who" }, "You"), h("div", { class: "user-text" }, text));
@@ -147,7 +166,7 @@ export function mount(main) {
   }
 
   async function ask(text) {
-    remember();
+    settings();
     const body = { model: model.value, input: text, stream: true, store: true };
     if (system.value.trim()) body.instructions = system.value;
     if (maxTokens.value) body.max_output_tokens = Number(maxTokens.value);
@@ -211,7 +230,7 @@ export function mount(main) {
     if (first !== null && tokens > 1 && end > first) turn.tps = (tokens - 1) / ((end - first) / 1000);
     if (tokens !== undefined) turn.tokens = tokens;
     state.turns.push(turn);
-    save(state);
+    remember();
     const outcome = final.status === "cancelled" ? "stopped" : final.status === "completed" ? "" : final.status;
     view.meta.textContent = [stats(turn), outcome].filter(Boolean).join(" · ");
     view.li.dataset.status = final.status;
@@ -242,7 +261,7 @@ export function mount(main) {
   });
   fresh.addEventListener("click", () => {
     state.turns = [];
-    save(state);
+    remember();
     transcript.replaceChildren();
     status.textContent = "";
     prompt.focus();
@@ -255,13 +274,14 @@ export function mount(main) {
       if (err instanceof ApiError && err.status < 500) {
         // A turn this server (or this token) no longer has: start afresh rather than chain to it.
         state.turns = [];
-        save(state);
+        remember();
         transcript.replaceChildren();
       }
       status.textContent = errorText(err);
     });
 
   return () => {
+    mounted = false;
     controller.abort();
     running?.abort.abort();
   };

@@ -180,7 +180,7 @@ def middleware(config: Config) -> list[Middleware]:
     """Outermost first: every request is logged, refusals too; the guard refuses before any
     route runs; CORS grants only ``[server] allowed_origins`` (docs/operations.md, "Security")."""
     s = config.server
-    hosts = HostPolicy(s.allowed_hosts, listens_beyond_loopback=not is_loopback(s.host))
+    hosts = HostPolicy([*s.allowed_hosts, s.host], listens_beyond_loopback=not is_loopback(s.host))
     stack = [Middleware(AccessLog), Middleware(RequestGuard, hosts=hosts, origins=s.allowed_origins)]
     if s.allowed_origins:
         stack.append(

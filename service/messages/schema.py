@@ -516,9 +516,14 @@ class MessagesBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                     call = {"type": "function_call", "call_id": block.id, "name": block.name, "arguments": arguments}
                     items.append(call)
                     origins.append(Origin(at, _USE_FIELDS))
-                elif isinstance(block, ThinkingBlock | RedactedThinkingBlock) and (m, k) in kept:
+                elif isinstance(block, ThinkingBlock | RedactedThinkingBlock):
                     seal = block.signature if isinstance(block, ThinkingBlock) else block.data
-                    items.append({"type": "reasoning", "summary": [], "encrypted_content": seal})
+                    # A cleared one is an empty reasoning item, not none: the reasoning echo
+                    # (lmspd.responses.reasoning_echo) would put a missing one back.
+                    kept_here = (m, k) in kept
+                    items.append(
+                        {"type": "reasoning", "summary": []} | ({"encrypted_content": seal} if kept_here else {})
+                    )
                     fields = _THINKING_FIELDS if isinstance(block, ThinkingBlock) else _REDACTED_FIELDS
                     origins.append(Origin(at, fields))
             _flush(items, origins, texts, message.role, where)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
+import shutil
 import sqlite3
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,6 +23,7 @@ import pytest
 from starlette.testclient import TestClient
 from support.engine_host import Host
 from support.families import make_thinker
+from support.wait import wait_until
 
 from lmspd.config import Config, EngineConfig, ModelEntry, ResponsesConfig, ServerConfig
 from lmspd.models.registry import ResolvedModel
@@ -46,8 +49,34 @@ def thinker(tmp_path_factory: pytest.TempPathFactory, smol_dir: Path) -> Path:
     return make_thinker(tmp_path_factory.mktemp("messages") / "thinker", smol_dir, HI)
 
 
+# Many templates (Gemma's, Mistral's, Llama 2's) refuse a conversation that does not alternate
+# user / assistant from a user turn, and a system message anywhere but first.
+STRICT_TEMPLATE = (
+    "{%- set start = 1 if messages[0].role == 'system' else 0 %}"
+    "{%- if start %}{{ '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- for message in messages[start:] %}"
+    "{%- if message.role == 'system' %}{{ raise_exception('System role only first') }}{%- endif %}"
+    "{%- if (message.role == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{%- endif %}"
+    "{{ '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def strict(tmp_path_factory: pytest.TempPathFactory, tiny_long: ResolvedModel) -> Path:
+    """The tiny model under a template that refuses what many real ones refuse."""
+    path = tmp_path_factory.mktemp("strict") / "strict"
+    shutil.copytree(tiny_long.path, path)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": STRICT_TEMPLATE}))
+    return path
+
+
 @pytest.fixture
-def serve(host: Host, tmp_path: Path, model_cache: Path, thinker: Path, tiny_long: ResolvedModel) -> Serve:
+def serve(
+    host: Host, tmp_path: Path, model_cache: Path, thinker: Path, strict: Path, tiny_long: ResolvedModel
+) -> Serve:
     """An app on the tiny model (default, 4096 tokens of context) and the thinker, with tokens
     for alice and bob."""
 
@@ -57,7 +86,11 @@ def serve(host: Host, tmp_path: Path, model_cache: Path, thinker: Path, tiny_lon
         config = Config(
             default_model="tiny",
             cache_dir=str(model_cache),
-            models={"tiny": ModelEntry(path=str(tiny_long.path)), "thinker": ModelEntry(path=str(thinker))},
+            models={
+                "tiny": ModelEntry(path=str(tiny_long.path)),
+                "thinker": ModelEntry(path=str(thinker)),
+                "strict": ModelEntry(path=str(strict)),
+            },
             engine=ENGINE,
             server=msgspec.convert(server, ServerConfig),
             responses=msgspec.convert(changes.pop("responses", {}), ResponsesConfig),
@@ -394,3 +427,240 @@ def test_deferred_tools_stay_out_of_the_prompt_until_referenced(client: TestClie
     )
     forced = body(max_tokens=60, tools=[WEATHER, deferred], tool_choice={"type": "tool", "name": "forecast"})
     assert create(client, forced | {"messages": history})["content"][0]["name"] == "forecast"
+
+
+# --- thinking -------------------------------------------------------------------------------
+
+THINK = {"model": "thinker", "max_tokens": 8, "temperature": 0, "messages": [{"role": "user", "content": HI}]}
+
+
+def thought(client: TestClient, **fields: Any) -> list[dict[str, Any]]:
+    """The thinker's answer to "Hi": a thinking block, then text."""
+    r = client.post("/v1/messages", json=THINK | fields, headers=key())
+    assert r.status_code == 200, r.text
+    blocks: list[dict[str, Any]] = r.json()["content"]
+    assert [b["type"] for b in blocks] == ["thinking", "text"], blocks
+    assert blocks[0]["signature"].startswith("lmspd.r1.")
+    return blocks
+
+
+def test_thinking_blocks_stream_thinking_then_signature(client: TestClient) -> None:
+    blocks = thought(client)
+    assert blocks[0]["thinking"]
+    events = sse(client, THINK)
+    streamed = check_stream(events)
+    assert without_signatures(streamed["content"]) == without_signatures(blocks)
+    assert streamed["content"][0]["signature"].startswith("lmspd.r1.")  # sealed afresh: its own nonce
+    deltas = [d["delta"]["type"] for k, d in events if k == "content_block_delta" and d["index"] == 0]
+    assert deltas[-1] == "signature_delta" and set(deltas[:-1]) == {"thinking_delta"}, deltas
+
+
+def without_signatures(blocks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{k: v for k, v in b.items() if k != "signature"} for b in blocks]
+
+
+def test_display_omitted_sends_only_the_signature(client: TestClient) -> None:
+    omitted = {"thinking": {"type": "adaptive", "display": "omitted"}}
+    blocks = thought(client, **omitted)
+    assert blocks[0]["thinking"] == ""
+    events = sse(client, THINK | omitted)
+    deltas = [d["delta"]["type"] for k, d in events if k == "content_block_delta" and d["index"] == 0]
+    assert deltas == ["signature_delta"]
+    assert check_stream(events)["content"][0]["thinking"] == ""
+
+
+def replay(blocks: list[dict[str, Any]], then: str = "And?") -> list[dict[str, Any]]:
+    return [
+        {"role": "user", "content": HI},
+        {"role": "assistant", "content": blocks},
+        {"role": "user", "content": then},
+    ]
+
+
+def thinker_count(client: TestClient, messages: list[dict[str, Any]], owner: str = "alice", **fields: Any) -> Any:
+    """``fields``: other fields of the count request."""
+    return client.post(
+        "/v1/messages/count_tokens", json={"model": "thinker", "messages": messages} | fields, headers=key(owner)
+    )
+
+
+def test_a_replayed_thinking_block_restores_the_reasoning_exactly(client: TestClient) -> None:
+    blocks = thought(client)
+    sent = thinker_count(client, replay(blocks)).json()["input_tokens"]
+    # The seal is the reasoning: the text beside it, shown or omitted, is not read.
+    hidden = [{**blocks[0], "thinking": ""}, blocks[1]]
+    assert thinker_count(client, replay(hidden)).json()["input_tokens"] == sent
+    redacted = [{"type": "redacted_thinking", "data": blocks[0]["signature"]}, blocks[1]]
+    assert thinker_count(client, replay(redacted)).json()["input_tokens"] == sent
+    # Without it, the turn is not as generated (for alice, the reasoning echo puts it back:
+    # docs/responses.md, "Tools, structured output and reasoning"; bob has none to put back).
+    assert thinker_count(client, replay(blocks[1:])).json()["input_tokens"] == sent
+    assert thinker_count(client, replay(blocks[1:]), owner="bob").json()["input_tokens"] < sent
+    # clear_thinking keeps the last turn's
+    keep: dict[str, Any] = {
+        "context_management": {
+            "edits": [{"type": "clear_thinking_20251015", "keep": {"type": "thinking_turns", "value": 1}}]
+        }
+    }
+    twice = [
+        *replay(blocks)[:2],
+        {"role": "user", "content": "And?"},
+        {"role": "assistant", "content": blocks},
+        {"role": "user", "content": "So?"},
+    ]
+    all_kept = thinker_count(client, twice).json()["input_tokens"]
+    assert thinker_count(client, twice, **keep).json()["input_tokens"] < all_kept
+    everything: dict[str, Any] = {"context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}}
+    assert thinker_count(client, twice, **everything).json()["input_tokens"] == all_kept
+    # The next turn runs on what was counted.
+    message = create(client, THINK | {"messages": replay(blocks), "max_tokens": 1})
+    assert message["usage"]["input_tokens"] + message["usage"]["cache_read_input_tokens"] == sent
+
+
+def test_a_forged_or_truncated_signature_is_a_400_naming_the_block(client: TestClient) -> None:
+    blocks = thought(client)
+    seal = blocks[0]["signature"]
+    flipped = seal[:-2] + ("A" if seal[-2] != "A" else "B") + seal[-1]
+    for bad in (flipped, seal[:-8], "lmspd.r1.", "EqQBCkgIARABGAIiQL", ""):
+        message = refused(client, THINK | {"messages": replay([{**blocks[0], "signature": bad}, blocks[1]])})
+        assert message.startswith("messages[1].content[0].signature does not verify"), message
+    redacted = [{"type": "redacted_thinking", "data": flipped}, blocks[1]]
+    assert "messages[1].content[0].data" in refused(client, THINK | {"messages": replay(redacted)})
+    # Sealed for alice: bob cannot pass it off as his.
+    r = thinker_count(client, replay(blocks), owner="bob")
+    assert r.status_code == 400 and "messages[1].content[0].signature" in r.json()["error"]["message"]
+
+
+# --- the context, the prompt, stop sequences ------------------------------------------------
+
+
+def words(n: int) -> str:
+    return " ".join(f"w{i % 97}" for i in range(n))
+
+
+def test_a_prompt_too_long_says_so_as_anthropic_does(client: TestClient) -> None:
+    message = refused(client, body(words(5000), max_tokens=32000))
+    found = re.fullmatch(r"prompt is too long: (\d+) tokens > (\d+) maximum", message)
+    assert found is not None, message
+    assert int(found[1]) > int(found[2]) == 4095  # the tiny model's context leaves one token to answer
+    counted = client.post(
+        "/v1/messages/count_tokens", json={"model": "tiny", "messages": body(words(5000))["messages"]}, headers=key()
+    )
+    assert counted.status_code == 200 and counted.json()["input_tokens"] == int(found[1])
+
+
+def test_max_tokens_is_clamped_and_a_full_context_says_so(client: TestClient) -> None:
+    """max_tokens past the context is not refused; the answer stops when the context is full."""
+    low, high = 1, 4096  # the most words whose prompt leaves a few tokens of the context
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if count(client, body(words(mid))) <= 4090 else (low, mid - 1)
+    payload = body(words(low), max_tokens=32000)
+    prompt = count(client, payload)
+    assert 4080 <= prompt <= 4090
+    message = create(client, payload)
+    assert message["stop_reason"] == "model_context_window_exceeded", message
+    assert message["usage"]["output_tokens"] == 4096 - prompt
+    streamed = check_stream(sse(client, payload))
+    assert streamed["stop_reason"] == "model_context_window_exceeded"
+
+
+def test_a_stop_sequence_ends_the_answer_and_is_named(client: TestClient) -> None:
+    free = create(client, body(max_tokens=12))["content"][0]["text"]
+    stop = free[len(free) // 2 : len(free) // 2 + 3]
+    assert stop.strip(), free
+    message = create(client, body(max_tokens=12, stop_sequences=["\x00never", stop]))
+    assert message["stop_reason"] == "stop_sequence" and message["stop_sequence"] == stop, message
+    assert message["content"] == [{"type": "text", "text": free[: free.index(stop)]}] or free.index(stop) == 0
+    streamed = check_stream(sse(client, body(max_tokens=12, stop_sequences=[stop])))
+    assert streamed["stop_reason"] == "stop_sequence" and streamed["stop_sequence"] == stop
+
+
+CLAUDE_SYSTEM: list[dict[str, Any]] = [
+    {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.332.73b; cc_entrypoint=sdk-cli;"},
+    {"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}},
+    {"type": "text", "text": "Be concise.", "cache_control": {"type": "ephemeral"}},
+]
+
+
+def test_the_billing_header_is_not_rendered(client: TestClient) -> None:
+    """Claude Code's first system block changes with its version: left out, the prompt is the
+    same whatever the version (the cached prefix holds)."""
+    other = [
+        {**CLAUDE_SYSTEM[0], "text": "x-anthropic-billing-header: cc_version=9.9.9; cc_entrypoint=cli;"},
+        *CLAUDE_SYSTEM[1:],
+    ]
+    with_header = count(client, body(system=CLAUDE_SYSTEM))
+    assert count(client, body(system=other)) == with_header == count(client, body(system=CLAUDE_SYSTEM[1:]))
+
+
+def test_a_mid_conversation_system_message_renders(client: TestClient) -> None:
+    """Claude Code sends its environment as a system message after the user's."""
+    env = {"role": "system", "content": "<env>cwd: /work</env>"}
+    plain = body(system=CLAUDE_SYSTEM)
+    with_env = plain | {"messages": [*plain["messages"], env]}
+    assert count(client, with_env) > count(client, plain)
+    assert create(client, with_env)["usage"]["output_tokens"] > 0
+
+
+def test_turn_two_reads_the_prompt_cache(client: TestClient) -> None:
+    first = body("Tell me about the sea. " + words(300), max_tokens=4, system=CLAUDE_SYSTEM)
+    one = create(client, first)
+    again = first | {
+        "messages": [
+            *first["messages"],
+            {"role": "assistant", "content": one["content"]},
+            {"role": "user", "content": "More."},
+        ]
+    }
+    two = create(client, again)
+    assert two["usage"]["cache_read_input_tokens"] >= 300, two["usage"]
+
+
+def test_a_waiting_stream_pings(client: TestClient) -> None:
+    """Nothing to say (here: every slot taken, so it waits) is a ping every keep-alive interval;
+    the message follows once a slot frees."""
+    busy = []
+    for _ in range(ENGINE.max_concurrency):
+        r = client.post(
+            "/lmsp/v1/tasks",
+            json={"type": "response", "input": {"input": "Tell me a story.", "max_output_tokens": 3000}},
+            headers={"Authorization": f"Bearer {TOKENS['bob']}"},
+        )
+        assert r.status_code == 202, r.text
+        busy.append(r.json()["id"])
+    running = lambda: all(  # noqa: E731
+        client.get(f"/lmsp/v1/tasks/{t}", headers={"Authorization": f"Bearer {TOKENS['bob']}"}).json()["status"]
+        == "running"
+        for t in busy
+    )
+    wait_until(running, "every slot to be taken")
+    events: list[str] = []
+    with client.stream("POST", "/v1/messages", json=body(max_tokens=2, stream=True), headers=key()) as r:
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                events.append(line[7:])
+            if events[-1:] == ["ping"] and len(busy):
+                for task_id in busy:
+                    client.post(
+                        f"/lmsp/v1/tasks/{task_id}/cancel", headers={"Authorization": f"Bearer {TOKENS['bob']}"}
+                    )
+                busy = []
+    assert events[0] == "message_start" and "ping" in events and events[-1] == "message_stop", events
+
+
+def test_a_template_that_refuses_a_system_turn_gets_it_folded(client: TestClient) -> None:
+    env = {"role": "system", "content": "<env>cwd: /work</env>"}
+    user = {"role": "user", "content": "Hi"}
+    plain = count(client, {"model": "strict", "messages": [user]})
+    folded = count(client, {"model": "strict", "messages": [user, env], "system": "Be brief."})
+    assert folded > plain
+    message = create(client, body(model="strict", max_tokens=2) | {"messages": [user, env]})
+    assert message["usage"]["output_tokens"] > 0
+
+
+def test_first_message_not_user_where_the_template_needs_it(client: TestClient) -> None:
+    turns = [{"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Hi"}]
+    message = refused(client, body(model="strict") | {"messages": turns})
+    assert message.startswith("messages: ") and "roles must alternate" in message, message
+    assert create(client, body(max_tokens=1) | {"messages": turns})["usage"]["output_tokens"] == 1  # ChatML takes it

@@ -24,7 +24,7 @@ from lmspd.api.routing import AUTH, GENERATE, INTAKE, Op, Operation, header, que
 from lmspd.api.state import AppState, state_of
 from lmspd.api.wire import decode, read_body
 from lmspd.messages import view
-from lmspd.messages.params import name_messages_fields
+from lmspd.messages.params import name_messages_fields, translate
 from lmspd.messages.schema import CountTokensRequest, MessagesBody, MessagesRequest, Translation
 from lmspd.responses import schema as s
 
@@ -38,15 +38,10 @@ async def _translated(request: Request, app: AppState, kind: type[B]) -> tuple[B
     """The body decoded and translated; a refusal names the Messages field."""
     try:
         body = decode(await read_body(request, app.config.server.max_body_bytes), kind)
-        translation = body.translate(hosted_tools=app.config.responses.hosted_tools)
     except e.LmspdError as exc:
         name_messages_fields(exc, None)
         raise
-    try:
-        translation.request.validate()
-    except e.LmspdError as exc:  # checked as the Responses request it runs as: named as Messages' fields
-        name_messages_fields(exc, translation)
-        raise
+    translation = translate(body, app.config.responses.hosted_tools)
     if translation.omitted:
         log.info(
             "server tools left out: %s", ", ".join(translation.omitted), extra={"omitted_tools": translation.omitted}

@@ -13,9 +13,10 @@ Claude Code reacts to by compacting its history.
 from __future__ import annotations
 
 import re
+from typing import Literal
 
 from lmspd.errors import ContextLengthExceededError, LmspdError
-from lmspd.messages.schema import Translation
+from lmspd.messages.schema import MessagesBody, Translation
 
 _ITEM = re.compile(r"input\[(\d+)\](?:\.(\w+))?(.*)", re.S)
 _TOOL = re.compile(r"tools\[(\d+)\](?:\.(\w+))?(.*)", re.S)
@@ -84,3 +85,19 @@ def _set(exc: LmspdError, message: str, param: str) -> None:
     exc.message = message
     exc.args = (message,)
     exc.param = param
+
+
+def translate(body: MessagesBody, hosted_tools: Literal["refuse", "omit"] = "refuse") -> Translation:
+    """``body`` translated and its core request validated: every refusal names the Messages
+    field (what the core checks later, at intake, is renamed with the translation too)."""
+    try:
+        translation = body.translate(hosted_tools=hosted_tools)
+    except LmspdError as exc:
+        name_messages_fields(exc, None)
+        raise
+    try:
+        translation.request.validate()
+    except LmspdError as exc:
+        name_messages_fields(exc, translation)
+        raise
+    return translation

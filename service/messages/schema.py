@@ -30,7 +30,7 @@ BILLING_HEADER = "x-anthropic-billing-header:"
 MIN_THINKING_BUDGET = 1024  # Anthropic's floor for thinking.budget_tokens
 MAX_STOP_SEQUENCES = 16
 _PATH = re.compile(r"at `\$\.?([^`]*)`")
-_UNKNOWN = re.compile(r"unknown field `([^`]+)`")
+_FIELD = re.compile(r"(?:unknown|missing required) field `([^`]+)`")
 
 # --- blocks ---------------------------------------------------------------------------------
 
@@ -284,7 +284,7 @@ def _convert(obj: Any, kind: type[Any], where: str) -> Any:
     except msgspec.ValidationError as exc:
         text = str(exc)
         inner = m.group(1) if (m := _PATH.search(text)) else ""
-        if u := _UNKNOWN.search(text):
+        if u := _FIELD.search(text):
             inner = f"{inner}.{u.group(1)}" if inner else u.group(1)
         param = f"{where}.{inner}" if inner and not inner.startswith("[") else f"{where}{inner}"
         raise InvalidRequestError(f"{param}: {text}", param=param) from exc
@@ -344,19 +344,18 @@ class MessagesBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if not self.messages:
             raise InvalidRequestError("messages: at least one message is required", param="messages")
         self._check_thinking()
-        offered, deferred, indexes, omitted = self._tools(hosted_tools)
+        offered, deferred, omitted = self._tools(hosted_tools)
         items, origins, referenced = self._items()
         for name in referenced:  # tool search: a referenced deferred tool is offered from now on
             if name in deferred:
                 offered.append(deferred.pop(name))
-        tool_index = [indexes[str(t["name"])] for t in offered]
         display = self.thinking.display if isinstance(self.thinking, ThinkingEnabled | ThinkingAdaptive) else None
         request = TaskRequest(
             model=self.model,
             input=items,
             instructions=_system_text(self.system),
             store=False,
-            tools=offered or None,
+            tools=[tool for _, tool in offered] or None,
             tool_choice=self._tool_choice(),
             parallel_tool_calls=self._parallel(),
             text=self._text(),
@@ -368,7 +367,7 @@ class MessagesBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         return Translation(
             request=request,
             items=origins,
-            tools=tool_index,
+            tools=[i for i, _ in offered],
             omitted=omitted,
             display_omitted=display == "omitted",
             max_tokens=self.max_tokens_asked,
@@ -400,12 +399,11 @@ class MessagesBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     def _tools(
         self, hosted_tools: Literal["refuse", "omit"]
-    ) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]], dict[str, int], list[str]]:
-        """The tools offered now (as Responses function tools), the deferred ones by name, each
-        tool's index in ``tools`` by name, and the server tool types left out."""
-        offered: list[dict[str, Any]] = []
-        deferred: dict[str, dict[str, Any]] = {}
-        index: dict[str, int] = {}
+    ) -> tuple[list[tuple[int, dict[str, Any]]], dict[str, tuple[int, dict[str, Any]]], list[str]]:
+        """The tools offered now (as Responses function tools, each with its index in
+        ``tools``), the deferred ones by name, and the server tool types left out."""
+        offered: list[tuple[int, dict[str, Any]]] = []
+        deferred: dict[str, tuple[int, dict[str, Any]]] = {}
         omitted: list[str] = []
         for i, raw in enumerate(self.tools or []):
             where = f"tools[{i}]"
@@ -425,12 +423,11 @@ class MessagesBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 "parameters": tool.input_schema,
                 "strict": bool(tool.strict),  # Anthropic's tools are not strict unless they say so
             }
-            index.setdefault(tool.name, i)
             if tool.defer_loading:
-                deferred[tool.name] = function
+                deferred[tool.name] = (i, function)
             else:
-                offered.append(function)
-        return offered, deferred, index, omitted
+                offered.append((i, function))
+        return offered, deferred, omitted
 
     def _tool_choice(self) -> str | dict[str, Any] | None:
         choice = self.tool_choice

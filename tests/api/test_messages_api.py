@@ -23,7 +23,6 @@ import pytest
 from starlette.testclient import TestClient
 from support.engine_host import Host
 from support.families import make_thinker
-from support.wait import wait_until
 
 from lmspd.config import Config, EngineConfig, ModelEntry, ResponsesConfig, ServerConfig
 from lmspd.models.registry import ResolvedModel
@@ -618,35 +617,23 @@ def test_turn_two_reads_the_prompt_cache(client: TestClient) -> None:
 
 
 def test_a_waiting_stream_pings(client: TestClient) -> None:
-    """Nothing to say (here: every slot taken, so it waits) is a ping every keep-alive interval;
-    the message follows once a slot frees."""
-    busy = []
-    for _ in range(ENGINE.max_concurrency):
-        r = client.post(
-            "/lmsp/v1/tasks",
-            json={"type": "response", "input": {"input": "Tell me a story.", "max_output_tokens": 3000}},
-            headers={"Authorization": f"Bearer {TOKENS['bob']}"},
-        )
-        assert r.status_code == 202, r.text
-        busy.append(r.json()["id"])
-    running = lambda: all(  # noqa: E731
-        client.get(f"/lmsp/v1/tasks/{t}", headers={"Authorization": f"Bearer {TOKENS['bob']}"}).json()["status"]
-        == "running"
-        for t in busy
-    )
-    wait_until(running, "every slot to be taken")
+    """Nothing to say (a long prefill, a queue; here: the model's slot is held, so the task waits
+    for it) is a ping every keep-alive interval; the message follows once it goes on."""
+    slots = client.app.state.lmsp.core.supervisor.slots  # type: ignore[attr-defined]
+    assert client.portal is not None
+    holders = [f"test-{i}" for i in range(slots.limit)]
+    for i, holder in enumerate(holders):  # every slot held for other models: tiny cannot load
+        client.portal.call(slots.acquire, holder, f"other-{i}")
     events: list[str] = []
     with client.stream("POST", "/v1/messages", json=body(max_tokens=2, stream=True), headers=key()) as r:
         for line in r.iter_lines():
             if line.startswith("event: "):
                 events.append(line[7:])
-            if events[-1:] == ["ping"] and len(busy):
-                for task_id in busy:
-                    client.post(
-                        f"/lmsp/v1/tasks/{task_id}/cancel", headers={"Authorization": f"Bearer {TOKENS['bob']}"}
-                    )
-                busy = []
-    assert events[0] == "message_start" and "ping" in events and events[-1] == "message_stop", events
+            if events[-1:] == ["ping"] and holders:
+                for holder in holders:
+                    client.portal.call(slots.release, holder)
+                holders = []
+    assert events[:2] == ["message_start", "ping"] and events[-1] == "message_stop", events
 
 
 def test_a_template_that_refuses_a_system_turn_gets_it_folded(client: TestClient) -> None:

@@ -126,7 +126,7 @@ def test_the_openapi_document_has_the_summary_and_the_console(client: TestClient
     doc = client.get("/openapi.json").json()
     op = doc["paths"]["/lmsp/v1/summary"]["get"]
     assert op["responses"]["200"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/Summary"}
-    assert op["security"] == [{"bearer": []}, {}]
+    assert op["security"] == [{"bearer": []}, {"apiKey": []}, {}]  # x-api-key: the same token
     page = doc["paths"]["/"]["get"]
     assert page["security"] == [] and "text/html" in page["responses"]["200"]["content"]
     assert "304" in page["responses"]

@@ -246,6 +246,7 @@ class TaskRequest(ResponseRequest, kw_only=True, omit_defaults=True):
 
     stop: list[str] | None = None
     seed: int | None = None
+    top_k: int | None = None  # the Messages API's (docs/messages.md)
 
     @classmethod
     def of(cls, request: ResponseRequest, **extra: Any) -> TaskRequest:
@@ -255,9 +256,12 @@ class TaskRequest(ResponseRequest, kw_only=True, omit_defaults=True):
         return _keep_directives(request, cls(**fields, **extra))
 
     def sampling(self) -> SamplingParams:
-        return (
-            msgspec.structs.replace(super().sampling(), seed=self.seed) if self.seed is not None else super().sampling()
-        )
+        extra: dict[str, Any] = {}
+        if self.seed is not None:
+            extra["seed"] = self.seed
+        if self.top_k is not None:
+            extra["top_k"] = self.top_k
+        return msgspec.structs.replace(super().sampling(), **extra) if extra else super().sampling()
 
 
 class CompactResponse(msgspec.Struct, kw_only=True):
@@ -484,6 +488,10 @@ class Response(msgspec.Struct, kw_only=True, omit_defaults=False):
     metadata: dict[str, str] = {}
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
+    # lmspd's: the stop string that ended the response, present only then. Only the views
+    # that take stop strings (Chat Completions, Messages) can make one; Messages reports it
+    # as ``stop_sequence`` (docs/messages.md).
+    stop_sequence: str | msgspec.UnsetType = msgspec.UNSET
 
 
 # --- events (docs/lmsp.md §6.3) -------------------------------------------------------------

@@ -84,7 +84,9 @@ class Nodes:
             home = data / f"n{i + 1}"
             home.mkdir(parents=True)
             cluster = f'node_id = "n{i + 1}"\nheartbeat_secs = {HEARTBEAT_SECS}\nlease_secs = {LEASE_SECS}\n'
-            config = write_config(home, model, store=url, cluster=cluster, tiny=tiny)
+            # Its sessions named after it (libpq's application_name), so a kill's end is seen.
+            store = f"{url}{'&' if '?' in url else '?'}application_name=n{i + 1}"
+            config = write_config(home, model, store=store, cluster=cluster, tiny=tiny)
             self.servers.append(Server(config, home))
         self.up: set[int] = set()  # the nodes serving now (Spread sends requests to these)
 
@@ -138,6 +140,16 @@ class Nodes:
         sql = "SELECT id, status, attempt FROM tasks WHERE node = %s AND status = ANY(%s)"
         with connect(self.url) as conn:
             return {r[0]: TaskState(r[1], r[2]) for r in conn.execute(sql, (node, list(STARTED)))}
+
+    def disconnected(self, node: str, timeout: float = 30) -> None:
+        """Wait until PostgreSQL holds no session of the killed ``node``: a COMMIT it sent
+        just before SIGKILL is still applied after it died, and what the kill interrupted is
+        read only once nothing of it can still land."""
+        sql = "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s"
+        deadline = time.monotonic() + timeout
+        with connect(self.url) as conn:
+            while conn.execute(sql, (node,)).fetchone()[0] and time.monotonic() < deadline:
+                time.sleep(0.05)
 
     def gone(self, node: str) -> bool:
         """Its lease row is gone: a survivor took what it held over."""
@@ -207,6 +219,7 @@ async def node_cycles(args: Any, nodes: Nodes, ledger: Ledger, load: Any, say: A
         nodes.kill9(victim)
         # What its kill interrupted (what recovery settles), and the whole database as of then,
         # read in one snapshot while the survivors write on.
+        await asyncio.to_thread(nodes.disconnected, name)
         held = await asyncio.to_thread(nodes.held_by, name)
         _, violations = snapshot_of(await asyncio.to_thread(nodes.read))
         ledger.snapshots.append(Snapshot(cycle, held, violations))

@@ -92,6 +92,23 @@ def test_claude_codes_request_decodes_and_translates() -> None:
     assert r.metadata is None  # the user id is never rendered nor stored as metadata
 
 
+def test_what_claude_code_sends_for_other_models_and_outputs_is_accepted() -> None:
+    """Claude Code 2.1.332 puts ``output_config: {"effort": …}`` on its environment's system
+    message for some models (its default, ``claude-opus-5-5``), and asks for ``thinking.display:
+    "updates"`` when it prints a stream (``--output-format stream-json``): both accepted, the
+    first changing nothing, the second showing the thinking as "summarized" does."""
+    env = {"role": "system", "content": "<env/>", "output_config": {"effort": "medium"}}
+    t = translated(
+        messages=[{"role": "user", "content": "hi"}, env], thinking={"type": "adaptive", "display": "updates"}
+    )
+    assert t.request.input == [{"role": "user", "content": "hi"}, {"role": "system", "content": "<env/>"}]
+    assert not t.display_omitted
+    enabled = translated(max_tokens=2048, thinking={"type": "enabled", "budget_tokens": 1024, "display": "updates"})
+    assert not enabled.display_omitted
+    err = refused(messages=[{"role": "user", "content": "hi", "output_config": {"effort": "low"}}])
+    assert err.param == "messages[0].output_config" and "only a system message" in str(err)
+
+
 def test_choices_parallel_sampling_and_stops() -> None:
     def choice(tc: dict[str, Any]) -> tuple[Any, Any]:
         r = translated(tools=[TOOL], tool_choice=tc).request

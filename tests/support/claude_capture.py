@@ -160,9 +160,11 @@ DEVICE_ID = re.compile(r'(\\"device_id\\":\\")[0-9a-f]{64}')  # inside metadata.
 
 
 def scrub(text: str, home: str, workspace: str) -> str:
-    """``text`` (a request as ``serve`` wrote it) with the workspace, the home, every UUID (the
-    session's, the message's) and the device id replaced by fixed stand-ins."""
+    """``text`` (a request as ``serve`` wrote it) with the workspace (and its name as Claude
+    Code's project folder), the home, every UUID (the session's) and the device id replaced by
+    fixed stand-ins."""
     text = text.replace(workspace, WORKSPACE).replace(home, HOME)
+    text = text.replace(workspace.replace("/", "-"), WORKSPACE.replace("/", "-"))  # its project folder's name
     return DEVICE_ID.sub(lambda m: m.group(1) + DEVICE, UUID.sub(SESSION, text))
 
 

@@ -60,7 +60,7 @@ def assert_no_extras(model: Any) -> None:
 
 
 def test_claude_codes_request_decodes_and_translates() -> None:
-    """The shape Claude Code 2.1.332 sends (docs/messages.md, "What Claude Code sends")."""
+    """The shape Claude Code 2.1.332 sends (docs/messages.md, "Claude Code")."""
     t = translated(
         system=[
             {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.332.73b; cc_entrypoint=sdk-cli;"},

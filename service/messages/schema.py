@@ -123,11 +123,20 @@ def _tag(obj: msgspec.Struct) -> str:
     return str(type(obj).__struct_config__.tag)
 
 
+class MessageOutputConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A system message's own ``output_config`` (Claude Code 2.1.332 sends ``{"effort": …}`` on
+    its environment message for some models): accepted, changing nothing, as the top-level
+    ``effort`` is."""
+
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+
+
 class Message(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """A turn. ``system`` mid-conversation is what Claude Code sends for its environment."""
 
     role: Literal["user", "assistant", "system"]
     content: str | list[Block]
+    output_config: MessageOutputConfig | None = None  # a system message's only
 
     def blocks(self) -> list[Block]:
         return [TextBlock(text=self.content)] if isinstance(self.content, str) else list(self.content)
@@ -181,13 +190,19 @@ class _Thinking(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, kw
     pass
 
 
+# "updates" (Claude Code 2.1.332 asks for it when it prints a stream, ``--output-format
+# stream-json``) shows the thinking as generated here, as "summarized" does: lmspd has no
+# summarizer.
+Display = Literal["summarized", "omitted", "updates"]
+
+
 class ThinkingEnabled(_Thinking, tag="enabled"):
     budget_tokens: int
-    display: Literal["summarized", "omitted"] | None = None
+    display: Display | None = None
 
 
 class ThinkingAdaptive(_Thinking, tag="adaptive"):
-    display: Literal["summarized", "omitted"] | None = None
+    display: Display | None = None
 
 
 class ThinkingDisabled(_Thinking, tag="disabled"):
@@ -487,6 +502,11 @@ class MessagesBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             )
         for m, message in enumerate(self.messages):
             where = f"messages[{m}]"
+            if message.output_config is not None and message.role != "system":
+                raise InvalidRequestError(
+                    f"{where}.output_config: only a system message takes an output_config",
+                    param=f"{where}.output_config",
+                )
             texts: list[str] = []  # consecutive text blocks: one message item
             for k, block in enumerate(message.blocks()):
                 at = f"{where}.content[{k}]"

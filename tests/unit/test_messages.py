@@ -60,7 +60,7 @@ def assert_no_extras(model: Any) -> None:
 
 
 def test_claude_codes_request_decodes_and_translates() -> None:
-    """The shape Claude Code 2.1.332 sends (docs/messages.md, "What Claude Code sends")."""
+    """The shape Claude Code 2.1.332 sends (docs/messages.md, "Claude Code")."""
     t = translated(
         system=[
             {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.332.73b; cc_entrypoint=sdk-cli;"},
@@ -90,6 +90,23 @@ def test_claude_codes_request_decodes_and_translates() -> None:
     assert r.max_output_tokens == 32000 and r.store is False and r.stream is True
     assert r.sealed_reasoning and t.display_omitted and t.max_tokens == 32000
     assert r.metadata is None  # the user id is never rendered nor stored as metadata
+
+
+def test_what_claude_code_sends_for_other_models_and_outputs_is_accepted() -> None:
+    """Claude Code 2.1.332 puts ``output_config: {"effort": …}`` on its environment's system
+    message for some models (its default, ``claude-opus-5-5``), and asks for ``thinking.display:
+    "updates"`` when it prints a stream (``--output-format stream-json``): both accepted, the
+    first changing nothing, the second showing the thinking as "summarized" does."""
+    env = {"role": "system", "content": "<env/>", "output_config": {"effort": "medium"}}
+    t = translated(
+        messages=[{"role": "user", "content": "hi"}, env], thinking={"type": "adaptive", "display": "updates"}
+    )
+    assert t.request.input == [{"role": "user", "content": "hi"}, {"role": "system", "content": "<env/>"}]
+    assert not t.display_omitted
+    enabled = translated(max_tokens=2048, thinking={"type": "enabled", "budget_tokens": 1024, "display": "updates"})
+    assert not enabled.display_omitted
+    err = refused(messages=[{"role": "user", "content": "hi", "output_config": {"effort": "low"}}])
+    assert err.param == "messages[0].output_config" and "only a system message" in str(err)
 
 
 def test_choices_parallel_sampling_and_stops() -> None:

@@ -1,0 +1,200 @@
+"""The real Claude Code CLI: where the pinned binary is, an isolated environment to run it in,
+the requests it sent (``data/claude/``), and a loopback proxy that forces its first call.
+
+Claude Code is the npm package ``@anthropic-ai/claude-code`` (a native binary since 2.x, in the
+platform package it depends on); .ci/run installs the version pinned here under the test cache.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from support import DATA
+from support.models import CACHE
+
+CLAUDE_DATA = DATA / "claude"
+# The Claude Code CLI the suite pins (npm package @anthropic-ai/claude-code); .ci/run installs it
+# under the test cache.
+CLAUDE_VERSION = "2.1.332"
+CLAUDE_PREFIX = CACHE / "claude" / CLAUDE_VERSION
+
+
+def claude_binary() -> Path | None:
+    """The pinned Claude Code CLI: ``LMSPD_CLAUDE`` if set, else the one .ci/run installs under
+    the test cache, else ``claude`` on PATH; None when there is none."""
+    if env := os.environ.get("LMSPD_CLAUDE"):
+        return Path(env)
+    pinned = CLAUDE_PREFIX / "node_modules" / ".bin" / "claude"
+    if pinned.exists():
+        return pinned
+    found = shutil.which("claude")
+    return Path(found) if found else None
+
+
+def captured(name: str) -> dict[str, Any]:
+    """A captured request (``data/claude/<name>.json``: ``method``, ``path``, ``headers``,
+    ``body``), a fresh copy each call."""
+    return dict(json.loads((CLAUDE_DATA / f"{name}.json").read_text()))
+
+
+def claude_env(home: Path, base_url: str) -> dict[str, str]:
+    """The environment of an isolated Claude Code run against ``base_url``: its own HOME and
+    config folder, no variable of the caller's that Claude Code reads (``ANTHROPIC_*``,
+    ``CLAUDE_*``), no telemetry, no update check, no nonessential traffic (nothing beyond
+    loopback is reachable here), and a key (a tokenless loopback server takes any)."""
+    keep = ("PATH", "LANG", "LC_ALL", "TMPDIR")
+    env = {k: v for k, v in os.environ.items() if k in keep}
+    env.update(
+        HOME=str(home),
+        CLAUDE_CONFIG_DIR=str(home / ".claude"),
+        ANTHROPIC_BASE_URL=base_url,
+        ANTHROPIC_API_KEY="sk-local",
+        DISABLE_TELEMETRY="1",
+        DISABLE_AUTOUPDATER="1",
+        DISABLE_ERROR_REPORTING="1",
+        CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1",
+    )
+    return env
+
+
+def run_claude(
+    claude: Path, tmp: Path, base_url: str, args: list[str], timeout: float = 180
+) -> subprocess.CompletedProcess[str]:
+    """``claude <args>`` in a fresh workspace under ``tmp`` (a README.md in it) with
+    ``claude_env``, stdin closed."""
+    home, work = tmp / "home", tmp / "work"
+    for folder in (home, work):
+        folder.mkdir(parents=True, exist_ok=True)
+    (work / "README.md").write_text("# demo\n")
+    return subprocess.run(
+        [str(claude), *args],
+        cwd=work,
+        env=claude_env(home, base_url),
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@dataclass
+class Exchange:
+    """One request the proxy forwarded: what the client sent, what was forwarded (the same
+    unless rewritten), and the upstream status."""
+
+    method: str
+    path: str
+    sent: Any
+    forwarded: Any
+    status: int
+    error: Any = None  # the answer's JSON body when the status is not 200
+
+
+@dataclass
+class Proxy:
+    """A loopback HTTP proxy to ``upstream`` that hands each JSON request body to ``rewrite``
+    (which returns the body to forward: the same object to forward it unchanged) and streams
+    each answer back as it comes. ``exchanges`` records every request, in order."""
+
+    upstream: str
+    rewrite: Callable[[str, str, Any], Any]
+    exchanges: list[Exchange] = field(default_factory=list)
+    url: str = ""
+
+    def handler(self) -> type[BaseHTTPRequestHandler]:
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            # HTTP/1.0 answers: the body ends when the connection closes, so a stream is passed
+            # on chunk by chunk without re-framing it.
+            protocol_version = "HTTP/1.0"
+
+            def forward(self) -> None:
+                raw = self.rfile.read(int(self.headers.get("content-length", 0) or 0))
+                sent: Any = json.loads(raw) if raw else None
+                forwarded = proxy.rewrite(self.command, self.path, sent) if sent is not None else None
+                if forwarded is not sent:
+                    raw = json.dumps(forwarded).encode()
+                skip = ("host", "content-length", "connection", "accept-encoding")
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in skip}
+                with httpx.stream(
+                    self.command, proxy.upstream + self.path, content=raw, headers=headers, timeout=120
+                ) as answer:
+                    exchange = Exchange(self.command, self.path, sent, forwarded, answer.status_code)
+                    proxy.exchanges.append(exchange)
+                    if answer.status_code != 200:
+                        answer.read()
+                        exchange.error = answer.json() if answer.content else None
+                    self.send_response(answer.status_code)
+                    for key, value in answer.headers.items():
+                        if key.lower() not in ("content-length", "transfer-encoding", "connection"):
+                            self.send_header(key, value)
+                    self.end_headers()
+                    for chunk in answer.iter_raw() if not answer.is_stream_consumed else [answer.content]:
+                        self.wfile.write(chunk)
+                        self.wfile.flush()
+
+            do_GET = do_POST = do_HEAD = forward
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+        return Handler
+
+
+@contextmanager
+def proxy(upstream: str, rewrite: Callable[[str, str, Any], Any]) -> Iterator[Proxy]:
+    """A running ``Proxy`` on a free loopback port, shut down on exit."""
+    found = Proxy(upstream, rewrite)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), found.handler())
+    found.url = f"http://127.0.0.1:{server.server_address[1]}"
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield found
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(10)
+
+
+FORCED_COMMAND = "echo lmspd-tool-ok"
+
+
+def answered(body: dict[str, Any]) -> bool:
+    """Whether the last message of a Messages request holds a ``tool_result``."""
+    content = body["messages"][-1]["content"]
+    return isinstance(content, list) and any(block.get("type") == "tool_result" for block in content)
+
+
+def force_bash(method: str, path: str, body: Any) -> Any:
+    """``Proxy.rewrite`` for a tool loop on a random-weight model: a ``POST /v1/messages``
+    that offers ``Bash`` and answers no call yet gets ``tool_choice`` ``{"type": "tool",
+    "name": "Bash"}`` and a Bash ``input_schema`` whose ``command`` is the constant
+    ``FORCED_COMMAND``, so lmspd's grammar makes the model call ``Bash`` with exactly that
+    command. Every other request (the tool result's turn included) is forwarded unchanged."""
+    if method != "POST" or not path.split("?")[0].endswith("/messages") or answered(body):
+        return body
+    tools = body.get("tools") or []
+    if not any(tool.get("name") == "Bash" for tool in tools):
+        return body
+    schema = {
+        "type": "object",
+        "properties": {"command": {"type": "string", "const": FORCED_COMMAND}},
+        "required": ["command"],
+        "additionalProperties": False,
+    }
+    forced = [dict(tool, input_schema=schema) if tool.get("name") == "Bash" else tool for tool in tools]
+    return dict(body, tools=forced, tool_choice={"type": "tool", "name": "Bash"})

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -28,13 +29,15 @@ HOP = ("host", "content-length", "connection", "accept-encoding")
 
 
 @pytest.fixture(scope="module")
-def client(host: Host, tmp_path_factory: pytest.TempPathFactory, brief_8k: ResolvedModel) -> Iterator[TestClient]:
+def client(
+    host: Host, tmp_path_factory: pytest.TempPathFactory, model_cache: Path, brief_8k: ResolvedModel
+) -> Iterator[TestClient]:
     """The app on the captured requests' model name, ``tiny``: the brief tiny model with an 8k
     context, ``sk-local`` (the key Claude Code sent) its token."""
     data = tmp_path_factory.mktemp("claude-replay")
     config = Config(
         default_model="tiny",
-        cache_dir=str(data / "models"),
+        cache_dir=str(model_cache),  # the session's: the shared engine's settings derive from it
         models={"tiny": ModelEntry(path=str(brief_8k.path))},
         engine=ENGINE,
         server=msgspec.convert({"data_dir": str(data / "data"), "tokens": {"local": "sk-local"}}, ServerConfig),

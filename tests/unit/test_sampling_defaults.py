@@ -11,12 +11,15 @@ import os
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from lmspd.config import Config, ModelEntry
+from lmspd.errors import InvalidRequestError
 from lmspd.models.catalog import BUILTIN_MODELS
 from lmspd.models.registry import ModelRegistry, ResolvedModel
 from lmspd.models.sampling import LMSPD_DEFAULTS, SamplingDefaults, model_defaults
+from lmspd.responses.schema import ResponseRequest, TaskRequest
 
 BUNDLED = "smollm2-135m-instruct"
 CATALOG = SamplingDefaults(temperature=0.2, top_p=0.9)
@@ -129,3 +132,40 @@ def test_the_registry_finds_a_models_defaults_by_any_name(tmp_path: Path) -> Non
     )
     # A hub model not downloaded: known only once it is here.
     assert registry.sampling_defaults("hub", None) is None
+
+
+MODEL = SamplingDefaults(temperature=0.0, top_p=0.5, top_k=7, min_p=0.1)
+
+
+def test_a_request_that_names_none_gets_the_models_defaults() -> None:
+    params = ResponseRequest(input="Hi").sampling(MODEL)
+    assert (params.temperature, params.top_p, params.top_k, params.min_p) == (0.0, 0.5, 7, 0.1)
+
+
+def test_a_requests_own_value_wins_and_an_explicit_zero_stays_greedy() -> None:
+    params = ResponseRequest(input="Hi", temperature=1.5).sampling(MODEL)
+    assert (params.temperature, params.top_p) == (1.5, 0.5)
+    assert ResponseRequest(input="Hi", temperature=0, top_p=1).sampling(CATALOG).temperature == 0.0
+    assert ResponseRequest(input="Hi", temperature=0, top_p=1).sampling(CATALOG).top_p == 1.0
+
+
+def test_no_model_defaults_are_lmspds_own() -> None:
+    params = ResponseRequest(input="Hi").sampling()
+    assert (params.temperature, params.top_p, params.top_k, params.min_p) == (1.0, 1.0, 0, 0.0)
+
+
+def test_a_task_keeps_the_defaults_it_was_accepted_with() -> None:
+    stored = msgspec.json.encode(TaskRequest.of(ResponseRequest(input="Hi"), sampling_defaults=MODEL, seed=3))
+    task = msgspec.json.decode(stored, type=TaskRequest)
+    # The model's defaults by the time it runs again do not matter: the stored ones win.
+    params = task.sampling(CATALOG)
+    assert (params.temperature, params.top_p, params.top_k, params.min_p, params.seed) == (0.0, 0.5, 7, 0.1, 3)
+    # A task stored without them (older, or its model not here at intake) takes the model's.
+    older = msgspec.json.decode(msgspec.json.encode(TaskRequest(input="Hi")), type=TaskRequest)
+    assert older.sampling_defaults is None and older.sampling(CATALOG).temperature == 0.2
+
+
+def test_a_request_value_out_of_range_is_still_refused_naming_it() -> None:
+    with pytest.raises(InvalidRequestError) as caught:
+        ResponseRequest(input="Hi", temperature=2.5).sampling(MODEL).validate()
+    assert caught.value.param == "temperature" and "between 0 and 2" in caught.value.message

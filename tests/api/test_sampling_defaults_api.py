@@ -1,7 +1,7 @@
 """A model's sampling defaults on the real app (docs/operations.md, "Sampling defaults"): a
 model whose generation_config.json says temperature 0 answers a request that names none
-greedily, on every surface; a request's own value wins; a task stores the defaults it was
-accepted with."""
+greedily, on every surface; both model lists show each model's defaults; a request's own
+value wins; a task stores the defaults it was accepted with."""
 
 from __future__ import annotations
 
@@ -67,6 +67,17 @@ def chat(client: TestClient, **body: Any) -> str:
     assert r.status_code == 200, r.text
     content: str = r.json()["choices"][0]["message"]["content"]
     return content
+
+
+def test_both_model_lists_show_each_models_sampling_defaults(client: TestClient) -> None:
+    expected = {
+        "tuned": {"temperature": 0.0, "top_p": 0.5, "top_k": 0, "min_p": 0.0},  # its file's, then lmspd's
+        "plain": {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0},  # lmspd's (OpenAI's)
+        "smollm2-135m-instruct": {"temperature": 0.2, "top_p": 0.9, "top_k": 0, "min_p": 0.0},  # the catalog's
+    }
+    for path in ("/v1/models", "/lmsp/v1/models"):
+        listed = {m["id"]: m["sampling_defaults"] for m in client.get(path).json()["data"]}
+        assert {name: listed[name] for name in expected} == expected, path
 
 
 def test_a_request_naming_no_temperature_is_greedy_on_a_model_whose_file_says_0(client: TestClient) -> None:

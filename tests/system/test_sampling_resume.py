@@ -63,4 +63,7 @@ def test_a_resumed_task_keeps_the_sampling_defaults_it_was_accepted_with(
         reference = wait_final(server.url, submit(server.url, "fail", PROMPT, MAX_TOKENS)["id"])  # temperature 0
         assert text_of(final) == text_of(reference)
         assert reference["response"]["usage"]["output_tokens"] == MAX_TOKENS  # the kill left most to generate
+        # New requests get the model's defaults as they are now.
+        listed = {m["id"]: m for m in httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"]}
+        assert listed["tiny"]["sampling_defaults"]["temperature"] == 2.0
         assert server.stop() == 0

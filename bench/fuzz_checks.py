@@ -1,8 +1,8 @@
 """lmspd's own invariants, as schemathesis checks (loaded by ``bench.fuzz`` through SCHEMATHESIS_HOOKS).
 
-``error_shape``: every error body is what its surface promises: OpenAI's envelope on /v1 and
-its aliases, an RFC 9457 problem object (``application/problem+json``) on /lmsp/v1 and the
-rest; a 401 says ``WWW-Authenticate: Bearer``.
+``error_shape``: every error body is what its surface promises: Anthropic's envelope on the
+Messages API (docs/messages.md), OpenAI's on the rest of /v1 and its aliases, an RFC 9457
+problem object (``application/problem+json``) on /lmsp/v1 and the rest; a 401 says ``WWW-Authenticate: Bearer``.
 
 ``auth_enforced``: with ``LMSPD_FUZZ_EXPECT=401`` (a server with tokens, fuzzed without one or
 with a wrong one), no route but the public ones answers anything but an error.
@@ -19,8 +19,12 @@ import schemathesis
 PUBLIC = frozenset({"/healthz", "/lmsp/v1/healthz", "/readyz", "/openapi.json"})
 
 
+def _anthropic_path(path: str) -> bool:
+    return path.removeprefix("/v1").partition("/")[2].split("/")[0] == "messages"
+
+
 def _openai_path(path: str) -> bool:
-    return path.startswith(("/v1/", "/responses", "/chat/"))
+    return path.startswith(("/v1/", "/responses", "/chat/")) and not _anthropic_path(path)
 
 
 def _body(response: schemathesis.Response) -> Any:
@@ -46,7 +50,13 @@ def error_shape(ctx: schemathesis.CheckContext, response: schemathesis.Response,
 
 def check_error(path: str, status: int, media: str, body: Any, authenticate: list[str]) -> None:
     """``error_shape`` on an answer's parts (also ``bench.fuzz``'s hand-written attacks')."""
-    if _openai_path(path):
+    if _anthropic_path(path):
+        assert media == "application/json", f"{status} on {path} is {media}"
+        assert isinstance(body, dict) and body.get("type") == "error", f"not Anthropic's envelope: {body!r}"
+        error = body.get("error")
+        assert isinstance(error, dict) and set(error) == {"type", "message"}, body
+        assert isinstance(error["message"], str) and isinstance(error["type"], str), body
+    elif _openai_path(path):
         assert media == "application/json", f"{status} on {path} is {media}"
         error = body.get("error") if isinstance(body, dict) else None
         assert isinstance(error, dict) and set(error) == {"message", "type", "param", "code"}, (
@@ -79,7 +89,8 @@ def auth_enforced(
     # route): it answers before any handler, so nothing of anyone's is read.
     if response.status_code in (404, 405):
         body = _body(response)
-        said = body["error"]["message"] if _openai_path(path) else body.get("detail")
+        openai_like = _openai_path(path) or _anthropic_path(path)
+        said = body["error"]["message"] if openai_like else body.get("detail")
         assert said in ("Not Found", "Method Not Allowed"), f"{case.method} {path} without a valid token: {body!r}"
         return
     assert response.status_code == 401, f"{case.method} {path} without a valid token: {response.status_code}"

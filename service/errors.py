@@ -22,6 +22,18 @@ OPENAI_TYPES = {
     429: "rate_limit_exceeded",
     503: "overloaded",
 }
+# Anthropic's error "type" by HTTP status (docs/messages.md, "Errors"): others are
+# invalid_request_error below 500.
+ANTHROPIC_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    529: "overloaded_error",
+}
+ANTHROPIC_OVERLOADED = 529
 
 
 class LmspdError(Exception):
@@ -46,6 +58,20 @@ class LmspdError(Exception):
     def openai_type(self) -> str:
         status = self.openai_http_status
         return OPENAI_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+
+    @property
+    def anthropic_http_status(self) -> int:
+        """The status on the Messages API: what /v1 answers 503 (overloaded, a full queue) is
+        Anthropic's 529; any other server error is its 500 ``api_error``."""
+        status = self.openai_http_status
+        if status == 503:
+            return ANTHROPIC_OVERLOADED
+        return 500 if status >= 500 else status
+
+    @property
+    def anthropic_type(self) -> str:
+        status = self.anthropic_http_status
+        return ANTHROPIC_TYPES.get(status, "invalid_request_error")
 
     def problem(self) -> Problem:
         return Problem(
@@ -124,6 +150,15 @@ class ContextLengthExceededError(InvalidRequestError):
     code = "context_length_exceeded"
     title = "Context length exceeded"
     openai_code = "context_length_exceeded"
+
+    def __init__(
+        self, message: str, *, param: str | None = None, tokens: int | None = None, maximum: int | None = None
+    ) -> None:
+        super().__init__(message, param=param)
+        # The prompt's tokens (at least this many, when only its size was measured) and the
+        # most the model takes: the Messages API says them in the form its clients parse.
+        self.tokens = tokens
+        self.maximum = maximum
 
 
 class InvalidPromptError(InvalidRequestError):

@@ -8,6 +8,7 @@
 /lmsp/v1/tasks/{id}/events                event stream (docs/lmsp.md §6.4) -> lmspd.api.events
 /v1/responses[...], /lmsp/v1/responses[/compact]  OpenAI Responses API -> lmspd.api.responses
 /v1/chat/completions                      Chat Completions view   -> lmspd.api.chat
+/v1/messages[/count_tokens]               Anthropic Messages view -> lmspd.api.messages
 /lmsp/v1/summary                          the server at a glance (the console) -> lmspd.api.summary
 /, /console/*                             the web console (no token) -> lmspd.api.console
 Each route carries its OpenAPI contract (lmspd.api.routing); the service behind the app is
@@ -31,11 +32,11 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import Response
 
-from lmspd.api import chat, cluster, console, events, models, openapi, responses, summary, tasks, wire
+from lmspd.api import chat, cluster, console, events, messages, models, openapi, responses, summary, tasks, wire
 from lmspd.api.access_log import AccessLog
 from lmspd.api.auth import Authenticator
 from lmspd.api.guard import HostPolicy, RequestGuard, is_loopback
-from lmspd.api.problems import is_openai_path, openai_response, problem_response
+from lmspd.api.problems import error_response
 from lmspd.api.responses import OMITTED_TOOLS_HEADER
 from lmspd.api.routing import AUTH, Op, Operation
 from lmspd.api.state import AppState, state_of
@@ -100,7 +101,7 @@ async def scrape(request: Request) -> Response:
 
 
 def _render(request: Request, exc: LmspdError) -> Response:
-    return openai_response(exc) if is_openai_path(request.url.path) else problem_response(exc)
+    return error_response(request.url.path, exc)
 
 
 async def on_lmspd_error(request: Request, exc: Exception) -> Response:
@@ -171,6 +172,9 @@ ROUTES = [
     chat.route("/v1"),
     *responses.routes(""),
     chat.route(""),
+    # Anthropic Messages API, with and without /v1 (errors in Anthropic's envelope)
+    *messages.routes("/v1"),
+    *messages.routes(""),
     models.MODELS,
     *console.ROUTES,
 ]
@@ -180,7 +184,7 @@ def middleware(config: Config) -> list[Middleware]:
     """Outermost first: every request is logged, refusals too; the guard refuses before any
     route runs; CORS grants only ``[server] allowed_origins`` (docs/operations.md, "Security")."""
     s = config.server
-    hosts = HostPolicy(s.allowed_hosts, listens_beyond_loopback=not is_loopback(s.host))
+    hosts = HostPolicy([*s.allowed_hosts, s.host], listens_beyond_loopback=not is_loopback(s.host))
     stack = [Middleware(AccessLog), Middleware(RequestGuard, hosts=hosts, origins=s.allowed_origins)]
     if s.allowed_origins:
         stack.append(

@@ -1,5 +1,8 @@
 """Bearer tokens (docs/lmsp.md §9.1): constant-time comparison, one owner name per token.
 
+A token comes in ``Authorization: Bearer``, or in ``x-api-key`` where there is none: Anthropic's
+clients send it there (docs/messages.md), and it is the same token, with the same owner.
+
 Operators' tokens (``[server] admin_tokens``) work everywhere an ordinary token does, and
 they alone may call the model-control routes (load, unload, pin).
 """
@@ -24,17 +27,20 @@ class Authenticator:
         return bool(self._tokens)
 
     def _match(self, request: Request) -> tuple[str, bool]:
-        header = request.headers.get("authorization", "")
-        scheme, _, presented = header.partition(" ")
+        header = request.headers.get("authorization")
+        if header is None and (key := request.headers.get("x-api-key")):
+            scheme, presented = "bearer", key
+        else:
+            scheme, _, presented = (header or "").partition(" ")
         if scheme.lower() != "bearer" or not presented:
-            raise UnauthorizedError("missing bearer token")
+            raise UnauthorizedError("missing token: send Authorization: Bearer <token> (or x-api-key: <token>)")
         candidate = presented.strip().encode()
         found: tuple[str, bool] | None = None
         for name, token, admin in self._tokens:  # compare against all, so timing does not tell which matched
             if hmac.compare_digest(candidate, token):
                 found = (name, admin)
         if found is None:
-            raise UnauthorizedError("invalid bearer token")
+            raise UnauthorizedError("invalid token")
         return found
 
     def owner(self, request: Request) -> str:

@@ -177,9 +177,21 @@ def _cut(core: Core, task: TaskRecord, last: int) -> Cut:
 
 
 async def openai_stream(
-    core: Core, task: TaskRecord, after: int, render: Render, end: Callable[[Cut], bytes], *, own: bool
+    core: Core,
+    task: TaskRecord,
+    after: int,
+    render: Render,
+    end: Callable[[Cut], bytes],
+    *,
+    own: bool,
+    idle: bytes = b": keep-alive\n\n",
+    trailer: bytes = b"data: [DONE]\n\n",
+    keepalive: float | None = None,
 ) -> AsyncGenerator[bytes, None]:
-    """A /v1 stream (Responses or Chat Completions): the rendered events, then ``data: [DONE]``.
+    """A /v1 stream (Responses, Chat Completions or Messages): the rendered events, then
+    ``trailer`` (``data: [DONE]``; Messages streams end with their last event). While nothing
+    happens for ``keepalive`` seconds (the server's keep-alive interval by default), ``idle``
+    is sent: a comment, or Messages' ``ping`` event.
 
     A stream the server ends before its response (a shutdown, or a storage too full to go
     on) says why as its last event (``end``), then ``[DONE]``, so a client never reads a
@@ -191,7 +203,7 @@ async def openai_stream(
     last = after
     core.metrics.sse_streams.labels("openai").inc()
     try:
-        async with contextlib.aclosing(core.follow(task.id, after, SSE_BATCH)) as batches:
+        async with contextlib.aclosing(core.follow(task.id, after, SSE_BATCH, keepalive)) as batches:
             async for batch in batches:
                 if batch:
                     last = batch[-1].seq
@@ -202,7 +214,7 @@ async def openai_stream(
                 elif core.stalled(task.id):
                     break  # nothing comes until there is room
                 else:
-                    yield b": keep-alive\n\n"
+                    yield idle
         if not finished and (await core.task(task.id, None)).status in TERMINAL:
             # It ended as the stream did (or before the point it resumed from): whatever
             # is left of its log is there to send, up to its final event.
@@ -214,7 +226,7 @@ async def openai_stream(
         if not finished:
             cut = True
             yield end(_cut(core, task, last))
-        yield b"data: [DONE]\n\n"
+        yield trailer
         if own and finished:
             await core.release(await core.task(task.id, None))
     finally:

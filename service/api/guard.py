@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from lmspd.api.problems import is_openai_path, openai_response, problem_response
+from lmspd.api.problems import error_response
 from lmspd.errors import ForbiddenOriginError, LmspdError, MisdirectedRequestError, UnsupportedMediaTypeError
 
 # Methods a page may not use from another origin: everything that is not a read. OPTIONS is
@@ -91,7 +91,7 @@ class HostPolicy:
 
 class RequestGuard:
     """The middleware: Host, then Origin, then Content-Type; a refusal is rendered as the
-    route's errors are (OpenAI's envelope on /v1, a problem object on /lmsp/v1)."""
+    route's errors are (:func:`lmspd.api.problems.error_response`)."""
 
     def __init__(self, app: ASGIApp, *, hosts: HostPolicy, origins: Iterable[str] = ()) -> None:
         self.app = app
@@ -100,8 +100,7 @@ class RequestGuard:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and (refusal := self.refusal(scope)) is not None:
-            render = openai_response if is_openai_path(scope["path"]) else problem_response
-            await render(refusal)(scope, receive, send)
+            await error_response(scope["path"], refusal)(scope, receive, send)
             return
         await self.app(scope, receive, send)
 

@@ -5,8 +5,9 @@ Every route is an :class:`~lmspd.api.routing.Operation` carrying its handler's c
 (Structs, turned into JSON Schema by ``msgspec.json.schema_components``), its SSE payload if it
 streams, its parameters and the errors it can answer. This module imports no handler: it renders
 whatever route table it is given, and a route without a contract is an error.
-Errors are rendered per path like the app renders them (``lmspd.api.problems``): OpenAI's
-envelope on /v1 and its aliases, RFC 9457 problem objects on /lmsp/v1 and the health routes.
+Errors are rendered per path like the app renders them (``lmspd.api.problems``): Anthropic's
+envelope on the Messages API, OpenAI's on the rest of /v1 and its aliases, RFC 9457 problem
+objects on /lmsp/v1 and the health routes.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from starlette.routing import BaseRoute, Route
 
 from lmspd import __version__
 from lmspd import errors as e
-from lmspd.api.problems import OpenAIError, is_openai_path
+from lmspd.api.problems import OpenAIError, is_anthropic_path, is_openai_path
 from lmspd.api.routing import Op, Operation
+from lmspd.messages.view import AnthropicError
 from lmspd.responses import schema as s
 
 OPENAPI_VERSION = "3.1.0"
@@ -68,19 +70,38 @@ class _Schemas:
         return resolved
 
 
-def _error_responses(errors: Iterable[type[e.LmspdError]], *, openai: bool, schemas: _Schemas) -> dict[str, Any]:
+Envelope = str  # "problem" | "openai" | "anthropic"
+
+
+def _envelope(path: str) -> Envelope:
+    if is_anthropic_path(path):
+        return "anthropic"
+    return "openai" if is_openai_path(path) else "problem"
+
+
+def _error_responses(errors: Iterable[type[e.LmspdError]], *, envelope: Envelope, schemas: _Schemas) -> dict[str, Any]:
     by_status: dict[int, list[type[e.LmspdError]]] = {}
     for cls in errors:
-        status = (cls.openai_status or cls.status) if openai else cls.status
+        example = cls("")  # the status follows from the class alone (an instance's property)
+        status = {"openai": example.openai_http_status, "anthropic": example.anthropic_http_status}.get(
+            envelope, cls.status
+        )
         by_status.setdefault(status, []).append(cls)
-    media, body = ("application/json", OpenAIError) if openai else ("application/problem+json", e.Problem)
+    media, body = {
+        "openai": ("application/json", OpenAIError),
+        "anthropic": ("application/json", AnthropicError),
+    }.get(envelope, ("application/problem+json", e.Problem))
     content = {media: {"schema": schemas.ref(body)}}
     out: dict[str, Any] = {}
     for status in sorted(by_status):
-        codes = [(cls.title, cls.openai_code if openai else cls.code) for cls in by_status[status]]
+        classes = by_status[status]
+        codes = [
+            (cls.title, {"openai": cls.openai_code, "anthropic": cls("").anthropic_type}.get(envelope, cls.code))
+            for cls in classes
+        ]
         described = "; ".join(f"{title} (`{code}`)" if code else title for title, code in dict.fromkeys(codes))
         response: dict[str, Any] = {"description": described, "content": content}
-        if status in (429, 503):
+        if status in (429, 503, 529):
             response["headers"] = {"Retry-After": {"description": "seconds", "schema": {"type": "integer"}}}
         elif status == 401:
             response["headers"] = {"WWW-Authenticate": {"schema": {"type": "string"}}}
@@ -89,9 +110,10 @@ def _error_responses(errors: Iterable[type[e.LmspdError]], *, openai: bool, sche
     return out
 
 
-def _events_schema(op: Op, schemas: _Schemas) -> dict[str, Any]:
+def _events_schema(op: Op, schemas: _Schemas, *, done: bool) -> dict[str, Any]:
     """One server-sent event (OpenAPI 3.1 has ``schema`` describe each event of a stream): its
-    ``data`` is JSON text of one of ``op.events``; /v1 streams end with ``data: [DONE]``."""
+    ``data`` is JSON text of one of ``op.events``; OpenAI's streams end with ``data: [DONE]``
+    (``done``)."""
     refs = [schemas.ref(kind) for kind in op.events]
     payload = {
         "type": "string",
@@ -100,7 +122,7 @@ def _events_schema(op: Op, schemas: _Schemas) -> dict[str, Any]:
     }
     fields: dict[str, Any] = {
         "event": {"type": "string"},
-        "data": payload if op.lmsp_frames else {"anyOf": [{"const": "[DONE]"}, payload]},
+        "data": {"anyOf": [{"const": "[DONE]"}, payload]} if done else payload,
         "retry": {"type": "integer"},
     }
     if op.lmsp_frames:
@@ -117,8 +139,8 @@ def _guarded(method: str) -> tuple[type[e.LmspdError], ...]:
 
 
 def _operation(path: str, method: str, op: Op, schemas: _Schemas) -> dict[str, Any]:
-    openai = is_openai_path(path)
-    alias = openai and not path.startswith("/v1/")
+    envelope = _envelope(path)
+    alias = envelope != "problem" and not path.startswith("/v1/")
     out: dict[str, Any] = {
         "operationId": re.sub(r"[^A-Za-z0-9]+", "_", f"{method} {path}").strip("_"),
         "summary": op.summary,
@@ -141,7 +163,8 @@ def _operation(path: str, method: str, op: Op, schemas: _Schemas) -> dict[str, A
         schema = schemas.ref(op.response) if op.media == "application/json" else {"type": "string"}
         content[op.media] = {"schema": schema}
     if op.events:
-        content["text/event-stream"] = {"schema": _events_schema(op, schemas)}
+        done = envelope == "openai" and not op.lmsp_frames
+        content["text/event-stream"] = {"schema": _events_schema(op, schemas, done=done)}
     ok: dict[str, Any] = {"description": op.summary}
     if op.headers:
         ok["headers"] = {name: {"description": text, "schema": {"type": "string"}} for name, text in op.headers.items()}
@@ -152,9 +175,9 @@ def _operation(path: str, method: str, op: Op, schemas: _Schemas) -> dict[str, A
         responses[str(status)] = {"description": text} | (
             {"content": {"application/json": {"schema": schemas.ref(body)}}} if body is not None else {}
         )
-    responses |= _error_responses((*_guarded(method), *op.errors), openai=openai, schemas=schemas)
+    responses |= _error_responses((*_guarded(method), *op.errors), envelope=envelope, schemas=schemas)
     out["responses"] = dict(sorted(responses.items(), key=lambda kv: (kv[0] == "default", kv[0])))
-    out["security"] = [{"bearer": []}, {}] if op.auth else []
+    out["security"] = [{"bearer": []}, {"apiKey": []}, {}] if op.auth else []
     return out
 
 
@@ -192,6 +215,11 @@ def document(routes: Sequence[BaseRoute]) -> dict[str, Any]:
             {"name": "lmsp", "description": "LMSP durable tasks and discovery; errors are RFC 9457 problem objects"},
             {"name": "responses", "description": "OpenAI Responses API; errors in OpenAI's envelope"},
             {"name": "chat", "description": "OpenAI Chat Completions, a view on the same durable core"},
+            {
+                "name": "messages",
+                "description": "The Anthropic Messages API, a view on the same durable core; "
+                "errors in Anthropic's envelope",
+            },
             {"name": "models", "description": "OpenAI model list"},
             {"name": "health", "description": "Liveness and readiness, no token"},
             {"name": "meta", "description": "This document"},
@@ -204,7 +232,13 @@ def document(routes: Sequence[BaseRoute]) -> dict[str, Any]:
                     "type": "http",
                     "scheme": "bearer",
                     "description": "required when the server is configured with tokens (server.tokens, LMSP_API_KEYS)",
-                }
+                },
+                "apiKey": {
+                    "type": "apiKey",
+                    "in": "header",
+                    "name": "x-api-key",
+                    "description": "the same token, as Anthropic's clients send it",
+                },
             },
         },
     }

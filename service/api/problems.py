@@ -1,4 +1,5 @@
-"""Errors as HTTP responses: problem objects on /lmsp/v1 (docs/lmsp.md §9.3), OpenAI's envelope on /v1.
+"""Errors as HTTP responses: problem objects on /lmsp/v1 (docs/lmsp.md §9.3), OpenAI's envelope on /v1,
+Anthropic's on the Messages API (docs/messages.md, "Errors").
 
 Both are rendered from the error's class (``lmspd.errors``): its code, status
 and title; nothing here knows individual errors.
@@ -10,6 +11,7 @@ import msgspec
 from starlette.responses import Response
 
 from lmspd.errors import LmspdError
+from lmspd.messages.view import error_body
 
 
 class OpenAIErrorBody(msgspec.Struct):
@@ -29,8 +31,14 @@ def is_openai_path(path: str) -> bool:
     return path.startswith(("/v1/", "/responses", "/chat/"))
 
 
+def is_anthropic_path(path: str) -> bool:
+    """Whether ``path`` is the Messages API's (with or without /v1), which answers errors in
+    Anthropic's envelope."""
+    return path.startswith(("/v1/messages", "/messages")) and path.removeprefix("/v1")[9:10] in ("", "/")
+
+
 def _headers(status: int) -> dict[str, str]:
-    if status in (429, 503):
+    if status in (429, 503, 529):
         return {"Retry-After": "1"}
     if status == 401:
         return {"WWW-Authenticate": "Bearer"}
@@ -60,3 +68,21 @@ def openai_response(exc: LmspdError) -> Response:
         media_type="application/json",
         headers=_headers(status),
     )
+
+
+def anthropic_response(exc: LmspdError) -> Response:
+    status = exc.anthropic_http_status
+    return Response(
+        msgspec.json.encode(error_body(exc)),
+        status_code=status,
+        media_type="application/json",
+        headers=_headers(status),
+    )
+
+
+def error_response(path: str, exc: LmspdError) -> Response:
+    """``exc`` in the shape of the surface ``path`` belongs to: Anthropic's envelope on the
+    Messages routes, OpenAI's on the rest of /v1, a problem object on /lmsp/v1 and health."""
+    if is_anthropic_path(path):
+        return anthropic_response(exc)
+    return openai_response(exc) if is_openai_path(path) else problem_response(exc)

@@ -67,8 +67,11 @@ async def readyz(host: str, port: int) -> tuple[bool, str | None]:
         reader, writer = await asyncio.open_connection(probe_host(host), port)
     except OSError:
         return False, None
+    # The Host names the address dialled: one the server answers to (lmspd.api.guard).
+    name = probe_host(host)
+    authority = f"[{name}]:{port}" if ":" in name else f"{name}:{port}"
     try:
-        writer.write(b"GET /readyz HTTP/1.1\r\nHost: lmspd\r\nConnection: close\r\n\r\n")
+        writer.write(f"GET /readyz HTTP/1.1\r\nHost: {authority}\r\nConnection: close\r\n\r\n".encode())
         await writer.drain()
         answer = b""  # b"HTTP/1.1 503 \r\n...\r\n\r\n{...}", to the end (Connection: close)
         while len(answer) < 1 << 16 and (chunk := await reader.read(1 << 16)):

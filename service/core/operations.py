@@ -431,11 +431,13 @@ class Core:
             after = batch[-1].seq
         return events
 
-    async def follow(self, task_id: str, after: int, batch_size: int = 1000) -> AsyncGenerator[list[Event], None]:
+    async def follow(
+        self, task_id: str, after: int, batch_size: int = 1000, keepalive: float | None = None
+    ) -> AsyncGenerator[list[Event], None]:
         """A task's events after ``after`` in batches of at most ``batch_size``, replayed then
         live, up to and including its final event. An empty batch means nothing happened for
-        ``keepalive_secs``. Ends early when the server shuts down."""
-        keepalive = self.config.server.keepalive_secs
+        ``keepalive`` seconds (default ``keepalive_secs``). Ends early when the server shuts down."""
+        keepalive = self.config.server.keepalive_secs if keepalive is None else keepalive
         while True:
             signal = self.hub.signal(task_id)  # taken before reading, so no commit slips between
             events = await self.store.events_after(task_id, after, batch_size)

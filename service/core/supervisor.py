@@ -507,7 +507,7 @@ class Supervisor:
             return None  # someone else's task after all
         if finished.reason == "cancelled":
             return await self._settle_cancel(task_id, state)
-        events = state.finish(finished.reason, finished.prompt_tokens, finished.cached_tokens)
+        events = state.finish(finished.reason, finished.prompt_tokens, finished.cached_tokens, finished.stop_sequence)
         jobs = [self.echo.finish_job(task.owner, state.response, echoed)]
         if task.kind == "response" and task.stored:  # its items can be referenced (item_reference)
             jobs.append(self.items.job(task.owner, task_id, item_ids(request, state.response)))

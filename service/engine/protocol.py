@@ -213,6 +213,7 @@ class Finished(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     completion_tokens: int
     text: str = ""  # text held back until the end (an incomplete UTF-8 tail)
     cached_tokens: int = 0  # prompt tokens whose KV came from the prompt cache
+    stop_sequence: str | None = None  # the stop string that ended it (reason "stop"), if one did
 
 
 class Failed(msgspec.Struct, tag=True, frozen=True, kw_only=True):

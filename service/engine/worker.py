@@ -197,7 +197,9 @@ class Engine(Admission):
         self._remove(lm, req)
         self._finish(lm, req, "cancelled")
 
-    def _finish(self, lm: LoadedModel, req: Request, reason: p.FinishReason, text: str = "") -> None:
+    def _finish(
+        self, lm: LoadedModel, req: Request, reason: p.FinishReason, text: str = "", stop_sequence: str | None = None
+    ) -> None:
         del lm.requests[req.uid]
         del self.by_id[req.cmd.request_id]
         self.finished.append(
@@ -208,6 +210,7 @@ class Engine(Admission):
                 completion_tokens=req.completion_tokens,
                 cached_tokens=req.cached_tokens,
                 text=text,
+                stop_sequence=stop_sequence,
             )
         )
 
@@ -278,28 +281,30 @@ class Engine(Admission):
         if ids or text:
             logprobs = None if req.cmd.logprobs is None else ([logprob] if ids and logprob else [])
             deltas.append(p.Delta(req.cmd.request_id, ids, text, logprobs))
-        if hit:
+        if hit is not None:
             if finish is None:
                 self._remove(lm, req)
-            self._finish(lm, req, "stop")
+            self._finish(lm, req, "stop", stop_sequence=hit)
         elif finish is not None:
             # No stop string matched after all: the held-back text is output.
             self._finish(lm, req, "stop" if finish == "stop" else "length", req.held)
 
     @staticmethod
-    def _apply_stop_strings(req: Request, text: str) -> tuple[str, bool]:
-        """Cut text at the first stop string; hold back a suffix that may start one."""
+    def _apply_stop_strings(req: Request, text: str) -> tuple[str, str | None]:
+        """Cut text at the first stop string (returned: the one that matched, else None);
+        hold back a suffix that may start one."""
         stops = req.cmd.stop
         if not stops:
-            return text, False
+            return text, None
         pending = req.held + text
-        cut = min((i for i in (pending.find(s) for s in stops) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(i, s) for s in stops if (i := pending.find(s)) >= 0]
+        if found:
+            cut, hit = min(found, key=lambda f: f[0])
             req.held = ""
-            return pending[:cut], True
+            return pending[:cut], hit
         keep = max((k for s in stops for k in range(1, len(s)) if pending.endswith(s[:k])), default=0)
         req.held = pending[len(pending) - keep :] if keep else ""
-        return pending[: len(pending) - keep], False
+        return pending[: len(pending) - keep], None
 
     def _keep_ends(self, lm: LoadedModel, live: list[tuple[Any, Request]]) -> None:
         """The logprobs of each request's first pass, which ended its prompt: an exact repeat

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from lmspd.engine import protocol as p
@@ -33,8 +34,12 @@ def cache_key(owner: str, prompt_cache_key: str | None) -> str:
 
 
 def _too_long(tokens: int, model: ResolvedModel) -> ContextLengthExceededError:
+    # The prompt must leave room for one token of output: it may hold context_length - 1.
     return ContextLengthExceededError(
-        f"the input is {tokens} tokens, but the model's context is {model.context_length} tokens", param="input"
+        f"the input is {tokens} tokens, but the model's context is {model.context_length} tokens",
+        param="input",
+        tokens=tokens,
+        maximum=model.context_length - 1,
     )
 
 
@@ -54,6 +59,8 @@ def refuse_by_size(model: ResolvedModel, size: int) -> None:
             f"the input is {size} bytes, more than the model's context of {model.context_length} tokens "
             f"can hold (a token is at most {per:.0f} bytes)",
             param="input",
+            tokens=math.ceil(size / per),  # at least this many
+            maximum=model.context_length - 1,
         )
 
 

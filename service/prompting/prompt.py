@@ -132,6 +132,48 @@ def current_turn_reasoning(items: list[Item]) -> list[Item]:
     return [item for i, item in enumerate(items) if i >= last or not isinstance(item, ReasoningItem)]
 
 
+def fold_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` with each system message after the conversation began folded into the
+    nearest user turn: the next one (before its text), else the one before (after its text),
+    else made a user turn itself. For templates that refuse a system message there (many
+    raise "System role not supported" or "roles must alternate"); Claude Code sends its
+    environment as one (docs/messages.md, "Messages")."""
+    start = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
+    out = [dict(m) for m in messages]
+    for i in range(len(out) - 1, start - 1, -1):
+        if out[i]["role"] != "system":
+            continue
+        text = out[i]["content"]
+        after = next((j for j in range(i + 1, len(out)) if out[j]["role"] == "user"), None)
+        before = next((j for j in range(i - 1, -1, -1) if out[j]["role"] == "user"), None)
+        if after is not None:
+            out[after]["content"] = f"{text}\n\n{out[after]['content']}"
+        elif before is not None:
+            out[before]["content"] = f"{out[before]['content']}\n\n{text}"
+        else:
+            out[i] = {"role": "user", "content": text}
+            continue
+        del out[i]
+    return out
+
+
+def _render(tok: Tokenizer, messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> str:
+    """The chat template's rendering; where it refuses, and mid-conversation system messages may
+    be why, rendered again with them folded into user turns (the first refusal stands if that
+    is refused too)."""
+    try:
+        return tok.render_chat(messages, **kwargs)
+    except InvalidRequestError:
+        folded = fold_system(messages)
+        if folded == messages:
+            raise
+        try:
+            return tok.render_chat(folded, **kwargs)
+        except InvalidRequestError:
+            pass
+        raise
+
+
 def build_prompt(
     tok: Tokenizer, request: ResponseRequest, history: list[Item], after: list[Item] | None = None
 ) -> Prompt:
@@ -170,7 +212,7 @@ def build_prompt(
     if system:
         messages = [{"role": "system", "content": system}, *messages]
     try:
-        text = tok.render_chat(messages, **kwargs)
+        text = _render(tok, messages, kwargs)
     except InvalidRequestError as exc:
         if request.chat_template_kwargs and "chat template error" not in exc.message:
             raise InvalidRequestError(exc.message, param="chat_template_kwargs") from exc

@@ -187,9 +187,12 @@ class ResponseState:
         self._unsaved.extend(tokens)
         return self._events(self.outputs.feed(text, logprobs or []))
 
-    def finish(self, reason: str, prompt_tokens: int, cached_tokens: int = 0) -> list[EventBuilder]:
+    def finish(
+        self, reason: str, prompt_tokens: int, cached_tokens: int = 0, stop_sequence: str | None = None
+    ) -> list[EventBuilder]:
         """The closing events; ``reason`` is the engine's ("stop" or "length"); ``cached_tokens``
-        of the prompt came from the prompt cache."""
+        of the prompt came from the prompt cache; ``stop_sequence`` the stop string that ended
+        it, if one did."""
         complete = reason == "stop"
         status: Status = "completed" if complete else "incomplete"
         factories = self.outputs.finish()
@@ -209,6 +212,7 @@ class ResponseState:
             incomplete_details=None if complete else s.IncompleteDetails("max_output_tokens"),
             output=self.outputs.output(),
             usage=usage,
+            stop_sequence=msgspec.UNSET if stop_sequence is None else stop_sequence,
         )
         final = s.ResponseCompleted if complete else s.ResponseIncomplete
         return self._events([*factories, lambda seq: final(sequence_number=seq, response=response)])

@@ -257,6 +257,7 @@ class TaskRequest(ResponseRequest, kw_only=True, omit_defaults=True):
     # None: not known at intake (a model only here once the task runs, or a task older than
     # them): the node that runs it reads the model's.
     sampling_defaults: SamplingDefaults | None = None
+    top_k: int | None = None  # the Messages API's (docs/messages.md)
 
     @classmethod
     def of(cls, request: ResponseRequest, **extra: Any) -> TaskRequest:
@@ -266,9 +267,15 @@ class TaskRequest(ResponseRequest, kw_only=True, omit_defaults=True):
         return _keep_directives(request, cls(**fields, **extra))
 
     def sampling(self, defaults: SamplingDefaults | None = None) -> SamplingParams:
-        """As the request's, over its stored :attr:`sampling_defaults` (else ``defaults``)."""
+        """As the request's, over its stored :attr:`sampling_defaults` (else ``defaults``);
+        a ``top_k`` the request names (the Messages API's) wins over the model's."""
+        extra: dict[str, Any] = {}
+        if self.seed is not None:
+            extra["seed"] = self.seed
+        if self.top_k is not None:
+            extra["top_k"] = self.top_k
         params = super().sampling(self.sampling_defaults or defaults)
-        return msgspec.structs.replace(params, seed=self.seed) if self.seed is not None else params
+        return msgspec.structs.replace(params, **extra) if extra else params
 
 
 class CompactResponse(msgspec.Struct, kw_only=True):
@@ -495,6 +502,10 @@ class Response(msgspec.Struct, kw_only=True, omit_defaults=False):
     metadata: dict[str, str] = {}
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
+    # lmspd's: the stop string that ended the response, present only then. Only the views
+    # that take stop strings (Chat Completions, Messages) can make one; Messages reports it
+    # as ``stop_sequence`` (docs/messages.md).
+    stop_sequence: str | msgspec.UnsetType = msgspec.UNSET
 
 
 # --- events (docs/lmsp.md §6.3) -------------------------------------------------------------

@@ -158,7 +158,7 @@ def test_the_openapi_document_has_the_summary_and_the_console(client: TestClient
     doc = client.get("/openapi.json").json()
     op = doc["paths"]["/lmsp/v1/summary"]["get"]
     assert op["responses"]["200"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/Summary"}
-    assert op["security"] == [{"bearer": []}, {}]
+    assert op["security"] == [{"bearer": []}, {"apiKey": []}, {}]  # x-api-key: the same token
     scrape = doc["paths"]["/metrics"]["get"]
     assert "403" in scrape["responses"] and "401" in scrape["responses"]  # operators alone
     page = doc["paths"]["/"]["get"]

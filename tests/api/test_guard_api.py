@@ -18,6 +18,7 @@ from support.engine_host import Host
 
 from lmspd.api.app import ROUTES
 from lmspd.api.openapi import documented
+from lmspd.api.problems import is_anthropic_path
 from lmspd.config import Config, EngineConfig, ModelEntry, ServerConfig
 from lmspd.models.registry import ResolvedModel
 
@@ -41,7 +42,11 @@ def _assert_refused(r: Any, path: str, status: int, code: str, param: str) -> No
     """``r``: the TestClient's response (httpx2's, not the httpx the SDKs use)."""
     assert r.status_code == status, (path, r.status_code, r.text)
     body = r.json()
-    if _is_openai(path):
+    if is_anthropic_path(path):  # Anthropic's envelope has no code or param: the message names it
+        assert r.headers["content-type"] == "application/json"
+        assert body["type"] == "error" and param.lower() in body["error"]["message"].lower()
+        assert body["error"]["type"] == ("permission_error" if status == 403 else "invalid_request_error")
+    elif _is_openai(path):
         assert r.headers["content-type"] == "application/json"
         assert body["error"]["code"] == code and body["error"]["param"] == param
     else:

@@ -30,6 +30,7 @@ from lmspd.api.problems import openai_body
 from lmspd.cli.main import main
 from lmspd.config import Config
 from lmspd.errors import QueueFullError, TaskNotFoundError
+from lmspd.messages.view import error_body
 
 META = json.loads(
     (DATA / "openapi-3.1-schema.json").read_text().replace('"$dynamicRef": "#meta"', '"$ref": "#/$defs/schema"')
@@ -94,8 +95,14 @@ def test_openapi_documents_every_route_and_nothing_else(app: Starlette, doc: Doc
 
 def test_openapi_errors_streams_and_bodies_per_path(doc: Doc) -> None:
     for path, method, op in _operations(doc):
-        openai = path.startswith(("/v1/", "/responses", "/chat/"))
+        anthropic = path.removeprefix("/v1").startswith("/messages")
+        openai = path.startswith(("/v1/", "/responses", "/chat/")) and not anthropic
         media, body = ("application/json", "OpenAIError") if openai else ("application/problem+json", "Problem")
+        if anthropic:
+            media, body = "application/json", "AnthropicError"
+            assert "503" not in op["responses"], (method, path)  # Anthropic's overloaded is its 529
+            if path.endswith("/messages"):
+                assert "overloaded_error" in op["responses"]["529"]["description"]
         errors = {status: r for status, r in op["responses"].items() if status == "default" or status >= "400"}
         if path == "/readyz":
             assert errors.pop("503")["content"]["application/json"]["schema"]["$ref"].endswith("/Health")
@@ -114,8 +121,12 @@ def test_openapi_errors_streams_and_bodies_per_path(doc: Doc) -> None:
         *((f"{prefix}/responses", "post") for prefix in ("/v1", "", "/lmsp/v1")),
         *((f"{prefix}/responses/{{response_id}}", "get") for prefix in ("/v1", "")),
         *((f"{prefix}/chat/completions", "post") for prefix in ("/v1", "")),
+        *((f"{prefix}/messages", "post") for prefix in ("/v1", "")),
         ("/lmsp/v1/tasks/{task_id}/events", "get"),
     }
+    # Messages streams end with their last event: no [DONE]
+    messages = doc["paths"]["/v1/messages"]["post"]["responses"]["200"]["content"]["text/event-stream"]["schema"]
+    assert "[DONE]" not in json.dumps(messages["properties"]["data"])
     create = doc["paths"]["/lmsp/v1/tasks"]["post"]
     assert create["requestBody"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/TaskCreate"}
     assert create["responses"]["202"]["content"]["application/json"]["schema"] == {
@@ -128,6 +139,8 @@ def test_openapi_errors_streams_and_bodies_per_path(doc: Doc) -> None:
     _conforms(doc, {"$ref": "#/components/schemas/Problem"}, json.loads(msgspec.json.encode(problem)))
     envelope = openai_body(QueueFullError("too many queued tasks"))
     _conforms(doc, {"$ref": "#/components/schemas/OpenAIError"}, json.loads(msgspec.json.encode(envelope)))
+    overloaded = error_body(QueueFullError("too many queued tasks"))
+    _conforms(doc, {"$ref": "#/components/schemas/AnthropicError"}, json.loads(msgspec.json.encode(overloaded)))
 
 
 async def test_openapi_served_and_printed(app: Starlette, doc: Doc, capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,5 +1,5 @@
 """Tenancy matrix (docs/lmsp.md §9.1), generated from the app's own routes: every route × {no token,
-wrong token, another tenant's token}, on /v1, its aliases and /lmsp/v1 alike.
+wrong token (as a Bearer or an x-api-key), another tenant's token}, on /v1, its aliases and /lmsp/v1 alike.
 
 A route added to the app is in the matrix without a change here; one whose path parameter or
 request body this file cannot fill fails ``test_tenancy`` until it is taught here or listed in
@@ -132,6 +132,9 @@ def calls(path: str, method: str, alice: Alice) -> list[Call]:
         return [Call("POST", url, {"input": "Hello", "max_output_tokens": 2})]
     if route == "/chat/completions":
         return [Call("POST", url, {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2})]
+    if route in ("/messages", "/messages/count_tokens"):  # nothing stored to name (seals: test_messages_api.py)
+        body: dict[str, Any] = {"messages": [{"role": "user", "content": "Hello"}]}
+        return [Call("POST", url, body | ({"max_tokens": 2} if route == "/messages" else {}))]
     raise LookupError(f"request body of POST {path}")
 
 
@@ -185,7 +188,10 @@ def _send(client: TestClient, call: Call, auth: dict[str, str]) -> Any:
 
 
 def _error_shape(path: str, r: Any) -> None:
-    if path.startswith(("/v1/", "/responses", "/chat/")):
+    if _surface_path(path).startswith("/messages"):  # Anthropic's envelope (docs/messages.md)
+        assert r.headers["content-type"] == "application/json", r.headers
+        assert r.json()["type"] == "error" and set(r.json()["error"]) == {"type", "message"}, r.text
+    elif path.startswith(("/v1/", "/responses", "/chat/")):
         assert r.headers["content-type"] == "application/json", r.headers
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}, r.text
     else:
@@ -221,7 +227,12 @@ def test_tenancy(client: TestClient, alice: Alice, path: str, method: str) -> No
         pytest.fail(f"{method.upper()} {path} is neither in the tenancy matrix nor in PUBLIC: teach calls() its {exc}")
     for call in tries:
         what = f"{call.method} {call.url} {call.body or ''} {call.headers or ''}"
-        for auth in ({}, {"Authorization": "Bearer not-a-token"}, {"Authorization": TOKENS["alice"]}):
+        wrong = (
+            {"Authorization": "Bearer not-a-token"},
+            {"Authorization": TOKENS["alice"]},
+            {"x-api-key": "not-a-token"},
+        )
+        for auth in ({}, *wrong):
             r = _send(client, call, auth)
             assert r.status_code == 401, f"{what} with {auth or 'no token'}: {r.status_code} {r.text[:200]}"
             assert r.headers["www-authenticate"] == "Bearer"

@@ -15,9 +15,10 @@ the ``engine_hosts`` fixture), each app still with its own database.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,11 +38,18 @@ from lmspd.models.registry import ResolvedModel
 class Host:
     portal: BlockingPortal
     engine: EngineClient
+    # The path each model name was last served from: the engine knows a loaded model by its
+    # name, and modules give one name ("tiny") different directories.
+    paths: dict[str, str] = field(default_factory=dict)
 
     @contextlib.contextmanager
     def serve(self, config: Config) -> Iterator[TestClient]:
         """A TestClient for a new app on ``config`` that uses the shared engine."""
         assert config.engine == self.engine.config, "the app's engine settings must be the shared engine's"
+        for name, entry in config.models.items():
+            if self.paths.get(name, entry.path) != entry.path:
+                self.portal.call(functools.partial(self.engine.unload, name, force=True))
+            self.paths[name] = entry.path
         app = create_app(config, engine=self.engine)
         with serve(app, self.portal) as client:
             yield client

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from lmspd.api.app import middleware
 from lmspd.api.guard import HostPolicy, is_json, is_loopback, split_authority
-from lmspd.config import load_config
+from lmspd.config import Config, ServerConfig, load_config
 from lmspd.errors import ConfigError
 
 
@@ -84,3 +85,12 @@ def test_bad_entries_fail_at_start_naming_the_key(env: dict[str, str], param: st
 def test_any_origin_needs_tokens() -> None:
     config = load_config(environ={"LMSPD_ALLOWED_ORIGINS": "*", "LMSP_API_KEYS": "alice:secret-token"})
     assert config.server.allowed_origins == ["*"]
+
+
+def test_the_name_the_server_binds_is_one_it_answers_to() -> None:
+    """``host = "mini.lan"`` (a name, not loopback): the readiness probe and every client dial
+    that name, so the guard the app builds answers to it without ``allowed_hosts``."""
+    stack = middleware(Config(server=ServerConfig(host="mini.lan")))
+    hosts = next(m.kwargs["hosts"] for m in stack if "hosts" in m.kwargs)  # the RequestGuard
+    assert isinstance(hosts, HostPolicy)
+    assert hosts.allows("mini.lan") and hosts.allows("127.0.0.1") and not hosts.allows("evil.example")

@@ -1,6 +1,6 @@
 """The package's import graph: imports run one way, down the rooms, with no circles.
 
-cli → api → core → prompting → chat → responses → engine → models → store → ground
+cli → api → core → prompting → messages → chat → responses → engine → models → store → ground
 (errors, config, logs, metrics; the client library beside them). Each room's ``__init__``
 says what lives there. Every import counts, also one inside a function: a lazy import that
 runs up, or closes a circle, is as much a tangle as one at the top."""
@@ -11,7 +11,7 @@ import ast
 from pathlib import Path
 
 SOURCE = Path(__file__).resolve().parents[2] / "service"
-ORDER = ("ground", "store", "models", "engine", "responses", "chat", "prompting", "core", "api", "cli")
+ORDER = ("ground", "store", "models", "engine", "responses", "chat", "messages", "prompting", "core", "api", "cli")
 GROUND = {"errors", "config", "logs", "metrics", "client", "migrations"}
 
 

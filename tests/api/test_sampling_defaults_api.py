@@ -121,3 +121,25 @@ def test_a_task_stores_the_defaults_it_was_accepted_with(client: TestClient) -> 
     stored = msgspec.json.decode(task.request, type=TaskRequest)
     assert stored.temperature is None  # as sent
     assert msgspec.to_builtins(stored.sampling_defaults) == {"temperature": 0.0, "top_p": 0.5, "top_k": 0, "min_p": 0.0}
+
+
+def message(client: TestClient, **body: Any) -> str:
+    """A Messages API answer's text (Claude Code names no temperature: docs/messages.md)."""
+    request = {"max_tokens": TOKENS, "messages": [{"role": "user", "content": "Hi"}]} | body
+    r = client.post("/v1/messages", json={"model": "tuned", **request}, headers={"anthropic-version": "2023-06-01"})
+    assert r.status_code == 200, r.text
+    content = r.json()["content"]
+    assert [block["type"] for block in content] == ["text"], content
+    out: str = content[0]["text"]
+    return out
+
+
+def test_the_messages_api_samples_with_the_models_defaults_too(client: TestClient) -> None:
+    # Anthropic's default temperature is 1.0; lmspd's is the model's, as on every other surface.
+    greedy = message(client, temperature=0)
+    assert message(client) == message(client) == greedy
+    # An explicit temperature wins over the model's 0 (three draws at 1: not all the greedy one).
+    assert any(message(client, temperature=1.0, top_p=1.0) != greedy for _ in range(3))
+    # So does an explicit top_k: 1 on a model that samples at temperature 1 by default is greedy.
+    plain_greedy = message(client, model="plain", temperature=0)
+    assert message(client, model="plain", top_k=1) == message(client, model="plain", top_k=1) == plain_greedy

@@ -14,7 +14,7 @@ from lmspd.config import Config
 from lmspd.errors import ModelError, ModelNotFoundError
 from lmspd.models.catalog import BUILTIN_MODELS
 from lmspd.models.pull import Progress, is_pulled, pull_builtin
-from lmspd.models.sampling import SamplingDefaults, model_defaults
+from lmspd.models.sampling import LMSPD_DEFAULTS, SamplingDefaults, model_defaults
 
 _HF_REPO = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -157,7 +157,10 @@ class ModelRegistry:
         """What a request on ``name`` samples with where it names nothing (docs/operations.md,
         "Sampling defaults"): ``model``'s directory's generation_config.json over the catalog's
         values for a built-in, over lmspd's own. ``model`` None (``resolve_local``'s: not here
-        yet): a built-in's catalog values; None for anything else, known only once it is here."""
+        yet): a built-in's catalog values; None for anything else, known only once it is here.
+        Under ``sampling_defaults = "openai"``, lmspd's own (OpenAI's) for every model."""
+        if self.config.sampling_defaults == "openai":
+            return LMSPD_DEFAULTS
         target = self.config.models[name].path if name in self.config.models else name
         builtin = BUILTIN_MODELS.get(model.name if model is not None else target)
         if model is None and builtin is None:

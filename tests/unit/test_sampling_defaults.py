@@ -14,8 +14,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from lmspd.config import Config, ModelEntry
-from lmspd.errors import InvalidRequestError
+from lmspd.config import Config, ModelEntry, load_config
+from lmspd.errors import ConfigError, InvalidRequestError
 from lmspd.models.catalog import BUILTIN_MODELS
 from lmspd.models.registry import ModelRegistry, ResolvedModel
 from lmspd.models.sampling import LMSPD_DEFAULTS, SamplingDefaults, model_defaults
@@ -169,3 +169,18 @@ def test_a_request_value_out_of_range_is_still_refused_naming_it() -> None:
     with pytest.raises(InvalidRequestError) as caught:
         ResponseRequest(input="Hi", temperature=2.5).sampling(MODEL).validate()
     assert caught.value.param == "temperature" and "between 0 and 2" in caught.value.message
+
+
+def test_sampling_defaults_openai_gives_every_model_lmspds_own(tmp_path: Path) -> None:
+    tuned = model_dir(tmp_path / "tuned", {"temperature": 0, "top_k": 5})
+    models = {"tuned": ModelEntry(path=str(tuned)), "hub": ModelEntry(path="example/not-downloaded")}
+    environ = {"LMSPD_SAMPLING_DEFAULTS": "openai", "LMSPD_CACHE_DIR": str(tmp_path / "cache")}
+    config = msgspec.structs.replace(load_config(environ=environ), models=models)
+    assert config.sampling_defaults == "openai"
+    registry = ModelRegistry(config)
+    assert registry.sampling_defaults("tuned", registry.resolve_local("tuned")) == LMSPD_DEFAULTS
+    assert registry.sampling_defaults(BUNDLED, None) == LMSPD_DEFAULTS
+    assert registry.sampling_defaults("hub", None) == LMSPD_DEFAULTS
+    with pytest.raises(ConfigError) as caught:
+        load_config(environ={"LMSPD_SAMPLING_DEFAULTS": "vllm"})
+    assert "sampling_defaults" in caught.value.message

@@ -1,5 +1,5 @@
 """Coding agents on the bundled model, tried as a new user would: how often does a turn complete?
-(issue 42, item 7; docs/responses.md, "Agents on the bundled model")
+(issue 42, item 7; docs/benchmarks.md, "Agents on the bundled model")
 
     python -m bench.agents [--agent codex|claude|both] [--runs 10] [--timeout 300]
                            [--sampling-defaults model|openai] [--model M]

@@ -247,6 +247,11 @@ class ClusterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     default_model: str = DEFAULT_MODEL
     cache_dir: str | None = None
+    # What a request that names no temperature (top_p, top_k) samples with: "model", each
+    # model's own defaults (its generation_config.json, the catalog's for a built-in);
+    # "openai", OpenAI's 1.0 and 1.0 for every model, as lmspd did before models had their own
+    # (docs/operations.md, "Sampling defaults").
+    sampling_defaults: Literal["model", "openai"] = "model"
     engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     responses: ResponsesConfig = msgspec.field(default_factory=ResponsesConfig)
@@ -302,6 +307,7 @@ def _positive(key: str, value: int) -> None:
 ENV_VARS = {
     "LMSPD_CACHE_DIR": "cache_dir",
     "LMSPD_DEFAULT_MODEL": "default_model",
+    "LMSPD_SAMPLING_DEFAULTS": "sampling_defaults",
     "LMSPD_MAX_CONCURRENCY": "engine.max_concurrency",
     "LMSPD_MAX_LOADED_MODELS": "engine.max_loaded_models",
     "LMSPD_WEIGHT_DTYPE": "engine.weight_dtype",

@@ -12,6 +12,7 @@ from starlette.requests import Request
 
 from lmspd.api.guard import is_json
 from lmspd.errors import InvalidRequestError, PayloadTooLargeError, UnsupportedMediaTypeError
+from lmspd.models.sampling import SamplingDefaults
 from lmspd.store.task_store import TaskRecord
 
 T = TypeVar("T")
@@ -82,8 +83,8 @@ class Capabilities(msgspec.Struct, kw_only=True):
     limits: Limits
 
 
-# What each model entry says of its state beside OpenAI's fields (docs/operations.md, "Models
-# over a long life").
+# What each model entry says beside OpenAI's fields: its state (docs/operations.md, "Models
+# over a long life") and its sampling defaults ("Sampling defaults").
 STATE_FIELDS = (
     "loaded",
     "resident_bytes",
@@ -93,6 +94,7 @@ STATE_FIELDS = (
     "unload_at",
     "keep_alive_secs",
     "pinned",
+    "sampling_defaults",
 )
 
 
@@ -110,6 +112,7 @@ class LmspModel(msgspec.Struct, kw_only=True):
     unload_at: int | None = None  # unix seconds it is unloaded if still idle (None: not due)
     keep_alive_secs: float = 0.0
     pinned: bool = False  # never unloaded for being idle
+    sampling_defaults: SamplingDefaults | None = None  # what a request naming none samples with
 
 
 class LmspModelList(msgspec.Struct, kw_only=True):
@@ -133,6 +136,7 @@ class Model(msgspec.Struct, kw_only=True):
     unload_at: int | None = None
     keep_alive_secs: float = 0.0
     pinned: bool = False
+    sampling_defaults: SamplingDefaults | None = None
 
 
 class Recycle(msgspec.Struct, kw_only=True):

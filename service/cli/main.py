@@ -66,8 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt")
     gen.add_argument("--model", help="model alias, built-in name, directory or Hugging Face repo")
     gen.add_argument("--max-output-tokens", type=int, default=256)
-    gen.add_argument("--temperature", type=float, default=0.7)
-    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--temperature", type=float, help="default: the model's own (GET /v1/models shows it)")
+    gen.add_argument("--top-p", type=float, help="default: the model's")
     gen.add_argument("--instructions", help="system prompt")
     gen.add_argument("--weight-dtype", choices=get_args(WeightDtype))
     _common(gen)
@@ -191,15 +191,19 @@ async def _generate(args: argparse.Namespace) -> int:
     from lmspd.engine.process import EngineClient
     from lmspd.models.registry import ModelRegistry
     from lmspd.prompting.generation import build_generate
+    from lmspd.responses.schema import ResponseRequest
 
     config = _config(args)
     name = args.model or config.default_model
+    registry = ModelRegistry(config)
     with pull_progress() as progress:
-        model = ModelRegistry(config).resolve(name, progress=progress, download=True)
+        model = registry.resolve(name, progress=progress, download=True)
     messages = [{"role": "user", "content": args.prompt}]
     if args.instructions:
         messages.insert(0, {"role": "system", "content": args.instructions})
-    sampling = p.SamplingParams(temperature=args.temperature, top_p=args.top_p)
+    # As a request's: what it names, else the model's defaults (docs/operations.md, "Sampling defaults").
+    request = ResponseRequest(input=args.prompt, temperature=args.temperature, top_p=args.top_p)
+    sampling = request.sampling(registry.sampling_defaults(name, model))
     cmd = build_generate(
         model, messages, request_id=uuid.uuid4().hex, max_tokens=args.max_output_tokens, sampling=sampling
     )

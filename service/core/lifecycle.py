@@ -22,6 +22,7 @@ from lmspd.engine.process import EngineClient
 from lmspd.errors import LmspdError, ModelBusyError
 from lmspd.metrics import Metrics
 from lmspd.models.registry import ModelRegistry, ResolvedModel
+from lmspd.models.sampling import SamplingDefaults
 from lmspd.models.slots import ModelSlots
 from lmspd.prompting.generation import tokenizer_for
 
@@ -43,6 +44,9 @@ class ModelView(msgspec.Struct, kw_only=True):
     unload_at: int | None = None  # unix seconds it will be unloaded if still idle (None: not due)
     keep_alive_secs: float = 0.0
     pinned: bool = False
+    # What a request on it samples with where it names nothing (docs/operations.md, "Sampling
+    # defaults"); None: not known until its files are here (a hub model not downloaded yet).
+    sampling_defaults: SamplingDefaults | None = None
 
 
 class ModelLifecycle:
@@ -112,26 +116,37 @@ class ModelLifecycle:
         views: list[ModelView] = []
         seen: set[str] = set()
         for info in self.registry.list():
-            canonical = info.name
-            with contextlib.suppress(LmspdError):
-                if info.pulled and (model := await asyncio.to_thread(self.registry.resolve_local, info.name)):
-                    canonical = model.name
-            views.append(self._view(info.name, info.pulled, states.get(canonical), canonical))
+            canonical, defaults = await asyncio.to_thread(self._describe, info.name, info.pulled)
+            views.append(self._view(info.name, info.pulled, states.get(canonical), canonical, defaults))
             seen.add(canonical)
         # Loaded under a name the list does not show (a directory a request named).
-        views += [self._view(n, True, m, n) for n, m in states.items() if m.loaded and n not in seen]
+        for n, m in states.items():
+            if m.loaded and n not in seen:
+                views.append(self._view(n, True, m, n, (await asyncio.to_thread(self._describe, n, True))[1]))
         return views
 
-    def _view(self, name: str, ready: bool, state: p.ModelState | None, canonical: str) -> ModelView:
+    def _describe(self, name: str, here: bool) -> tuple[str, SamplingDefaults | None]:
+        """A listed model's canonical name and sampling defaults (its files are read: in a thread)."""
+        model = None
+        with contextlib.suppress(LmspdError):
+            model = self.registry.resolve_local(name) if here else None
+        return (model.name if model is not None else name), self.registry.sampling_defaults(name, model)
+
+    def _view(
+        self, name: str, ready: bool, state: p.ModelState | None, canonical: str, defaults: SamplingDefaults | None
+    ) -> ModelView:
         keep = self.engine.keep_alive.get(
             canonical, self.engine.keep_alive.get(name, self.config.engine.keep_alive_secs)
         )
         if state is None or not state.loaded:
-            return ModelView(id=name, ready=ready, keep_alive_secs=keep, pinned=canonical in self.pinned)
+            return ModelView(
+                id=name, ready=ready, keep_alive_secs=keep, pinned=canonical in self.pinned, sampling_defaults=defaults
+            )
         now = time.time()
         return ModelView(
             id=name,
             ready=ready,
+            sampling_defaults=defaults,
             loaded=True,
             resident_bytes=state.resident_bytes,
             weight_dtype=state.weight_dtype,
@@ -147,7 +162,7 @@ class ModelLifecycle:
         for v in await self.views():
             if v.id == name:
                 return v
-        return self._view(name, True, None, canonical)
+        return self._view(name, True, None, canonical, (await asyncio.to_thread(self._describe, name, True))[1])
 
     async def load(self, name: str, slots: ModelSlots) -> ModelView:
         """Load ``name`` now (pulling a built-in first); it waits, as tasks do, for a slot."""

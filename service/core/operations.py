@@ -39,6 +39,7 @@ from lmspd.errors import (
 from lmspd.metrics import Metrics
 from lmspd.models.footprint import refuse_oversized
 from lmspd.models.registry import ModelInfo, ModelRegistry
+from lmspd.models.sampling import SamplingDefaults
 from lmspd.prompting.generation import (
     cache_key,
     check_request,
@@ -134,15 +135,19 @@ class Core:
         if request.previous_response_id is not None or request.conversation is not None:
             turns = await history(self.store, owner, request.previous_response_id, request.conversation_id)
         request = await resolve(request, owner, self.items, self.sealer)
-        # Stored as sent, its input resolved: the supervisor reads it back as a TaskRequest (a superset).
+        # Stored as sent, its input resolved (and, once checked, with its model's sampling defaults):
+        # the supervisor reads it back as a TaskRequest (a superset).
         encoded = msgspec.json.encode(request)
         # Checked as it will run: with the reasoning the echo puts back.
         turns, rendered, _ = await self.echo.restore(owner, turns, request)
         here = await self._served_here(request.model)
         if len(encoded) < _INLINE_CHECK_BYTES and not turns and not _has_schemas(request):
-            self._check(rendered, turns, here)  # small and no grammar to check: cheaper than a thread hop
+            defaults = self._check(rendered, turns, here)  # small and no grammar to check: cheaper than a thread hop
         else:
-            await asyncio.to_thread(self._check, rendered, turns, here)
+            defaults = await asyncio.to_thread(self._check, rendered, turns, here)
+        if defaults is not None:  # stored with it: a resumed task samples as it began
+            request = s.TaskRequest.of(request, sampling_defaults=defaults)
+            encoded = msgspec.json.encode(request)
         model = request.model or self.config.default_model
         limits = self.config.responses
         stored = request.store and self.store_enabled and limits.store_max_bytes > 0
@@ -221,16 +226,20 @@ class Core:
                 return False
             raise
 
-    def _check(self, request: s.ResponseRequest, turns: list[Item], here: bool = True) -> None:
+    def _check(self, request: s.ResponseRequest, turns: list[Item], here: bool = True) -> SamplingDefaults | None:
         """Runs in a worker thread: rendering a large prompt, taking schemas apart and compiling
-        grammars (seconds for a large one) must not stall the event loop."""
+        grammars (seconds for a large one) must not stall the event loop. Returns the model's
+        sampling defaults, what the request samples with where it names nothing (None: known
+        only to the node that runs it)."""
         check_directives(request.directives, self.budget)
         if not here:  # the node that claims it checks the prompt against the model as it runs
             request.sampling().validate()
-            return
+            return None
         self.registry.check_requested(request.model)
-        model = self.registry.resolve_local(request.model or self.config.default_model)
-        sampling = request.sampling()
+        name = request.model or self.config.default_model
+        model = self.registry.resolve_local(name)
+        defaults = self.registry.sampling_defaults(name, model)
+        sampling = request.sampling(defaults)
         if model is None:  # fetched when the task runs
             sampling.validate()
         else:
@@ -240,6 +249,7 @@ class Core:
             if check:
                 refuse_by_size(model, user_text_bytes(request))
             check_request(model, prompt_for(model, request, turns), sampling, check_length=check)
+        return defaults
 
     async def input_tokens(self, owner: str, request: s.ResponseRequest) -> int:
         """The prompt's length in tokens, for a request create would accept: refused as

@@ -476,7 +476,8 @@ class Supervisor:
                 prompt,
                 request_id=task_id,
                 max_tokens=max_tokens,
-                sampling=request.sampling(),
+                # The defaults stored at intake, else (not known there) this model's.
+                sampling=request.sampling(request.sampling_defaults or self.registry.sampling_defaults(name, model)),
                 generated=state.tokens,
                 stop=request.stop,
                 logprobs=request.logprobs,

@@ -10,6 +10,9 @@ from typing import Literal
 
 import msgspec
 
+from lmspd.models.sampling import KEYS as SAMPLING_KEYS
+from lmspd.models.sampling import out_of_range
+
 FinishReason = Literal["stop", "length", "cancelled"]
 
 # OpenAI's bound on top_logprobs (Responses and Chat Completions alike).
@@ -38,16 +41,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         """Raise InvalidRequestError naming the first out-of-range parameter."""
         from lmspd.errors import InvalidRequestError
 
-        if not 0.0 <= self.temperature <= 2.0:
-            raise InvalidRequestError(
-                f"temperature must be between 0 and 2, got {self.temperature}", param="temperature"
-            )
-        if not 0.0 < self.top_p <= 1.0:
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", param="top_p")
-        if self.top_k < 0:
-            raise InvalidRequestError(f"top_k must be >= 0, got {self.top_k}", param="top_k")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}", param="min_p")
+        for name in SAMPLING_KEYS:
+            if (why := out_of_range(name, getattr(self, name))) is not None:
+                raise InvalidRequestError(why, param=name)
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             raise InvalidRequestError(f"seed must be a 64-bit integer, got {self.seed}", param="seed")
 

@@ -14,6 +14,7 @@ from lmspd.config import Config
 from lmspd.errors import ModelError, ModelNotFoundError
 from lmspd.models.catalog import BUILTIN_MODELS
 from lmspd.models.pull import Progress, is_pulled, pull_builtin
+from lmspd.models.sampling import LMSPD_DEFAULTS, SamplingDefaults, model_defaults
 
 _HF_REPO = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -151,6 +152,20 @@ class ModelRegistry:
                     return None
                 raise
         return self.resolve(name)  # raises ModelNotFoundError naming the known models
+
+    def sampling_defaults(self, name: str, model: ResolvedModel | None) -> SamplingDefaults | None:
+        """What a request on ``name`` samples with where it names nothing (docs/operations.md,
+        "Sampling defaults"): ``model``'s directory's generation_config.json over the catalog's
+        values for a built-in, over lmspd's own. ``model`` None (``resolve_local``'s: not here
+        yet): a built-in's catalog values; None for anything else, known only once it is here.
+        Under ``sampling_defaults = "openai"``, lmspd's own (OpenAI's) for every model."""
+        if self.config.sampling_defaults == "openai":
+            return LMSPD_DEFAULTS
+        target = self.config.models[name].path if name in self.config.models else name
+        builtin = BUILTIN_MODELS.get(model.name if model is not None else target)
+        if model is None and builtin is None:
+            return None
+        return model_defaults(model.path if model is not None else None, builtin.sampling if builtin else None)
 
     def list(self) -> list[ModelInfo]:
         infos: list[ModelInfo] = []

@@ -53,6 +53,7 @@ def initial_response(
 ) -> s.Response:
     parsed = request.directives
     options = parsed.tools
+    sampling = request.sampling()
     choice: str | NamedFunction | NamedCustom = options.choice
     if options.choice not in ("none", "auto", "required"):
         (named,) = options.callable
@@ -75,8 +76,9 @@ def initial_response(
         status="queued" if background else "in_progress",
         model=model,
         instructions=request.instructions,
-        temperature=1.0 if request.temperature is None else request.temperature,
-        top_p=1.0 if request.top_p is None else request.top_p,
+        # What it samples with: the request's values, else the model's defaults it was accepted with.
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
         max_output_tokens=request.max_output_tokens,
         max_tool_calls=request.max_tool_calls,
         top_logprobs=request.top_logprobs or 0,

@@ -14,6 +14,7 @@ import msgspec
 
 from lmspd.engine.protocol import SamplingParams, TokenLogprob, validate_top_logprobs
 from lmspd.errors import InvalidRequestError
+from lmspd.models.sampling import LMSPD_DEFAULTS, SamplingDefaults
 from lmspd.models.tokenizer import TEMPLATE_ARGUMENTS
 from lmspd.responses.tools import (
     Directives,
@@ -201,11 +202,16 @@ class ResponseRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, 
             reasoning=self.reasoning,
         )
 
-    def sampling(self) -> SamplingParams:
-        """The engine's sampling parameters, with OpenAI's defaults."""
+    def sampling(self, defaults: SamplingDefaults | None = None) -> SamplingParams:
+        """The engine's sampling parameters: each one the request names, else the model's
+        ``defaults`` (None: lmspd's own, OpenAI's), the one place this is decided
+        (docs/operations.md, "Sampling defaults"). An explicit temperature 0 stays greedy."""
+        model = defaults or LMSPD_DEFAULTS
         return SamplingParams(
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
+            temperature=model.temperature if self.temperature is None else self.temperature,
+            top_p=model.top_p if self.top_p is None else self.top_p,
+            top_k=model.top_k,
+            min_p=model.min_p,
         )
 
     @property
@@ -246,22 +252,30 @@ class TaskRequest(ResponseRequest, kw_only=True, omit_defaults=True):
 
     stop: list[str] | None = None
     seed: int | None = None
+    # The model's sampling defaults when the task was accepted (the core's, at intake): a task
+    # resumed after a restart samples as it began, whatever the model's files say by then.
+    # None: not known at intake (a model only here once the task runs, or a task older than
+    # them): the node that runs it reads the model's.
+    sampling_defaults: SamplingDefaults | None = None
     top_k: int | None = None  # the Messages API's (docs/messages.md)
 
     @classmethod
     def of(cls, request: ResponseRequest, **extra: Any) -> TaskRequest:
-        if isinstance(request, TaskRequest) and not extra:
-            return request
+        if isinstance(request, TaskRequest):
+            return replace(request, **extra) if extra else request
         fields = {f: getattr(request, f) for f in request.__struct_fields__}
         return _keep_directives(request, cls(**fields, **extra))
 
-    def sampling(self) -> SamplingParams:
+    def sampling(self, defaults: SamplingDefaults | None = None) -> SamplingParams:
+        """As the request's, over its stored :attr:`sampling_defaults` (else ``defaults``);
+        a ``top_k`` the request names (the Messages API's) wins over the model's."""
         extra: dict[str, Any] = {}
         if self.seed is not None:
             extra["seed"] = self.seed
         if self.top_k is not None:
             extra["top_k"] = self.top_k
-        return msgspec.structs.replace(super().sampling(), **extra) if extra else super().sampling()
+        params = super().sampling(self.sampling_defaults or defaults)
+        return msgspec.structs.replace(params, **extra) if extra else params
 
 
 class CompactResponse(msgspec.Struct, kw_only=True):

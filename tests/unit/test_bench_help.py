@@ -9,7 +9,9 @@ import pytest
 from support.models import ROOT
 
 
-@pytest.mark.parametrize("module", ["bench.raw", "bench.step_profile", "bench.matvec", "bench.memory", "bench.peers"])
+@pytest.mark.parametrize(
+    "module", ["bench.raw", "bench.step_profile", "bench.matvec", "bench.memory", "bench.peers", "bench.agents"]
+)
 def test_help_exits_cleanly(module: str) -> None:
     done = subprocess.run(
         [sys.executable, "-m", module, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60

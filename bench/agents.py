@@ -61,12 +61,9 @@ from lmspd.store.status import ACTIVE
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
-from support.codex import codex_binary, codex_config  # noqa: E402  (tests/support)
-from support.models import CACHE  # noqa: E402
+from support.claude import CLAUDE_VERSION, claude_binary  # noqa: E402  (tests/support)
+from support.codex import codex_binary, codex_config  # noqa: E402
 
-# The Claude Code CLI measured (npm package @anthropic-ai/claude-code), under the test cache as
-# npm install --prefix .test-cache/claude/2.1.332 @anthropic-ai/claude-code@2.1.332.
-CLAUDE_VERSION = "2.1.332"
 PROMPTS = {"codex": "say hello", "claude": "Reply with: hello"}
 
 
@@ -197,18 +194,6 @@ def codex_run(codex: Path, url: str, model: str, place: Path, prompt: str, timeo
     )
     message = messages[-1] if messages else None
     return counted(url, before, rc, secs, message=message, error=error, tokens=tokens)
-
-
-def claude_binary() -> Path | None:
-    """The Claude Code CLI to measure: ``LMSPD_CLAUDE``, else the test cache's pinned one,
-    else ``claude`` on PATH. (tests/support/claude.py, on another branch, will say the same.)"""
-    if named := os.environ.get("LMSPD_CLAUDE"):
-        return Path(named)
-    pinned = CACHE / "claude" / CLAUDE_VERSION / "node_modules" / ".bin" / "claude"
-    if pinned.exists():
-        return pinned
-    found = shutil.which("claude")
-    return Path(found) if found else None
 
 
 def claude_run(claude: Path, url: str, model: str, place: Path, prompt: str, timeout: float) -> Run:

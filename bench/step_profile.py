@@ -312,13 +312,20 @@ def build_revision(rev: str, work: Path) -> Any:
     from lmspd.engine import kernels
 
     repo = Path(__file__).resolve().parent.parent
-    for name in [kernels.SOURCE.name, *(h.name for h in kernels.HEADERS)]:
+    # The revision's own file names: its sources may be laid out otherwise than this tree's
+    # (before bindings.cpp, the one translation unit was quantized.cpp).
+    listed = subprocess.run(
+        ["git", "ls-tree", "--name-only", f"{rev}:{KERNEL_DIR}"], cwd=repo, check=True, capture_output=True, text=True
+    ).stdout.split()
+    names = [n for n in listed if n.endswith((".cpp", ".h"))]
+    for name in names:
         text = subprocess.run(
             ["git", "show", f"{rev}:{KERNEL_DIR}/{name}"], cwd=repo, check=True, capture_output=True
         ).stdout
         (work / name).write_bytes(text)
+    source = kernels.SOURCE.name if kernels.SOURCE.name in names else "quantized.cpp"
     print(f"building the kernels of {rev} (~30 s) ...", flush=True)
-    return kernels.load_path(kernels.build_source(work / kernels.SOURCE.name, work))
+    return kernels.load_path(kernels.build_source(work / source, work))
 
 
 def kernel_holders(model: Any) -> list[tuple[Any, str]]:

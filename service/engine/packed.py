@@ -1,7 +1,7 @@
 """``quantized_float32``: quantized weights that stay packed, computed in float32.
 
 Each quantized layer of the model is replaced by one that keeps MLX's packed weights, scales
-and biases as they are, and multiplies through lmspd's kernels (``kernels/quantized.cpp``):
+and biases as they are, and multiplies through lmspd's kernels (``kernels/quantized.h``):
 
 - a decode step's few rows go through ``quantized_matvec``, which unpacks each weight group
   once for all rows;

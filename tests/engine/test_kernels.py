@@ -85,7 +85,7 @@ def test_simd_matvec_computes_the_portable_kernels_bits(
 @pytest.mark.parametrize("rows", [1, 4, 8])
 def test_a_product_of_many_chunks_computes_every_column_once(ext: ModuleType, rows: int) -> None:
     """The two threads take runs of chunks from the two ends of the columns until they meet
-    (quantized.cpp, Pool::claim): hundreds of chunks here, the last one narrower, and every column
+    (pool.h, Pool::claim): hundreds of chunks here, the last one narrower, and every column
     gets the one-thread kernel's bits."""
     q, s, b = _quantized(4099, 256, 32, 4, mx.float16)
     x = mx.random.normal((rows, 256), key=mx.random.key(7 + rows))
@@ -194,6 +194,19 @@ def test_a_build_is_cached_under_a_key_of_its_inputs(monkeypatch: pytest.MonkeyP
     assert kernels.build_key() != key  # an edited header too
 
 
+def test_each_header_compiles_on_its_own() -> None:
+    """The kernels are a library: each header includes what it uses, so any one of them can be
+    included first, or alone (syntax only, with the build's flags; two at a time, ~1 min)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    checks = {Path(c[c.index("-include") + 1]).name: c for c in kernels.header_checks()}
+    assert {"pool.h", "arrays.h", "quantized.h", "decode_block.h"} <= set(checks)
+    with ThreadPoolExecutor(2) as pool:
+        done = {name: pool.submit(subprocess.run, c, capture_output=True, text=True) for name, c in checks.items()}
+    failed = {name: d.result().stderr[-1500:] for name, d in done.items() if d.result().returncode}
+    assert not failed, failed
+
+
 def test_a_machine_without_a_compiler_is_told_why(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("CXX", "no-such-compiler")
     with pytest.raises(kernels.KernelUnavailable, match="no C\\+\\+ compiler"):
@@ -226,7 +239,7 @@ def test_a_build_leaves_no_temporary_directory_neither_its_own_nor_a_killed_ones
 
 
 def test_activations_in_any_layout_are_read_as_their_values(ext: ModuleType) -> None:
-    """Activations reach the primitives without a Contiguous node (fused.h, rows_of): a
+    """Activations reach the primitives without a Contiguous node (arrays.h, rows_of): a
     transposed, sliced or broadcast x gives the bits its contiguous copy gives."""
     q, s, b = _quantized(96, 128, 32, 4, mx.float16)
     base = mx.random.normal((128, 6), key=mx.random.key(11))

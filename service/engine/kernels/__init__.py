@@ -1,4 +1,5 @@
-"""lmspd's compiled CPU kernels for quantized weights (``quantized.cpp``), built where they run.
+"""lmspd's compiled CPU kernels (a header per family of primitives, ``bindings.cpp`` the Python
+module that includes them all), built where they run.
 
 The kernels are an MLX extension: C++ primitives that join MLX's lazy graph like its own
 ops. An extension must match the MLX it is loaded into (headers, libmlx, nanobind's ABI) and
@@ -34,12 +35,11 @@ from types import ModuleType
 
 log = logging.getLogger("lmspd.engine.kernels")
 
-SOURCE = Path(__file__).with_name("quantized.cpp")
-HEADERS = tuple(  # SOURCE includes them
-    Path(__file__).with_name(h)
-    for h in ("portable.h", "simd.h", "fused.h", "attention.h", "elementwise.h", "decode_block.h")
-)
-MODULE = "quantized_ext"  # the NB_MODULE name in quantized.cpp
+SOURCE = Path(__file__).with_name("bindings.cpp")  # the one translation unit
+# Every header beside it, found rather than listed, so a new one is in the build key from the
+# start: a build made before an edit to any of them is never loaded after it.
+HEADERS = tuple(sorted(SOURCE.parent.glob("*.h")))
+MODULE = "quantized_ext"  # the NB_MODULE name in bindings.cpp
 BUILD_PREFIX = ".build-"  # a build in progress (or one a killed process left behind)
 
 
@@ -112,6 +112,21 @@ def build_key() -> str:
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 
+def _kernel_flags(paths: dict[str, Path]) -> list[str]:
+    """The kernels' own flags, after the C++ standard and the flags nanobind's runtime shares."""
+    # NB_DOMAIN=mlx: MLX's Python module is built in nanobind's "mlx" domain, and mx.array
+    # is only recognised by extensions in the same domain.
+    return ["-march=native", "-DNB_DOMAIN=mlx", "-isystem", str(paths["mlx_include"])]
+
+
+def header_checks() -> list[list[str]]:
+    """A command per header that compiles it alone (syntax only, the kernels' flags): each
+    header includes what it uses, so any one can be included first, or by itself."""
+    cxx, paths = _compiler(), _paths()
+    flags = [cxx, "-std=c++20", f"-I{paths['python']}", f"-I{paths['nanobind'] / 'include'}", *_kernel_flags(paths)]
+    return [[*flags, "-fsyntax-only", "-x", "c++", "-include", str(h), os.devnull] for h in HEADERS]
+
+
 def _commands(
     cxx: str, paths: dict[str, Path], out: Path, work: Path, source: Path | None = None
 ) -> tuple[list[list[str]], list[str]]:
@@ -131,10 +146,7 @@ def _commands(
     ]
     runtime = [cxx, "-std=c++17", *common, "-DNB_BUILD", "-DNB_COMPACT_ASSERTIONS", "-fno-strict-aliasing"]
     runtime += [f"-I{nb / 'ext' / 'robin_map' / 'include'}", "-c", str(nb / "src" / "nb_combined.cpp")]
-    # NB_DOMAIN=mlx: MLX's Python module is built in nanobind's "mlx" domain, and mx.array
-    # is only recognised by extensions in the same domain.
-    kernels = [cxx, "-std=c++20", *common, "-march=native", "-DNB_DOMAIN=mlx", "-isystem", str(paths["mlx_include"])]
-    kernels += ["-c", str(source or SOURCE)]
+    kernels = [cxx, "-std=c++20", *common, *_kernel_flags(paths), "-c", str(source or SOURCE)]
     # The kernels first: a broken source fails fast, without waiting for nanobind's runtime.
     compiles = [[*kernels, "-o", str(work / "kernels.o")], [*runtime, "-o", str(work / "nanobind.o")]]
     link = [cxx, "-shared", "-Wl,--gc-sections", str(work / "kernels.o"), str(work / "nanobind.o")]
@@ -198,9 +210,9 @@ def build(root: Path | None = None) -> Path:
 
 
 def build_source(source: Path, out_dir: Path) -> Path:
-    """Build another copy of the kernels' sources (``source``: its quantized.cpp, the headers
-    beside it) into out_dir, uncached: ``bench.matvec --against`` times a git revision's kernels
-    beside these ones in one process."""
+    """Build another copy of the kernels' sources (``source``: its bindings.cpp, or an older
+    revision's quantized.cpp; the headers beside it) into out_dir, uncached: ``bench.matvec
+    --against`` times a git revision's kernels beside these ones in one process."""
     preflight()
     target = out_dir / f"{MODULE}{sysconfig.get_config_var('EXT_SUFFIX')}"
     compiles, link = _commands(_compiler(), _paths(), target, out_dir, source)

@@ -30,23 +30,36 @@
 // this extension links against the same libmlx and declares the symbol undefined, as libmlx does.
 #pragma once
 
-// Included by quantized.cpp, after MLX's headers, the mx alias, fused.h (rows_of), the Pool and
-// elementwise.h (max_and_exps, sum_in_order: MLX's simd functions, from its headers).
-
+#include <algorithm>
+#include <array>
+#include <cstdint>
 #include <limits>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <vector>
+
+#include "arrays.h"
+#include "elementwise.h"  // max_and_exps, sum_in_order: MLX's simd functions, from its headers
+#include "mlx/array.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/primitives.h"
+#include "mlx/stream.h"
+#include "no_contract.h"
+#include "pool.h"
 
 extern "C" void cblas_sgemm(int order, int trans_a, int trans_b, int M, int N, int K, float alpha, const float* A,
                             int lda, const float* B, int ldb, float beta, float* C, int ldc);
 
-namespace {
+namespace lmspd {
 
 constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112;  // CBLAS_ORDER, CBLAS_TRANSPOSE
 
 // Rows x (M x K, row-major) times the matrix MLX's matmul sees as b (K x N), given as its base
 // pointer and its strides along K and N; as MLX's check_transpose chooses: row-major,
 // column-major, or (neither) a row-major copy.
-void rows_times(const float* x, int M, int K, const float* b, int64_t k_stride, int64_t n_stride, int N, float* out,
-                std::vector<float>& scratch) {
+inline void rows_times(const float* x, int M, int K, const float* b, int64_t k_stride, int64_t n_stride, int N,
+                       float* out, std::vector<float>& scratch) {
   if (k_stride == N && n_stride == 1) {
     cblas_sgemm(kRowMajor, kNoTrans, kNoTrans, M, N, K, 1.0f, x, K, b, N, 0.0f, out, N);
   } else if (k_stride == 1 && n_stride == K) {
@@ -58,14 +71,14 @@ void rows_times(const float* x, int M, int K, const float* b, int64_t k_stride, 
     cblas_sgemm(kRowMajor, kNoTrans, kNoTrans, M, N, K, 1.0f, x, K, scratch.data(), N, 0.0f, out, N);
   }
 }
-void row_times(const float* x, int K, const float* b, int64_t k_stride, int64_t n_stride, int N, float* out,
-               std::vector<float>& scratch) {
+inline void row_times(const float* x, int K, const float* b, int64_t k_stride, int64_t n_stride, int N, float* out,
+                      std::vector<float>& scratch) {
   rows_times(x, 1, K, b, k_stride, n_stride, N, out, scratch);
 }
 
 // MLX's CPU softmax of one contiguous row, in place (softmax.cpp with Simd<float, 1>, as on
 // Linux): the exponentials of x - max (elementwise.h), their sum in order, each times 1 / sum.
-LMSPD_NO_CONTRACT_ATTR void softmax_row(float* s, int n) {
+LMSPD_NO_CONTRACT_ATTR inline void softmax_row(float* s, int n) {
   LMSPD_NO_CONTRACT
   max_and_exps(s, n, s);
   float normalizer = sum_in_order(s, n);
@@ -85,7 +98,7 @@ std::array<int64_t, 4> broadcast_strides(const A& m) {
 
 // A mask array's row applied to one row of scores, as the fallback does: a boolean mask's select
 // (false: float32's lowest) or an additive mask's add; m0 the row's first element, step its stride.
-void mask_row(float* s, int Lk, const bool* mb, const float* ma, int64_t m0, int64_t step) {
+inline void mask_row(float* s, int Lk, const bool* mb, const float* ma, int64_t m0, int64_t step) {
   const float lowest = std::numeric_limits<float>::lowest();  // finfo(float32).min
   for (int j = 0; j < Lk; ++j) {
     const int64_t at = m0 + j * step;
@@ -103,8 +116,8 @@ struct Keys {
   std::array<int64_t, 4> ks, vs;
   int kvH, Lk, Dv;
 };
-void attend(const float* qp, int B, int H, int D, const Keys& kv, MaskKind mask, const bool* mb, const float* ma,
-            const std::array<int64_t, 4>& ms, float scale, float* op) {
+inline void attend(const float* qp, int B, int H, int D, const Keys& kv, MaskKind mask, const bool* mb, const float* ma,
+                   const std::array<int64_t, 4>& ms, float scale, float* op) {
   const int rep = H / kv.kvH, Lk = kv.Lk, Dv = kv.Dv;
   auto heads = [&](int u0, int u1) {
     thread_local std::vector<float> qs, scores, scratch;
@@ -128,8 +141,8 @@ void attend(const float* qp, int B, int H, int D, const Keys& kv, MaskKind mask,
 // The attention of L query rows for each of B * H (sequence, head) pairs (qp: B * H * L rows of
 // D floats, row-contiguous) into op (the same rows of Dv): mask kCausal is the fallback's causal
 // mask, the others as attend's, with ms's third stride along the query rows.
-void attend_rows(const float* qp, int B, int H, int L, int D, const Keys& kv, MaskKind mask, const bool* mb,
-                 const float* ma, const std::array<int64_t, 4>& ms, float scale, float* op) {
+inline void attend_rows(const float* qp, int B, int H, int L, int D, const Keys& kv, MaskKind mask, const bool* mb,
+                        const float* ma, const std::array<int64_t, 4>& ms, float scale, float* op) {
   const int rep = H / kv.kvH, Lk = kv.Lk, Dv = kv.Dv, offset = Lk - L;
   const float lowest = std::numeric_limits<float>::lowest();
   std::vector<float> qs(size_t(L) * D), scores(size_t(L) * Lk), scratch;
@@ -198,4 +211,34 @@ class Attention : public mx::UnaryPrimitive {
   Mask mask_;
 };
 
-}  // namespace
+// mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask): q (B, H, L, D), k (B,
+// kvH, Lk, D), v (B, kvH, Lk, Dv), float32; mask None, bool or float32, broadcastable to (B, H,
+// L, Lk), or (causal) the fallback's causal mask.
+inline mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v,
+                           const std::optional<mx::array>& mask, float scale, bool causal) {
+  const bool f32 = q.dtype() == mx::float32 && k.dtype() == mx::float32 && v.dtype() == mx::float32;
+  if (!f32 || q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4 || q.shape(2) == 0)
+    throw std::invalid_argument("q, k and v must be 4-D float32, with query rows");
+  if (k.shape(0) != q.shape(0) || v.shape(0) != q.shape(0) || k.shape(3) != q.shape(3) || v.shape(1) != k.shape(1) ||
+      v.shape(2) != k.shape(2) || k.shape(1) == 0 || q.shape(1) % k.shape(1) != 0)
+    throw std::invalid_argument("q, k and v do not match");
+  if (causal && (mask || q.shape(2) > k.shape(2)))
+    throw std::invalid_argument("a causal mask takes no mask array, and no more query rows than keys");
+  auto s = mx::default_stream(mx::Device::cpu);
+  std::vector<mx::array> inputs = {q, k, v};
+  auto kind = causal ? Attention::kCausal : Attention::kNone;
+  if (mask) {
+    const auto& m = *mask;
+    if (m.dtype() != mx::bool_ && m.dtype() != mx::float32) throw std::invalid_argument("mask must be bool or float32");
+    const mx::Shape target = {q.shape(0), q.shape(1), q.shape(2), k.shape(2)};
+    bool fits = m.ndim() <= 4;
+    for (int d = 0; fits && d < m.ndim(); ++d) fits = m.shape(d) == 1 || m.shape(d) == target[4 - m.ndim() + d];
+    if (!fits) throw std::invalid_argument("mask must broadcast to (B, H, L, keys)");
+    kind = m.dtype() == mx::bool_ ? Attention::kBool : Attention::kAdd;
+    inputs.push_back(m);
+  }
+  return mx::array({q.shape(0), q.shape(1), q.shape(2), v.shape(3)}, mx::float32,
+                   std::make_shared<Attention>(s, scale, kind), inputs);
+}
+
+}  // namespace lmspd

@@ -8,7 +8,7 @@
 // SmolLM2-135M step's 768, each with MLX's fixed cost per primitive and its Python call to
 // build (docs/benchmarks.md, "Third pass"). Here:
 //
-//   CacheWrite    k (with RoPE from the tables: TableRope's rope_rows, fused.h) or v, written
+//   CacheWrite    k (with RoPE from the tables: TableRope's rope_rows, rope.h) or v, written
 //                 into the cache at the new position. The new cache takes over the old one's
 //                 buffer when MLX says it may (is_donatable: nobody else holds it), as MLX's own
 //                 SliceUpdate does, and otherwise starts as a copy. One output each, because
@@ -18,7 +18,7 @@
 //                 so the BLAS calls are the same ones and give the same bits.
 //   DecodeTail    DecodeAttend, then the rest of the block in the same task: o_proj with the
 //                 residual add, the post-attention norm with gate and up, swiglu with down and
-//                 the second residual add (quantized.cpp's product_rows and sibling_rows, as
+//                 the second residual add (quantized.h's product_rows and sibling_rows, as
 //                 the four primitives it replaces compute them). One primitive where there were
 //                 four: MLX's fixed cost per primitive, 8-11 us here, 90 times a step
 //                 (docs/benchmarks.md, "Sixth pass").
@@ -27,9 +27,28 @@
 // change nothing there, which is why q, k, v and the output stay flat.
 #pragma once
 
-// Included by quantized.cpp, after fused.h (rope_rows, rows_of), attention.h and row_contiguous.
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <vector>
 
-namespace {
+#include "arrays.h"
+#include "attention.h"    // attend, Keys, MaskKind
+#include "elementwise.h"  // swiglu_range
+#include "mlx/allocator.h"
+#include "mlx/array.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/primitives.h"
+#include "mlx/stream.h"
+#include "norms.h"      // rms_norm_rows
+#include "portable.h"   // Floats
+#include "quantized.h"  // check, kernel_for, product_rows, sibling_rows, add_residual
+#include "rope.h"       // rope_rows
+
+namespace lmspd {
 
 // RoPE's inputs for a row of positions: the tables and the offset (one, or one per sequence).
 // The offset is read through its stride: a BatchKVCache's is a fresh sum every step, and
@@ -219,7 +238,7 @@ class DecodeTail : public mx::UnaryPrimitive {
   float eps_;
 };
 
-void check_tables(const mx::array& cos, const mx::array& sin, const mx::array& offset, int dims, int D, int B) {
+inline void check_tables(const mx::array& cos, const mx::array& sin, const mx::array& offset, int dims, int D, int B) {
   if (cos.dtype() != mx::float32 || sin.dtype() != mx::float32 || dims % 2 != 0 || dims > D || dims <= 0 ||
       cos.ndim() != 2 || cos.shape(1) != dims / 2 || sin.shape() != cos.shape())
     throw std::invalid_argument("cos and sin must be float32 tables of (positions, dims / 2), dims even and <= D");
@@ -229,9 +248,9 @@ void check_tables(const mx::array& cos, const mx::array& sin, const mx::array& o
 
 // The cache (B, heads, capacity, D) with new (B, 1, heads * D) at position at, RoPE'd from the
 // tables at offset when they are given (k), as it is when not (v).
-mx::array cache_write(const mx::array& value, const mx::array& cache, int at, const std::optional<mx::array>& cos,
-                      const std::optional<mx::array>& sin, const std::optional<mx::array>& offset, int dims,
-                      bool traditional) {
+inline mx::array cache_write(const mx::array& value, const mx::array& cache, int at, const std::optional<mx::array>& cos,
+                             const std::optional<mx::array>& sin, const std::optional<mx::array>& offset, int dims,
+                             bool traditional) {
   if (value.dtype() != mx::float32 || cache.dtype() != mx::float32 || cache.ndim() != 4 || value.ndim() != 3)
     throw std::invalid_argument("new must be float32 (B, 1, heads x D), the cache float32 (B, heads, capacity, D)");
   const int B = cache.shape(0), H = cache.shape(1), cap = cache.shape(2), D = cache.shape(3);
@@ -251,9 +270,9 @@ mx::array cache_write(const mx::array& value, const mx::array& cache, int at, co
 }
 
 // decode_attend's inputs, checked: q, keys, values, cos, sin, offset.
-std::vector<mx::array> attend_inputs(const mx::array& q, const mx::array& keys, const mx::array& values,
-                                     const mx::array& cos, const mx::array& sin, const mx::array& offset, int at,
-                                     int dims, int heads) {
+inline std::vector<mx::array> attend_inputs(const mx::array& q, const mx::array& keys, const mx::array& values,
+                                            const mx::array& cos, const mx::array& sin, const mx::array& offset, int at,
+                                            int dims, int heads) {
   if (q.dtype() != mx::float32 || keys.dtype() != mx::float32 || values.dtype() != mx::float32 || keys.ndim() != 4 ||
       values.ndim() != 4 || q.ndim() != 3)
     throw std::invalid_argument("q must be float32 (B, 1, heads x D), the caches float32 (B, heads, capacity, D)");
@@ -271,7 +290,7 @@ std::vector<mx::array> attend_inputs(const mx::array& q, const mx::array& keys, 
 }
 
 // The mask's kind, checked against (B, heads, 1, at + 1).
-MaskKind mask_kind(const std::optional<mx::array>& mask, int B, int heads, int at) {
+inline MaskKind mask_kind(const std::optional<mx::array>& mask, int B, int heads, int at) {
   if (!mask) return MaskKind::kNone;
   const auto& m = *mask;
   if (m.dtype() != mx::bool_ && m.dtype() != mx::float32) throw std::invalid_argument("mask must be bool or float32");
@@ -284,9 +303,9 @@ MaskKind mask_kind(const std::optional<mx::array>& mask, int B, int heads, int a
 
 // q (B, 1, heads * D) RoPE'd at offset, attending over the caches' first at + 1 positions;
 // mask as attention takes it, over at + 1 keys. The output is (B, 1, heads * Dv).
-mx::array decode_attend(const mx::array& q, const mx::array& keys, const mx::array& values, const mx::array& cos,
-                        const mx::array& sin, const mx::array& offset, const std::optional<mx::array>& mask, int at,
-                        float scale, int dims, bool traditional, int heads) {
+inline mx::array decode_attend(const mx::array& q, const mx::array& keys, const mx::array& values, const mx::array& cos,
+                               const mx::array& sin, const mx::array& offset, const std::optional<mx::array>& mask, int at,
+                               float scale, int dims, bool traditional, int heads) {
   std::vector<mx::array> inputs = attend_inputs(q, keys, values, cos, sin, offset, at, dims, heads);
   const auto kind = mask_kind(mask, keys.shape(0), heads, at);
   if (mask) inputs.push_back(*mask);
@@ -301,13 +320,13 @@ mx::array decode_attend(const mx::array& q, const mx::array& keys, const mx::arr
 // (B, 1, hidden), as decode_attend, quantized_matvec(residual=x), quantized_matvecs(norm=...)
 // and quantized_matvec(up=..., residual=...) compute it. Each product: w, scales, biases,
 // group size, bits, as quantized_matvec takes them.
-mx::array decode_tail(const mx::array& q, const mx::array& keys, const mx::array& values, const mx::array& cos,
-                      const mx::array& sin, const mx::array& offset, const std::optional<mx::array>& mask, int at,
-                      float scale, int dims, bool traditional, int heads, const mx::array& x, const mx::array& o_w,
-                      const mx::array& o_s, const mx::array& o_b, int o_gs, int o_bits, const mx::array& norm,
-                      float eps, const mx::array& gu_w, const mx::array& gu_s, const mx::array& gu_b, int gu_gs,
-                      int gu_bits, std::vector<int> widths, const mx::array& d_w, const mx::array& d_s,
-                      const mx::array& d_b, int d_gs, int d_bits) {
+inline mx::array decode_tail(const mx::array& q, const mx::array& keys, const mx::array& values, const mx::array& cos,
+                             const mx::array& sin, const mx::array& offset, const std::optional<mx::array>& mask, int at,
+                             float scale, int dims, bool traditional, int heads, const mx::array& x, const mx::array& o_w,
+                             const mx::array& o_s, const mx::array& o_b, int o_gs, int o_bits, const mx::array& norm,
+                             float eps, const mx::array& gu_w, const mx::array& gu_s, const mx::array& gu_b, int gu_gs,
+                             int gu_bits, std::vector<int> widths, const mx::array& d_w, const mx::array& d_s,
+                             const mx::array& d_b, int d_gs, int d_bits) {
   std::vector<mx::array> inputs = attend_inputs(q, keys, values, cos, sin, offset, at, dims, heads);
   const int B = keys.shape(0), Dv = values.shape(3);
   const auto kind = mask_kind(mask, B, heads, at);
@@ -337,4 +356,4 @@ mx::array decode_tail(const mx::array& q, const mx::array& keys, const mx::array
                    inputs);
 }
 
-}  // namespace
+}  // namespace lmspd

@@ -11,14 +11,26 @@
 // elements shared between the MLX stream thread and the Pool's helper.
 #pragma once
 
-// Included by quantized.cpp, after MLX's headers, the mx alias, fused.h (rows_of) and the Pool.
-
+#include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <limits>
+#include <memory>
+#include <stdexcept>
+#include <vector>
 
+#include "arrays.h"
+#include "mlx/allocator.h"
+#include "mlx/array.h"
+#include "mlx/backend/cpu/encoder.h"
 #include "mlx/backend/cpu/unary_ops.h"
+#include "mlx/primitives.h"
+#include "mlx/stream.h"
+#include "no_contract.h"
+#include "pool.h"
+#include "simd.h"  // LMSPD_SIMD_AVX2, where exp8 is built
 
-namespace {
+namespace lmspd {
 
 #if defined(LMSPD_SIMD_AVX2)
 // MLX's simd::exp (simd/math.h) for 8 floats at once, operation for operation: x * log2(e) in
@@ -57,7 +69,7 @@ inline __m256 sigmoid8(__m256 x) {
 }
 #endif
 
-LMSPD_NO_CONTRACT_ATTR void swiglu_range(const float* gate, const float* x, float* out, size_t i0, size_t i1) {
+LMSPD_NO_CONTRACT_ATTR inline void swiglu_range(const float* gate, const float* x, float* out, size_t i0, size_t i1) {
   LMSPD_NO_CONTRACT
   size_t i = i0;
 #if defined(LMSPD_SIMD_AVX2)
@@ -106,7 +118,7 @@ class SwiGLU : public mx::UnaryPrimitive {
 // What MLX's CPU softmax and logsumexp (softmax.cpp, logsumexp.cpp with Simd<float, 1>) both
 // do first: a row's maximum as simd::maximum keeps it (a NaN wins), then exp(x - max) of every
 // element into e (which may be x), eight at a time where exp8 is (each lane simd::exp's value).
-LMSPD_NO_CONTRACT_ATTR float max_and_exps(const float* x, int n, float* e) {
+LMSPD_NO_CONTRACT_ATTR inline float max_and_exps(const float* x, int n, float* e) {
   LMSPD_NO_CONTRACT
   namespace simd = mlx::core::simd;
   using F = simd::Simd<float, 1>;
@@ -123,7 +135,7 @@ LMSPD_NO_CONTRACT_ATTR float max_and_exps(const float* x, int n, float* e) {
 }
 
 // The exponentials summed one after another from 0, as MLX's Simd<float, 1> accumulator does.
-LMSPD_NO_CONTRACT_ATTR float sum_in_order(const float* e, int n) {
+LMSPD_NO_CONTRACT_ATTR inline float sum_in_order(const float* e, int n) {
   LMSPD_NO_CONTRACT
   using F = mlx::core::simd::Simd<float, 1>;
   F vnormalizer(0.0);
@@ -132,7 +144,7 @@ LMSPD_NO_CONTRACT_ATTR float sum_in_order(const float* e, int n) {
 }
 
 // MLX's CPU logsumexp of one contiguous row: log(sum) + max, or max itself when it is infinite.
-float logsumexp_row(const float* x, int n, std::vector<float>& e) {
+inline float logsumexp_row(const float* x, int n, std::vector<float>& e) {
   e.resize(n);
   const float maximum = max_and_exps(x, n, e.data());
   const float normalizer = sum_in_order(e.data(), n);
@@ -167,4 +179,22 @@ class LogSumExp : public mx::UnaryPrimitive {
   bool is_equivalent(const mx::Primitive&) const override { return true; }
 };
 
-}  // namespace
+// mlx-lm's swiglu(gate, x) for float32 arrays of one shape.
+inline mx::array swiglu(const mx::array& gate, const mx::array& x) {
+  if (gate.dtype() != mx::float32 || x.dtype() != mx::float32 || gate.shape() != x.shape())
+    throw std::invalid_argument("gate and x must be float32 arrays of one shape");
+  auto s = mx::default_stream(mx::Device::cpu);
+  return mx::array(x.shape(), mx::float32, std::make_shared<SwiGLU>(s), {gate, x});
+}
+
+// mx.logsumexp(x, axis=-1, keepdims=True) for float32 x with at least one element a row.
+inline mx::array logsumexp(const mx::array& x) {
+  if (x.dtype() != mx::float32 || x.ndim() < 1 || x.shape(-1) == 0)
+    throw std::invalid_argument("x must be float32 with a last axis of at least one element");
+  auto s = mx::default_stream(mx::Device::cpu);
+  auto shape = x.shape();
+  shape.back() = 1;
+  return mx::array(shape, mx::float32, std::make_shared<LogSumExp>(s), {x});
+}
+
+}  // namespace lmspd

@@ -1,4 +1,4 @@
-// The matvec's definition in GCC/Clang vector extensions, for any target (quantized.cpp uses it
+// The matvec's definition in GCC/Clang vector extensions, for any target (quantized.h uses it
 // where simd.h has no kernel for the build's target, and the tests hold simd.h to its bits).
 #pragma once
 
@@ -14,7 +14,7 @@ namespace lmspd {
 // Float storage on cache-line boundaries. MLX's CPU buffers start 8 bytes past a 16-byte
 // boundary (its allocator keeps each buffer's size in front of it), so the kernels' 32-byte loads
 // of an activation straddle two cache lines every other load: a product of 8 rows took 1.45x as
-// long (docs/benchmarks.md, "Fifth pass"). The matvecs read x from here (fused.h, aligned_rows_of).
+// long (docs/benchmarks.md, "Fifth pass"). The matvecs read x from here (arrays.h, aligned_rows_of).
 template <typename T>
 struct Aligned64 {
   using value_type = T;
@@ -63,7 +63,7 @@ inline v8f fma8(v8f a, v8f b, v8f c) {
 
 // Each group's sum of x, per row, laid out for the kernels as [block of 8 rows][group][row]:
 // the biases' share of a product is bias * sum(x), once per group.
-Floats group_sums(const float* x, int M, int K, int GS) {
+inline Floats group_sums(const float* x, int M, int K, int GS) {
   const int G = K / GS;
   Floats xsum(size_t((M + 7) / 8) * G * 8, 0.f);
   for (int m = 0; m < M; ++m)

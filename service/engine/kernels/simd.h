@@ -3,7 +3,7 @@
 // Where the target also has AVX-512VL, a 4-bit weight's float comes from a table in one
 // instruction instead of a mask and a conversion (the same values).
 //
-// Bit for bit the portable kernel's arithmetic (quantized.cpp, qmv_portable), which is the one
+// Bit for bit the portable kernel's arithmetic (portable.h, qmv_portable), which is the one
 // lmspd has always computed: per output, 8 float32 lanes; per group, lane l sums x * q over the
 // group's elements 8i + l with fused multiply-adds in order of i, the group's sum is added in as
 // fma(scale, sum, total), the biases' share as a scalar fma(bias, sum(x of the group), b); at

@@ -16,175 +16,52 @@
 // again to 16 bits, which these kernels do not (the values differ by at most half a 16-bit
 // ulp, and doing that rounding per weight halves the decode speed).
 //
-// Both share their output rows with one helper thread (Pool). The matvec runs in explicit SIMD where the
-// build's target has it (simd.h: AVX2 on x86-64, NEON on arm64), otherwise in GCC/Clang vector
-// extensions (qmv_portable, which any target builds); both compute the same bits, and the tests
-// hold them to it. The engine builds this on the machine that runs it (kernels/__init__.py).
-#include <nanobind/nanobind.h>
-#include <nanobind/stl/optional.h>
-#include <nanobind/stl/vector.h>
+// Both share their output rows with one helper thread (pool.h). The matvec runs in explicit SIMD
+// where the build's target has it (simd.h: AVX2 on x86-64, NEON on arm64), otherwise in GCC/Clang
+// vector extensions (portable.h, qmv_portable, which any target builds); both compute the same
+// bits, and the tests hold them to it. The products' arithmetic here (product_rows, sibling_rows)
+// is shared with decode_block.h's DecodeTail.
+#pragma once
 
-#include <algorithm>
-#include <array>
 #include <atomic>
 #include <chrono>
-#include <cmath>
-#include <condition_variable>
+#include <cstddef>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
-#include <functional>
-#include <mutex>
-#include <sched.h>
+#include <memory>
+#include <optional>
 #include <stdexcept>
-#include <thread>
 #include <vector>
 
+#include "arrays.h"
+#include "elementwise.h"  // swiglu_range
 #include "mlx/allocator.h"
+#include "mlx/array.h"
 #include "mlx/backend/cpu/encoder.h"
-#include "mlx/mlx.h"
+#include "mlx/dtype.h"
 #include "mlx/primitives.h"
-
-namespace nb = nanobind;
-namespace mx = mlx::core;
-
+#include "mlx/stream.h"
+#include "mlx/transforms.h"
+#include "no_contract.h"
+#include "norms.h"  // rms_norm_rows
+#include "pool.h"
 #include "portable.h"
 #include "simd.h"
-#include "fused.h"
 
-namespace {
-
-using lmspd::group_sums;
-using lmspd::qmv_portable;
-using lmspd::Unpack;
-using lmspd::v8f;
-
-// Both cores on every product: the MLX stream thread and one helper thread take runs of chunks
-// of the output columns, from the two ends, until none are left. The caller never waits for a
-// chunk nobody has started: on a busy machine, where the helper may not be scheduled for a
-// while, the caller does the work alone instead of waiting a scheduler slice for it (a fixed
-// half per thread cost a 192-column product 10x). The helper is kept for the process's life
-// and spins briefly after each job before it sleeps: a decode step runs ~200 products tens of
-// microseconds apart, and waking a sleeping thread costs about as much as one.
-class Pool {
- public:
-  Pool() : thread_([this] { loop(); }) { thread_.detach(); }
-
-  // fn(c0, c1) for chunks [c0, c1) of [0, n), grain wide (the last one narrower).
-  void parallel_for(int n, int grain, const std::function<void(int, int)>& fn) {
-    const int chunks = (n + grain - 1) / grain;
-    if (chunks <= 1 || chunks >= (1 << 16)) return fn(0, n);
-    std::lock_guard<std::mutex> one_at_a_time(run_mu_);
-    fn_ = &fn;
-    n_ = n;
-    grain_ = grain;
-    const uint32_t t = ++ticket_ == 0 ? ++ticket_ : ticket_;  // 0 means "no job"
-    state_.store((uint64_t(t) << 32) | uint64_t(chunks));
-    posted_.store(t);
-    posted_.notify_one();  // a futex wake only when the helper sleeps
-    work(t, false);
-    // Every chunk is taken; the helper may still be in its last one.
-    for (int i = 0; i < SPINS && working_.load() == t; ++i) pause();
-    for (uint32_t w; (w = working_.load()) == t;) working_.wait(w);
-  }
-
- private:
-  static void pause() {
-#if defined(__x86_64__)
-    __builtin_ia32_pause();
-#elif defined(__aarch64__)
-    asm volatile("yield");
-#endif
-  }
-  // The next run of chunks of job t, if t is still the job and a chunk is left. state_ holds
-  // the job's ticket, the first chunk nobody has taken and one past the last, in one word, so a
-  // late helper can never take a chunk of a job that has moved on. The caller takes from the
-  // front, the helper from the back, each a quarter of what is left (a chunk at least): each
-  // thread reads its weights in long runs in order (the prefetchers see one stream each), their
-  // outputs meet in one place only, and the shared word moves between the cores a few times a
-  // product rather than once a chunk (at eight rows a chunk is ~1 us).
-  bool claim(uint32_t t, bool back, int& c0, int& c1) {
-    uint64_t s = state_.load();
-    for (;;) {
-      const int front = int((s >> 16) & 0xffff), end = int(s & 0xffff);
-      if (uint32_t(s >> 32) != t || front >= end) return false;
-      const int take = std::clamp((end - front) / 4, 1, MAX_RUN);
-      const uint64_t next = back ? s - uint64_t(take) : s + (uint64_t(take) << 16);
-      if (state_.compare_exchange_weak(s, next)) {
-        c0 = back ? end - take : front;
-        c1 = c0 + take;
-        return true;
-      }
-    }
-  }
-  void work(uint32_t t, bool back) {
-    for (int c0, c1; claim(t, back, c0, c1);) {
-      const int end = c1 * grain_;
-      (*fn_)(c0 * grain_, end < n_ ? end : n_);
-    }
-  }
-  void loop() {
-    using clock = std::chrono::steady_clock;
-    uint32_t seen = 0;
-    for (;;) {
-      const auto until = clock::now() + std::chrono::microseconds(SPIN_US);
-      // Spinning, the helper yields its core rather than pausing on it: in a served decode the
-      // engine's main thread (the next step's graph) and the server's threads want the same two
-      // cores between products, and a spin that holds one makes them wait (one stream 1.04x,
-      // docs/benchmarks.md, "Eighth pass"). With nothing else to run, sched_yield returns at once.
-      while (posted_.load(std::memory_order_relaxed) == seen && clock::now() < until) sched_yield();
-      posted_.wait(seen);  // returns at once when a job came meanwhile
-      seen = posted_.load();
-      working_.store(seen);  // before claiming: the caller waits while the helper is in its job
-      work(seen, true);
-      working_.store(0);
-      working_.notify_one();
-    }
-  }
-  static inline const int SPIN_US = [] {  // a tuning knob for bench.matvec, not a setting
-    const char* v = std::getenv("LMSPD_KERNEL_SPIN_US");
-    return v ? std::atoi(v) : 50;
-  }();
-  static constexpr int SPINS = 2000;
-  static constexpr int MAX_RUN = 8;  // chunks: what the caller may wait for if the helper is preempted in them
-  std::mutex run_mu_;
-  const std::function<void(int, int)>* fn_ = nullptr;
-  int n_ = 0, grain_ = 1;
-  uint32_t ticket_ = 0;
-  std::atomic<uint64_t> state_{0};
-  std::atomic<uint32_t> posted_{0}, working_{0};
-  std::thread thread_;
-};
-
-Pool& pool() {
-  static Pool* p = new Pool();  // never destroyed: its thread outlives static teardown
-  return *p;
-}
-
-}  // namespace
-
-#include "elementwise.h"  // these two use the Pool
-#include "attention.h"    // and exp8, from elementwise.h
-
-namespace {
+namespace lmspd {
 
 // Chunks of about this many weights x rows: a few microseconds each, and enough of them to share.
 constexpr int CHUNK_WORK = 1 << 15;
-int grain_for(int K, int M, int multiple) {
+inline int grain_for(int K, int M, int multiple) {
   int g = CHUNK_WORK / (K * (M < 8 ? M : 8));
   g = (g + multiple - 1) / multiple * multiple;
   return g < multiple ? multiple : g;
 }
 
 template <int BITS, int GS, typename S>
-#if defined(__clang__)
-void dequantize_range(const uint32_t* w, const S* scales, const S* biases, float* out, int K, int n0, int n1) {
-#pragma clang fp contract(off)
-#else
-__attribute__((optimize("fp-contract=off"))) void dequantize_range(const uint32_t* w, const S* scales,
-                                                                   const S* biases, float* out, int K, int n0,
-                                                                   int n1) {
-#endif
+LMSPD_NO_CONTRACT_ATTR void dequantize_range(const uint32_t* w, const S* scales, const S* biases, float* out, int K,
+                                             int n0, int n1) {
+  LMSPD_NO_CONTRACT
   constexpr int G_WORDS = GS * BITS / 32;
   constexpr int VECS = GS / 8;
   const int G = K / GS;
@@ -228,7 +105,7 @@ void qmv_simd_erased(const float* x, const float* xsum, const uint32_t* w, const
   lmspd::qmv_simd<BITS, GS, S>(x, xsum, w, static_cast<const S*>(s), static_cast<const S*>(b), out, M, N, K, n0, n1);
 }
 #endif
-const char* simd_name() {
+inline const char* simd_name() {
 #if defined(LMSPD_SIMD)
   return lmspd::kSimd;
 #else
@@ -245,7 +122,7 @@ const char* simd_name() {
   if (dtype == mx::float16) { LMSPD_CASES(mx::float16_t) }               \
   if (dtype == mx::bfloat16) { LMSPD_CASES(mx::bfloat16_t) }
 
-Dequantizer dequantizer_for(int bits, int group_size, mx::Dtype dtype) {
+inline Dequantizer dequantizer_for(int bits, int group_size, mx::Dtype dtype) {
 #define LMSPD_CASE(B, G, S) \
   if (bits == B && group_size == G) return &dequantize_erased<B, G, S>;
   LMSPD_DTYPES
@@ -254,7 +131,7 @@ Dequantizer dequantizer_for(int bits, int group_size, mx::Dtype dtype) {
 }
 
 // simd: the SIMD kernel where the build has one (else the portable one, the same bits).
-Kernel kernel_for(int bits, int group_size, mx::Dtype dtype, bool simd = true) {
+inline Kernel kernel_for(int bits, int group_size, mx::Dtype dtype, bool simd = true) {
 #if defined(LMSPD_SIMD)
   if (simd) {
 #define LMSPD_CASE(B, G, S) \
@@ -270,12 +147,14 @@ Kernel kernel_for(int bits, int group_size, mx::Dtype dtype, bool simd = true) {
 #undef LMSPD_CASE
   return nullptr;
 }
+#undef LMSPD_DTYPES
+#undef LMSPD_CASES
 
 // The products' arithmetic, shared by the primitives below and decode_block.h's DecodeTail.
 // xp: M rows of K (on a cache line: aligned_rows_of), times the N columns of w into op, the
 // columns in chunks across both cores when split.
-void product_rows(const float* xp, int M, int K, int GS, const uint32_t* wp, const void* sp, const void* bp, float* op,
-                  int N, Kernel kernel, bool split) {
+inline void product_rows(const float* xp, int M, int K, int GS, const uint32_t* wp, const void* sp, const void* bp,
+                         float* op, int N, Kernel kernel, bool split) {
   const lmspd::Floats xsum = group_sums(xp, M, K, GS);  // once, for both threads
   const float* xs = xsum.data();
   if (!split)
@@ -286,9 +165,9 @@ void product_rows(const float* xp, int M, int K, int GS, const uint32_t* wp, con
 
 // Stacked siblings' products of one xp: outs[j] gets the next widths[j] rows of w, the columns
 // of all of them shared out across both cores as one product's.
-void sibling_rows(const float* xp, int M, int K, int GS, int bits, const uint32_t* wp, const uint8_t* sp,
-                  const uint8_t* bp, size_t item, const std::vector<int>& widths, float* const* outs, Kernel kernel,
-                  bool split) {
+inline void sibling_rows(const float* xp, int M, int K, int GS, int bits, const uint32_t* wp, const uint8_t* sp,
+                         const uint8_t* bp, size_t item, const std::vector<int>& widths, float* const* outs, Kernel kernel,
+                         bool split) {
   const int W = K * bits / 32, G = K / GS;
   const lmspd::Floats xsum = group_sums(xp, M, K, GS);
   const float* xs = xsum.data();
@@ -306,7 +185,7 @@ void sibling_rows(const float* xp, int M, int K, int GS, int bits, const uint32_
 }
 
 // op = residual + op, element by element: MLX's Add.
-void add_residual(const float* rp, float* op, size_t n) {
+inline void add_residual(const float* rp, float* op, size_t n) {
   for (size_t i = 0; i < n; ++i) op[i] = rp[i] + op[i];
 }
 
@@ -417,7 +296,7 @@ class QuantizedMatvecs : public mx::Primitive {
                   eps = eps_, first_out]() mutable {
       lmspd::Floats copy, normed;
       const float* xp = norm ? rows_of(weak[0], copy) : aligned_rows_of(weak[0], copy);
-      if (norm) {  // fused.h's RMSNorm, the weight after x, w, scales and biases
+      if (norm) {  // norms.h's RmsNorm, the weight after x, w, scales and biases
         normed.resize(size_t(M) * K);
         rms_norm_rows(xp, weak[4].data<float>(), normed.data(), M, K, eps);
         xp = normed.data();
@@ -481,7 +360,7 @@ class Dequantize : public mx::UnaryPrimitive {
   int bits_, group_size_;
 };
 
-void check(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits) {
+inline void check(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits) {
   if (kernel_for(bits, group_size, mx::float32) == nullptr) throw std::invalid_argument("unsupported bits/group_size");
   if (kernel_for(bits, group_size, scales.dtype()) == nullptr || biases.dtype() != scales.dtype())
     throw std::invalid_argument("scales and biases must be float32, float16 or bfloat16, the same");
@@ -491,15 +370,9 @@ void check(const mx::array& w, const mx::array& scales, const mx::array& biases,
     throw std::invalid_argument("w, scales and biases do not match");
 }
 
-// A weight, table or offset as the kernels read it: row-contiguous. One already evaluated that
-// way is passed as it is: a Contiguous node per weight per product was ~630 of a decode step's
-// graph. Activations (x) are passed as they come and read through rows_of (fused.h).
-mx::array row_contiguous(const mx::array& a, mx::Stream s) {
-  if (a.is_available() && a.flags().row_contiguous) return a;
-  return mx::contiguous(a, false, s);
-}
 
-mx::array dequantize(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits) {
+inline mx::array dequantize(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size,
+                            int bits) {
   check(w, scales, biases, group_size, bits);
   auto s = mx::default_stream(mx::Device::cpu);
   std::vector<mx::array> inputs = {row_contiguous(w, s), row_contiguous(scales, s), row_contiguous(biases, s)};
@@ -510,9 +383,9 @@ mx::array dequantize(const mx::array& w, const mx::array& scales, const mx::arra
 // x @ dequantize(w, scales, biases).T for float32 x (MLX's packing, transposed weights), the
 // products summed in float32.
 // With up: of swiglu(x, up) (x the gate); with residual: residual + the product.
-mx::array quantized_matvec(const mx::array& x, const mx::array& w, const mx::array& scales,
-                           const mx::array& biases, int group_size, int bits, bool split, bool simd,
-                           const std::optional<mx::array>& up, const std::optional<mx::array>& residual) {
+inline mx::array quantized_matvec(const mx::array& x, const mx::array& w, const mx::array& scales,
+                                  const mx::array& biases, int group_size, int bits, bool split, bool simd,
+                                  const std::optional<mx::array>& up, const std::optional<mx::array>& residual) {
   check(w, scales, biases, group_size, bits);
   if (x.dtype() != mx::float32 || x.ndim() < 1 || x.shape(-1) != w.shape(1) * 32 / bits)
     throw std::invalid_argument("x must be float32 with the weights' input size last");
@@ -533,27 +406,11 @@ mx::array quantized_matvec(const mx::array& x, const mx::array& w, const mx::arr
                    inputs);
 }
 
-// x rotated by the tables' angles at positions offset + t (offset: one, or one per batch row).
-mx::array rope(const mx::array& x, const mx::array& cos, const mx::array& sin, const mx::array& offset, int dims,
-               bool traditional) {
-  if (x.dtype() != mx::float32 || x.ndim() < 3 || dims % 2 != 0 || dims > x.shape(-1))
-    throw std::invalid_argument("x must be float32 with at least 3 dimensions, dims even and <= its last");
-  if (cos.dtype() != mx::float32 || cos.ndim() != 2 || cos.shape(1) != dims / 2 || sin.shape() != cos.shape() ||
-      sin.dtype() != mx::float32)
-    throw std::invalid_argument("cos and sin must be float32 tables of (positions, dims / 2)");
-  if (offset.dtype() != mx::int32 || offset.ndim() > 1 || (offset.size() != 1 && offset.size() != x.size() / (x.shape(-1) * x.shape(-2) * x.shape(-3))))
-    throw std::invalid_argument("offset must be int32, one or one per batch row");
-  auto s = mx::default_stream(mx::Device::cpu);
-  std::vector<mx::array> inputs = {x, row_contiguous(cos, s), row_contiguous(sin, s),
-                                   row_contiguous(offset, s)};
-  return mx::array(x.shape(), mx::float32, std::make_shared<TableRope>(s, dims, traditional), inputs);
-}
-
 // x @ dequantize(w).T for stacked weights, as one output per width (the rows of w, in order).
-// With norm: of mx.fast.rms_norm(x, norm, eps) (fused.h's arithmetic) instead of x.
-std::vector<mx::array> quantized_matvecs(const mx::array& x, const mx::array& w, const mx::array& scales,
-                                         const mx::array& biases, int group_size, int bits, std::vector<int> widths,
-                                         bool split, const std::optional<mx::array>& norm, float eps) {
+// With norm: of mx.fast.rms_norm(x, norm, eps) (norms.h's arithmetic) instead of x.
+inline std::vector<mx::array> quantized_matvecs(const mx::array& x, const mx::array& w, const mx::array& scales,
+                                                const mx::array& biases, int group_size, int bits, std::vector<int> widths,
+                                                bool split, const std::optional<mx::array>& norm, float eps) {
   check(w, scales, biases, group_size, bits);
   if (x.dtype() != mx::float32 || x.ndim() < 1 || x.shape(-1) != w.shape(1) * 32 / bits)
     throw std::invalid_argument("x must be float32 with the weights' input size last");
@@ -577,73 +434,9 @@ std::vector<mx::array> quantized_matvecs(const mx::array& x, const mx::array& w,
                                 inputs);
 }
 
-// mx.fast.rms_norm(x, weight, eps) for float32 x and weight.
-mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps) {
-  if (x.dtype() != mx::float32 || weight.dtype() != mx::float32 || x.ndim() < 1 || weight.ndim() != 1 ||
-      weight.shape(0) != x.shape(-1))
-    throw std::invalid_argument("x and weight must be float32, the weight 1-D and as wide as x");
-  auto s = mx::default_stream(mx::Device::cpu);
-  return mx::array(x.shape(), mx::float32, std::make_shared<RmsNorm>(s, eps),
-                   {x, row_contiguous(weight, s)});
-}
-
-// mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask): q (B, H, L, D), k (B,
-// kvH, Lk, D), v (B, kvH, Lk, Dv), float32; mask None, bool or float32, broadcastable to (B, H,
-// L, Lk), or (causal) the fallback's causal mask.
-mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, const std::optional<mx::array>& mask,
-                    float scale, bool causal) {
-  const bool f32 = q.dtype() == mx::float32 && k.dtype() == mx::float32 && v.dtype() == mx::float32;
-  if (!f32 || q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4 || q.shape(2) == 0)
-    throw std::invalid_argument("q, k and v must be 4-D float32, with query rows");
-  if (k.shape(0) != q.shape(0) || v.shape(0) != q.shape(0) || k.shape(3) != q.shape(3) || v.shape(1) != k.shape(1) ||
-      v.shape(2) != k.shape(2) || k.shape(1) == 0 || q.shape(1) % k.shape(1) != 0)
-    throw std::invalid_argument("q, k and v do not match");
-  if (causal && (mask || q.shape(2) > k.shape(2)))
-    throw std::invalid_argument("a causal mask takes no mask array, and no more query rows than keys");
-  auto s = mx::default_stream(mx::Device::cpu);
-  std::vector<mx::array> inputs = {q, k, v};
-  auto kind = causal ? Attention::kCausal : Attention::kNone;
-  if (mask) {
-    const auto& m = *mask;
-    if (m.dtype() != mx::bool_ && m.dtype() != mx::float32) throw std::invalid_argument("mask must be bool or float32");
-    const mx::Shape target = {q.shape(0), q.shape(1), q.shape(2), k.shape(2)};
-    bool fits = m.ndim() <= 4;
-    for (int d = 0; fits && d < m.ndim(); ++d) fits = m.shape(d) == 1 || m.shape(d) == target[4 - m.ndim() + d];
-    if (!fits) throw std::invalid_argument("mask must broadcast to (B, H, L, keys)");
-    kind = m.dtype() == mx::bool_ ? Attention::kBool : Attention::kAdd;
-    inputs.push_back(m);
-  }
-  return mx::array({q.shape(0), q.shape(1), q.shape(2), v.shape(3)}, mx::float32,
-                   std::make_shared<Attention>(s, scale, kind), inputs);
-}
-
-}  // namespace
-
-#include "decode_block.h"  // uses row_contiguous, above
-
-namespace {
-
-// mlx-lm's swiglu(gate, x) for float32 arrays of one shape.
-mx::array swiglu(const mx::array& gate, const mx::array& x) {
-  if (gate.dtype() != mx::float32 || x.dtype() != mx::float32 || gate.shape() != x.shape())
-    throw std::invalid_argument("gate and x must be float32 arrays of one shape");
-  auto s = mx::default_stream(mx::Device::cpu);
-  return mx::array(x.shape(), mx::float32, std::make_shared<SwiGLU>(s), {gate, x});
-}
-
-// mx.logsumexp(x, axis=-1, keepdims=True) for float32 x with at least one element a row.
-mx::array logsumexp(const mx::array& x) {
-  if (x.dtype() != mx::float32 || x.ndim() < 1 || x.shape(-1) == 0)
-    throw std::invalid_argument("x must be float32 with a last axis of at least one element");
-  auto s = mx::default_stream(mx::Device::cpu);
-  auto shape = x.shape();
-  shape.back() = 1;
-  return mx::array(shape, mx::float32, std::make_shared<LogSumExp>(s), {x});
-}
-
 // Seconds to read all of a's bytes once on both threads: the memory bandwidth a matvec's
 // weights stream at, for bench.matvec's bound.
-double read_seconds(const mx::array& a) {
+inline double read_seconds(const mx::array& a) {
   mx::eval({a});
   const auto* p = a.data<uint64_t>();
   const size_t n = a.nbytes() / sizeof(uint64_t);
@@ -663,37 +456,4 @@ double read_seconds(const mx::array& a) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
-}  // namespace
-
-NB_MODULE(quantized_ext, m) {
-  m.def("quantized_matvec", &quantized_matvec, nb::arg("x"), nb::arg("w"), nb::arg("scales"), nb::arg("biases"),
-        nb::arg("group_size"), nb::arg("bits"), nb::arg("split") = true, nb::arg("simd") = true,
-        nb::arg("up").none() = nb::none(), nb::arg("residual").none() = nb::none());
-  m.def("simd", &simd_name);  // the matvec's instruction set in this build: avx2, neon or portable
-  m.def("read_seconds", &read_seconds, nb::arg("a"));
-  m.def("quantized_matvecs", &quantized_matvecs, nb::arg("x"), nb::arg("w"), nb::arg("scales"), nb::arg("biases"),
-        nb::arg("group_size"), nb::arg("bits"), nb::arg("widths"), nb::arg("split") = true,
-        nb::arg("norm").none() = nb::none(), nb::arg("eps") = 0.0f);
-  m.def("rms_norm", &rms_norm, nb::arg("x"), nb::arg("weight"), nb::arg("eps"));
-  m.def("rope", &rope, nb::arg("x"), nb::arg("cos"), nb::arg("sin"), nb::arg("offset"), nb::arg("dims"),
-        nb::arg("traditional"));
-  m.def("attention", &attention, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("mask").none(), nb::arg("scale"),
-        nb::arg("causal") = false);
-  m.def("cache_write", &cache_write, nb::arg("new"), nb::arg("cache"), nb::arg("at"), nb::arg("cos").none() = nb::none(),
-        nb::arg("sin").none() = nb::none(), nb::arg("offset").none() = nb::none(), nb::arg("dims") = 0,
-        nb::arg("traditional") = false);
-  m.def("decode_attend", &decode_attend, nb::arg("q"), nb::arg("keys"), nb::arg("values"), nb::arg("cos"),
-        nb::arg("sin"), nb::arg("offset"), nb::arg("mask").none(), nb::arg("at"), nb::arg("scale"), nb::arg("dims"),
-        nb::arg("traditional"), nb::arg("heads"));
-  m.def("decode_tail", &decode_tail, nb::arg("q"), nb::arg("keys"), nb::arg("values"), nb::arg("cos"), nb::arg("sin"),
-        nb::arg("offset"), nb::arg("mask").none(), nb::arg("at"), nb::arg("scale"), nb::arg("dims"),
-        nb::arg("traditional"), nb::arg("heads"), nb::arg("x"), nb::arg("o_w"), nb::arg("o_scales"),
-        nb::arg("o_biases"), nb::arg("o_group_size"), nb::arg("o_bits"), nb::arg("norm"), nb::arg("eps"),
-        nb::arg("gate_up_w"), nb::arg("gate_up_scales"), nb::arg("gate_up_biases"), nb::arg("gate_up_group_size"),
-        nb::arg("gate_up_bits"), nb::arg("widths"), nb::arg("down_w"), nb::arg("down_scales"),
-        nb::arg("down_biases"), nb::arg("down_group_size"), nb::arg("down_bits"));
-  m.def("swiglu", &swiglu, nb::arg("gate"), nb::arg("x"));
-  m.def("logsumexp", &logsumexp, nb::arg("x"));
-  m.def("dequantize", &dequantize, nb::arg("w"), nb::arg("scales"), nb::arg("biases"), nb::arg("group_size"),
-        nb::arg("bits"));
-}
+}  // namespace lmspd

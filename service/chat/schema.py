@@ -10,7 +10,7 @@ fields that change nothing for a local model (``user``, ``service_tier``, cache 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 import msgspec
 
@@ -79,12 +79,12 @@ def _check_text_only(content: str | Sequence[_Part], where: str) -> None:
 
 
 class _Message(msgspec.Struct, tag_field="role", forbid_unknown_fields=True, kw_only=True):
+    """What each message (the ``Message`` union below) offers: ``check``, and ``items``, its
+    Responses input items (as ``lmspd.responses.inputs.parse_items`` accepts), which each
+    message class supplies (msgspec's metaclass leaves no room for an ``abc.ABC`` here)."""
+
     def check(self, where: str) -> None:
         """Raise InvalidRequestError for what decodes but cannot be honoured."""
-
-    def items(self) -> list[dict[str, Any]]:
-        """Responses input items (as ``lmspd.responses.inputs.parse_items`` accepts)."""
-        raise NotImplementedError
 
 
 class SystemMessage(_Message, tag="system"):
@@ -191,10 +191,14 @@ class FunctionMessage(_Message, tag="function"):
     name: str
     content: str | None = None
 
-    def check(self, where: str) -> None:
+    def check(self, where: str) -> NoReturn:
         raise InvalidRequestError(
             f"{where}: role 'function' is not supported: send tool messages", param=f"{where}.role"
         )
+
+    def items(self) -> list[dict[str, Any]]:
+        """None: ``check`` refuses the message before its items are asked for."""
+        self.check("messages")
 
 
 Message = SystemMessage | DeveloperMessage | UserMessage | AssistantMessage | ToolMessage | FunctionMessage

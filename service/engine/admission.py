@@ -2,27 +2,28 @@
 sampling set-up, the prompt cache's hit, and a first token that needs no pass (a kept prompt
 end: prompt_ends.py), sent before the batch's next step.
 
-``Admission`` is the engine's intake half, over ``Residency`` (its models); ``worker.Engine``
-adds the loop and what each step's tokens do.
+``Admission`` is handed the ``Residency`` (the models it loads and waits for), the
+``Requests`` (where a request waits, compiles and runs, and what its first token does) and the
+prompt cache; worker.Engine composes it with the rest.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from lmspd.engine import protocol as p
 from lmspd.engine.constraint import GrammarError, GrammarMask
 from lmspd.engine.loaded import LoadedModel, Request
+from lmspd.engine.requests import Requests
 from lmspd.engine.residency import Residency
 from lmspd.engine.sampling import SeededSampler
 from lmspd.errors import LmspdError
 from lmspd.models.tokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:  # it imports MLX, which the engine loads only after its BLAS (worker.main)
-    from lmspd.engine.prompt_cache import Hit
+    from lmspd.engine.prompt_cache import Hit, PromptCache
 
 log = logging.getLogger("lmspd.engine")
 
@@ -31,103 +32,33 @@ log = logging.getLogger("lmspd.engine")
 ANSWERED_AT_ONCE = -1
 
 
-class Admission(Residency):
+class Admission:
     """From a ``Generate`` command to a request in the batch (or its answer, or its failure)."""
 
-    by_id: dict[str, tuple[LoadedModel, Request]]
-    pending_loads: deque[p.LoadModel]
-    early: list[p.Delta]
-    _compiler: ThreadPoolExecutor | None
+    def __init__(self, residency: Residency, requests: Requests, prompt_cache: PromptCache) -> None:
+        self.residency = residency
+        self.requests = requests
+        self.prompt_cache = prompt_cache
+        self._compiler: ThreadPoolExecutor | None = None  # the grammar thread, started on first use
 
-    def _on_token(
-        self,
-        lm: LoadedModel,
-        req: Request,
-        token: int,
-        finish: str | None,
-        deltas: list[p.Delta],
-        logprob: p.TokenLogprob | None = None,
-    ) -> None:
-        raise NotImplementedError
-
-    def handle(self, cmd: p.Command) -> None:
-        raise NotImplementedError
-
-    def _admit_waiting(self) -> None:
-        for _ in range(len(self.pending_loads)):
-            load = self.pending_loads.popleft()
-            if self._can_load(load.model, load.path):
-                self.handle(load)
-            else:
-                self.pending_loads.append(load)
-        for _ in range(len(self.waiting)):
-            cmd = self.waiting.popleft()
-            if self._can_load(cmd.model, cmd.path):
-                self._submit(cmd)
-            else:
-                self.waiting.append(cmd)
-
-    # --- requests ---------------------------------------------------------------------------
-
-    def _fail(self, cmd: p.Generate, code: str, message: str, param: str | None = None) -> None:
-        self.send(p.Failed(request_id=cmd.request_id, code=code, message=message, param=param, model=cmd.model))
-
-    def _admit_compiled(self) -> None:
-        """Requests whose grammar has compiled join the batch (or fail, if it did not compile)."""
-        for request_id, (cmd, future) in list(self.compiling.items()):
-            if not future.done():
-                continue
-            del self.compiling[request_id]
-            try:
-                template = future.result()
-            except GrammarError as exc:
-                self._fail(cmd, "invalid_request", f"the output grammar cannot be used: {exc}", "text.format")
-                continue
-            except Exception as exc:
-                log.exception("compiling a grammar failed")
-                self._fail(cmd, "server_error", f"the output grammar could not be compiled: {exc}")
-                continue
-            if (lm := self.models.get(cmd.model)) is not None and cmd.grammar is not None:
-                lm.grammar_set().keep(cmd.grammar, template)
-            self._submit(cmd)
-
-    def _submit(self, cmd: p.Generate) -> None:
-        if cmd.request_id in self.by_id or cmd.request_id in self.compiling:
-            return self._fail(cmd, "invalid_request", f"request id {cmd.request_id} is already running")
-        if cmd.model not in self.models and (refused := self.budget.refusal(cmd.model, cmd.path)) is not None:
-            return self._fail(cmd, refused.code, refused.message, "model")  # it would wait forever
-        if not self._can_load(cmd.model, cmd.path):
-            self.waiting.append(cmd)
+    def submit(self, cmd: p.Generate) -> None:
+        if self.requests.taken(cmd.request_id):
+            return self.requests.fail(cmd, "invalid_request", f"request id {cmd.request_id} is already running")
+        if (refused := self.residency.refusal(cmd.model, cmd.path)) is not None:
+            return self.requests.fail(cmd, refused.code, refused.message, "model")  # it would wait forever
+        if not self.residency.can_load(cmd.model, cmd.path):
+            self.requests.waiting.append(cmd)
             return None
-        lm = self._load_or_fail(cmd.model, cmd.path)
+        lm = self.residency.load_or_fail(cmd.model, cmd.path)
         if lm is None:
             # The model exists (it was resolved) but did not load: not a 404.
-            return self._fail(cmd, "model_load_failed", f"model '{cmd.model}' could not be loaded", "model")
-        try:
-            cmd.sampling.validate()
-            p.validate_top_logprobs(cmd.logprobs)
-        except LmspdError as exc:
-            return self._fail(cmd, exc.code, exc.message, exc.param)
+            return self.requests.fail(cmd, "model_load_failed", f"model '{cmd.model}' could not be loaded", "model")
         tokens = cmd.prompt + cmd.generated
-        if not cmd.prompt:
-            return self._fail(cmd, "invalid_request", "the prompt is empty", "input")
-        if any(not 0 <= t < lm.vocab_size for t in tokens):
-            # MLX does not bounds-check embedding lookups: an out-of-range id reads garbage.
-            return self._fail(cmd, "invalid_request", f"token ids must be in [0, {lm.vocab_size})", "input")
-        if cmd.max_tokens < 1:
-            return self._fail(
-                cmd, "invalid_request", f"max_tokens must be >= 1, got {cmd.max_tokens}", "max_output_tokens"
-            )
-        if len(tokens) >= lm.context_length:
-            return self._fail(
-                cmd,
-                "context_length_exceeded",
-                f"{len(tokens)} tokens exceed the model's context of {lm.context_length}",
-                "input",
-            )
+        if (invalid := self._invalid(cmd, lm, tokens)) is not None:
+            return self.requests.fail(cmd, *invalid)
         remaining = min(cmd.max_tokens - len(cmd.generated), lm.context_length - len(tokens))
         if remaining <= 0:
-            self.send(
+            self.requests.send(
                 p.Finished(
                     request_id=cmd.request_id,
                     reason="length",
@@ -137,15 +68,75 @@ class Admission(Residency):
             )
             return None
         if cmd.grammar and not lm.grammar_set().compiled(cmd.grammar):
-            if self._compiler is None:
-                self._compiler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
-            self.compiling[cmd.request_id] = (cmd, self._compiler.submit(lm.grammar_set().compile, cmd.grammar))
-            return None
+            return self._compile(lm, cmd, cmd.grammar)
         try:
             processors = [lm.grammar_mask(cmd.grammar, cmd.generated)] if cmd.grammar else []
         except GrammarError as exc:
-            return self._fail(cmd, "invalid_request", f"the output grammar cannot be used: {exc}", "text.format")
+            return self.requests.fail(
+                cmd, "invalid_request", f"the output grammar cannot be used: {exc}", "text.format"
+            )
         self._insert(lm, cmd, tokens, remaining, processors)
+        return None
+
+    def admit_compiled(self) -> None:
+        """Requests whose grammar has compiled join the batch (or fail, if it did not compile)."""
+        compiling = self.requests.compiling
+        for request_id, (cmd, future) in list(compiling.items()):
+            if not future.done():
+                continue
+            del compiling[request_id]
+            try:
+                template = future.result()
+            except GrammarError as exc:
+                self.requests.fail(cmd, "invalid_request", f"the output grammar cannot be used: {exc}", "text.format")
+                continue
+            except Exception as exc:
+                log.exception("compiling a grammar failed")
+                self.requests.fail(cmd, "server_error", f"the output grammar could not be compiled: {exc}")
+                continue
+            if (lm := self.residency.models.get(cmd.model)) is not None and cmd.grammar is not None:
+                lm.grammar_set().keep(cmd.grammar, template)
+            self.submit(cmd)
+
+    def admit_waiting(self) -> None:
+        """Requests that waited for their model's room, each taken again."""
+        waiting = self.requests.waiting
+        for _ in range(len(waiting)):
+            cmd = waiting.popleft()
+            if self.residency.can_load(cmd.model, cmd.path):
+                self.submit(cmd)
+            else:
+                waiting.append(cmd)
+
+    def close(self) -> None:
+        if self._compiler is not None:
+            self._compiler.shutdown(wait=False, cancel_futures=True)
+
+    def _compile(self, lm: LoadedModel, cmd: p.Generate, grammar: str) -> None:
+        """A new grammar compiles in the grammar thread; its request joins the batch once it
+        has (admit_compiled)."""
+        if self._compiler is None:
+            self._compiler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+        self.requests.compiling[cmd.request_id] = (cmd, self._compiler.submit(lm.grammar_set().compile, grammar))
+
+    @staticmethod
+    def _invalid(cmd: p.Generate, lm: LoadedModel, tokens: list[int]) -> tuple[str, str, str | None] | None:
+        """What is wrong with a request for this model, as (code, message, param); None: nothing."""
+        try:
+            cmd.sampling.validate()
+            p.validate_top_logprobs(cmd.logprobs)
+        except LmspdError as exc:
+            return exc.code, exc.message, exc.param
+        if not cmd.prompt:
+            return "invalid_request", "the prompt is empty", "input"
+        if any(not 0 <= t < lm.vocab_size for t in tokens):
+            # MLX does not bounds-check embedding lookups: an out-of-range id reads garbage.
+            return "invalid_request", f"token ids must be in [0, {lm.vocab_size})", "input"
+        if cmd.max_tokens < 1:
+            return "invalid_request", f"max_tokens must be >= 1, got {cmd.max_tokens}", "max_output_tokens"
+        if len(tokens) >= lm.context_length:
+            message = f"{len(tokens)} tokens exceed the model's context of {lm.context_length}"
+            return "context_length_exceeded", message, "input"
         return None
 
     def _insert(
@@ -186,15 +177,14 @@ class Admission(Residency):
         if first is None and not processors and self.prompt_cache.enabled:
             req.keep_end = tokens
         if first is not None:
-            self._on_token(lm, req, first, None, self.early, self._score_first(lm, req, hit, first))
+            self.requests.on_token(lm, req, first, None, self.requests.early, self._score_first(lm, req, hit, first))
         return None
 
     def _admit(self, lm: LoadedModel, cmd: p.Generate, uid: int, hit: Hit) -> Request:
         req = Request(cmd, uid, IncrementalDetokenizer(lm.tokenizer, cmd.generated), len(cmd.generated))
         # A resumed request's cached tokens are counted against its prompt only.
         req.cached_tokens = min(hit.cached, len(cmd.prompt))
-        lm.requests[uid] = req
-        self.by_id[cmd.request_id] = (lm, req)
+        self.requests.add(lm, req)
         return req
 
     @staticmethod
@@ -211,7 +201,7 @@ class Admission(Residency):
         request never joins the batch."""
         req = self._admit(lm, cmd, ANSWERED_AT_ONCE, hit)
         finish = "stop" if first in cmd.stop_token_ids else "length"
-        self._on_token(lm, req, first, finish, self.early, self._score_first(lm, req, hit, first))
+        self.requests.on_token(lm, req, first, finish, self.requests.early, self._score_first(lm, req, hit, first))
 
     def _score_first(self, lm: LoadedModel, req: Request, hit: Hit, first: int) -> p.TokenLogprob | None:
         if req.cmd.logprobs is None:

@@ -1,7 +1,10 @@
-"""Which models the engine holds: loading, eviction within the memory budget, idle unload,
-an operator's unload, and the status report (docs/operations.md, "Models over a long life").
+"""Which models the engine holds: loading (a ``LoadModel`` now, or once busy models leave
+room), eviction within the memory budget, idle unload, an operator's unload and pin, and the
+status report (docs/operations.md, "Models over a long life").
 
-``Residency`` is the engine's model half; ``worker.Engine`` adds the requests and the loop.
+``Residency`` is handed the engine's ``send``, its prompt cache (trimmed to what the models
+leave) and its ``Requests`` (an operator's forced unload cancels a model's requests, and a
+model a grammar compiles for is not idle); worker.Engine composes it with the rest.
 """
 
 from __future__ import annotations
@@ -9,14 +12,15 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict, deque
-from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from lmspd.config import EngineConfig
 from lmspd.engine import protocol as p
 from lmspd.engine.lifecycle import Lifecycle, MemoryBudget, release_memory, resident_bytes, rss_bytes
-from lmspd.engine.loaded import LoadedModel, Request, bound_buffer_cache
+from lmspd.engine.loaded import BUFFER_CACHE_BYTES, LoadedModel, bound_buffer_cache
 from lmspd.engine.pacing import PrefillPacer
+from lmspd.engine.requests import Requests, Send
 from lmspd.errors import LmspdError
 from lmspd.models.registry import context_length_of
 from lmspd.models.tokenizer import Tokenizer
@@ -30,30 +34,55 @@ log = logging.getLogger("lmspd.engine")
 class Residency:
     """The loaded models, least recently used first, and what decides when they go."""
 
-    models: OrderedDict[str, LoadedModel]
-    waiting: deque[p.Generate]
-    compiling: dict[str, tuple[p.Generate, Future[Any]]]
-    finished: list[p.Finished]
-    lifecycle: Lifecycle
-    budget: MemoryBudget
-    prompt_cache: PromptCache
-    max_concurrency: int
-    max_loaded_models: int
-    weight_dtype: str
-    kernel_dir: str
-    buffer_cache: int
-    prefill_step_size: int
-    prefill_interleave_s: float
+    def __init__(self, config: EngineConfig, send: Send, prompt_cache: PromptCache, requests: Requests) -> None:
+        self.send = send
+        self.prompt_cache = prompt_cache
+        self.requests = requests
+        self.max_concurrency = config.max_concurrency
+        self.max_loaded_models = config.max_loaded_models
+        self.weight_dtype = config.weight_dtype
+        self.kernel_dir = config.kernel_dir
+        self.buffer_cache = BUFFER_CACHE_BYTES
+        self.prefill_step_size = config.prefill_step_size
+        self.prefill_interleave_s = config.prefill_interleave_ms / 1000
+        self.models: OrderedDict[str, LoadedModel] = OrderedDict()  # least recently used first
+        self.pending_loads: deque[p.LoadModel] = deque()  # loads waiting for a busy model's room
+        self.lifecycle = Lifecycle(config.keep_alive_secs)
+        self.budget = MemoryBudget(config)
 
-    def send(self, reply: p.Reply) -> None:
-        raise NotImplementedError
+    # --- commands -----------------------------------------------------------------------------
 
-    def _finish(self, lm: LoadedModel, req: Request, reason: p.FinishReason, text: str = "") -> None:
-        raise NotImplementedError
+    def load_command(self, cmd: p.LoadModel) -> None:
+        if cmd.keep_alive_secs is not None:
+            self.lifecycle.keep_alive[cmd.model] = cmd.keep_alive_secs
+        if self.budget.fits_alone(cmd.path) and not self.can_load(cmd.model, cmd.path):
+            self.pending_loads.append(cmd)  # busy models hold the memory: loaded once they are done
+            return
+        was_loaded = cmd.model in self.models
+        lm = self.load_or_fail(cmd.model, cmd.path)
+        if lm is not None and was_loaded:  # a caller is waiting for this answer
+            self.lifecycle.touch(lm.name)  # loaded for a request on its way: not idle now
+            self.send(
+                p.ModelLoaded(
+                    model=cmd.model, weight_dtype=lm.weight_dtype, seconds=0.0, resident_bytes=lm.resident_bytes
+                )
+            )
+
+    def retry_loads(self) -> None:
+        """The loads that waited for room, each taken again (it waits on if there is none yet)."""
+        for _ in range(len(self.pending_loads)):
+            load = self.pending_loads.popleft()
+            if self.can_load(load.model, load.path):
+                self.load_command(load)
+            else:
+                self.pending_loads.append(load)
+
+    def pin(self, cmd: p.PinModel) -> None:
+        (self.lifecycle.pinned.add if cmd.pinned else self.lifecycle.pinned.discard)(cmd.model)
 
     # --- models -----------------------------------------------------------------------------
 
-    def _load_or_fail(self, name: str, path: str) -> LoadedModel | None:
+    def load_or_fail(self, name: str, path: str) -> LoadedModel | None:
         try:
             return self._load(name, path)
         except Exception as exc:  # report any load failure; the engine itself stays up
@@ -111,7 +140,7 @@ class Residency:
     def _evict_for_one(self, path: str = "") -> None:
         """Room for one more model: idle ones go, least recently used first, past
         max_loaded_models or the memory budget (the prompt cache is trimmed before that)."""
-        idle = self._idle()
+        idle = self.idle()
         need = self.budget.estimate(path).total if path else 0
         self._fit_cache(need)
         while idle and (len(self.models) >= self.max_loaded_models or self._held() + need > self.budget.limit):
@@ -133,7 +162,7 @@ class Residency:
             self.prompt_cache.fit(self.budget.cache_room(self._held() + extra))
 
     def _fit_memory(self, loaded: str) -> None:
-        idle = [n for n in self._idle() if n != loaded]
+        idle = [n for n in self.idle() if n != loaded]
         while idle and self._held() > self.budget.limit:
             self.models.pop(idle[0]).batch.close()
             self.send(p.ModelEvicted(idle.pop(0), "budget"))
@@ -141,18 +170,22 @@ class Residency:
 
     # --- lifecycle (idle unload, operator calls, status) ---------------------------------------
 
-    def _idle(self) -> list[str]:
+    def idle(self) -> list[str]:
         """Loaded models with nothing running or about to run (a grammar compiling for one)."""
-        compiling = {cmd.model for cmd, _ in self.compiling.values()}
+        compiling = self.requests.compiling_for()
         return [n for n, m in self.models.items() if not m.requests and n not in compiling]
 
-    def _unload_idle(self) -> None:
+    def unload_idle(self) -> None:
         now = time.monotonic()
         for name, lm in self.models.items():
             if lm.requests:  # in use up to now: its keep-alive counts from its last request
                 self.lifecycle.touch(name, now)
-        for name in self.lifecycle.due(self._idle(), now):
+        for name in self.lifecycle.due(self.idle(), now):
             self._drop_model(name, "idle")
+
+    def unload_in(self, now: float) -> float | None:
+        """Seconds until the next idle unload (None: none is due ever)."""
+        return self.lifecycle.wait(self.idle(), now)
 
     def _drop_model(self, name: str, reason: p.UnloadReason) -> None:
         lm = self.models.pop(name)
@@ -163,7 +196,7 @@ class Residency:
         self._fit_cache()  # the prompt cache may take the room back, up to its own bound
         self.send(p.ModelEvicted(name, reason))
 
-    def _unload(self, name: str, force: bool) -> None:
+    def unload(self, name: str, force: bool) -> None:
         lm = self.models.get(name)
         if lm is None:
             return
@@ -172,13 +205,11 @@ class Residency:
             return
         for req in list(lm.requests.values()):
             lm.batch.remove([req.uid])
-            self._finish(lm, req, "cancelled")
-        for reply in self.finished:  # their ends go before the model's
-            self.send(reply)
-        self.finished.clear()
+            self.requests.finish(lm, req, "cancelled")
+        self.requests.send_finished()  # their ends go before the model's
         self._drop_model(name, "operator")
 
-    def _status(self, query: int) -> p.EngineStatus:
+    def status(self, query: int) -> p.EngineStatus:
         now = time.monotonic()
         states: list[p.ModelState] = []
         for name, lm in self.models.items():
@@ -202,11 +233,21 @@ class Residency:
             query=query, rss_bytes=rss_bytes(), models=states, prompt_cache_bytes=self.prompt_cache.nbytes
         )
 
-    def _can_load(self, name: str, path: str) -> bool:
+    def refusal(self, name: str, path: str) -> LmspdError | None:
+        """The error for a model that is not loaded and cannot fit even alone (None: it can)."""
+        return None if name in self.models else self.budget.refusal(name, path)
+
+    def evict_failed(self, lm: LoadedModel) -> None:
+        """A model whose batch failed goes (its requests have failed already)."""
+        if self.models.pop(lm.name, None) is not None:
+            self.send(p.ModelEvicted(lm.name, "failed"))
+        lm.batch.close()
+
+    def can_load(self, name: str, path: str) -> bool:
         """Loaded, or loadable once idle models are evicted (busy ones are waited for)."""
         if name in self.models:
             return True
-        idle = set(self._idle())
+        idle = set(self.idle())
         busy = sum(self.budget.held(m.path, m.resident_bytes) for n, m in self.models.items() if n not in idle)
         room = len(self.models) < self.max_loaded_models or bool(idle)
         return room and busy + self.budget.estimate(path).total <= self.budget.limit

@@ -18,6 +18,7 @@ import contextlib
 import sqlite3
 import sys
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, ClassVar, Protocol, TypeVar
@@ -194,8 +195,9 @@ class Writer:
         self._task.cancel()
 
 
-class Database:
-    """The interface both databases offer (``SqliteDatabase`` here, ``PgDatabase`` in store/pg.py)."""
+class Database(ABC):
+    """The interface both databases offer (``SqliteDatabase`` here, ``PgDatabase`` in store/pg.py):
+    each supplies ``fetchone``, ``fetchall`` and ``close``, and its ``writer``."""
 
     dialect: ClassVar[str] = "sqlite"
     writer: Writer
@@ -211,11 +213,13 @@ class Database:
         """The named query in this database's SQL."""
         return queries(self.dialect)[name]
 
+    @abstractmethod
     async def fetchone(self, sql: str, params: dict[str, Any] | tuple[Any, ...] = ()) -> Row | None:
-        raise NotImplementedError
+        """The first row ``sql`` reads (None: none)."""
 
+    @abstractmethod
     async def fetchall(self, sql: str, params: dict[str, Any] | tuple[Any, ...] = ()) -> list[Row]:
-        raise NotImplementedError
+        """Every row ``sql`` reads."""
 
     async def one(self, name: str, params: dict[str, Any] | tuple[Any, ...] = ()) -> Row | None:
         return await self.fetchone(self.q(name), params)
@@ -223,8 +227,9 @@ class Database:
     async def all(self, name: str, params: dict[str, Any] | tuple[Any, ...] = ()) -> list[Row]:
         return await self.fetchall(self.q(name), params)
 
+    @abstractmethod
     async def close(self) -> None:
-        raise NotImplementedError
+        """Close its connections, once what was written is committed."""
 
 
 class SqliteDatabase(Database):

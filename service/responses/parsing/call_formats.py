@@ -10,6 +10,7 @@ up in the same state as one fed token by token.
 from __future__ import annotations
 
 import json
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -123,7 +124,11 @@ class JsonEnd:
         return None
 
 
-class Scanner:
+class Scanner(ABC):
+    """What an output parser drives for one call block: ``step`` through its text as it is
+    generated, ``close`` at its end; the calls found go to ``events``. Each family's scanner
+    supplies ``step`` and ``close``."""
+
     def __init__(self) -> None:
         self.events: list[Event] = []
         self.finished = False
@@ -138,13 +143,13 @@ class Scanner:
         """The text so far ends inside a JSON value, where a marker's text is content."""
         return False
 
+    @abstractmethod
     def step(self, view: str, final: bool) -> int | None:
         """Consume from ``view``; None when nothing can be decided without more text."""
-        raise NotImplementedError
 
+    @abstractmethod
     def close(self, tail: str) -> None:
         """The block ended (end marker or end of generation); ``tail`` is its unconsumed rest."""
-        raise NotImplementedError
 
     def _take(self, view: str, n: int) -> int:
         if n:

@@ -59,7 +59,7 @@ async def healthz(request: Request) -> Response:
 
 
 async def readyz(request: Request) -> Response:
-    why = state_of(request).core.not_ready()
+    why = state_of(request).core.status.not_ready()
     return _json(Health("ready") if why is None else Health("not_ready", why), 200 if why is None else 503)
 
 
@@ -97,7 +97,7 @@ async def scrape(request: Request) -> Response:
     # Server-wide figures (every tenant's queue among them): operators' alone once tokens are
     # configured; without tokens (loopback only) anyone local may (docs/operations.md, "Metrics").
     app.auth.operator(request)
-    return Response(await app.core.metrics_text(), media_type=CONTENT_TYPE)
+    return Response(await app.core.status.metrics_text(), media_type=CONTENT_TYPE)
 
 
 def _render(request: Request, exc: LmspdError) -> Response:

@@ -44,7 +44,7 @@ async def create_task(request: Request) -> Response:
     except InvalidRequestError as exc:
         raise _within_input(exc) from exc
     try:
-        task, replayed = await app.core.submit(
+        task, replayed = await app.core.intake.submit(
             owner,
             envelope.input,
             kind="task",
@@ -66,7 +66,7 @@ def _within_input(exc: InvalidRequestError) -> InvalidRequestError:
 
 async def get_task(request: Request) -> Response:
     app = state_of(request)
-    task = await app.core.task(request.path_params["task_id"], app.auth.owner(request))
+    task = await app.core.reads.task(request.path_params["task_id"], app.auth.owner(request))
     tag = etag(task)
     if request.headers.get("if-none-match") == tag:
         return Response(status_code=304, headers={"ETag": tag})
@@ -81,7 +81,7 @@ async def list_tasks(request: Request) -> Response:
         raise InvalidRequestError(f"unknown status {bad[0]!r}", param="status")
     limit = ascii_int(request.query_params.get("limit", "20"), "limit", 1, 100)
     after = task_cursor(request.query_params.get("after"))
-    tasks, has_more = await app.core.tasks(owner, limit=limit, after=after, statuses=statuses or None)
+    tasks, has_more = await app.core.reads.tasks(owner, limit=limit, after=after, statuses=statuses or None)
     data = [task_object(t) for t in tasks]
     return _json(
         TaskList(
@@ -95,7 +95,7 @@ async def list_tasks(request: Request) -> Response:
 
 async def cancel_task(request: Request) -> Response:
     app = state_of(request)
-    task = await app.core.cancel(request.path_params["task_id"], app.auth.owner(request))
+    task = await app.core.endings.cancel(request.path_params["task_id"], app.auth.owner(request))
     return _json(task_object(task))
 
 

@@ -24,6 +24,7 @@ from lmspd.api.wire import (
 )
 from lmspd.errors import InvalidRequestError
 from lmspd.responses import schema as s
+from lmspd.responses.checks import accept
 from lmspd.responses.enforce import SchemaError
 from lmspd.responses.schema import TaskCreate
 from lmspd.store.status import STATUSES
@@ -40,13 +41,13 @@ async def create_task(request: Request) -> Response:
     body = await read_body(request, app.config.server.max_body_bytes)
     envelope = decode(body, TaskCreate)
     try:
-        envelope.input.validate(hosted_tools=app.config.responses.hosted_tools)
+        accepted = accept(envelope.input, hosted_tools=app.config.responses.hosted_tools)
     except InvalidRequestError as exc:
         raise _within_input(exc) from exc
     try:
         task, replayed = await app.core.intake.submit(
             owner,
-            envelope.input,
+            accepted.request,
             kind="task",
             on_restart=envelope.on_restart,
             idempotency=(key, fingerprint(body)) if key else None,

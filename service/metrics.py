@@ -114,8 +114,19 @@ class StatusCounts(Protocol):
 
 
 class Metrics:
+    """Every metric this service exports, grouped by the layer that counts it."""
+
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
+        self.recent = RecentSpeed()
+        self._tasks(r)
+        self._generations(r)
+        self._engine(r)
+        self._cluster(r)
+        self._store(r)  # and the event streams that read it
+        self._zero_every_label()
+
+    def _tasks(self, r: CollectorRegistry) -> None:
         self.tasks_created = Counter(
             "lmspd_tasks_created",
             "Tasks accepted, by kind (task: /lmsp/v1/tasks; response: /v1/responses and its views)",
@@ -128,6 +139,8 @@ class Metrics:
         self.tasks = Gauge(
             "lmspd_tasks", "Tasks in the database by status (read at scrape time)", ["status"], registry=r
         )
+
+    def _generations(self, r: CollectorRegistry) -> None:
         self.generations_finished = Counter(
             "lmspd_generations_finished",
             "Task generations that ended, by finish reason (length: the response is incomplete)",
@@ -164,13 +177,14 @@ class Metrics:
             buckets=TOKEN_BUCKETS,
             registry=r,
         )
-        self.recent = RecentSpeed()
         self.compactions = Counter(
             "lmspd_compactions",
             "Compactions done, by source (task: context_management; endpoint: /responses/compact)",
             ["source"],
             registry=r,
         )
+
+    def _engine(self, r: CollectorRegistry) -> None:
         self.engine_restarts = Counter("lmspd_engine_restarts", "Engine processes restarted after dying", registry=r)
         self.engine_recycles = Counter(
             "lmspd_engine_recycles",
@@ -200,7 +214,8 @@ class Metrics:
         self.engine_rss_bytes = Gauge(
             "lmspd_engine_rss_bytes", "The engine process's resident set size (read at scrape time)", registry=r
         )
-        self.sse_streams = Gauge("lmspd_sse_streams_open", "Event streams open, by API", ["api"], registry=r)
+
+    def _cluster(self, r: CollectorRegistry) -> None:
         # Several nodes on one PostgreSQL (docs/operations.md, "Several nodes"); absent on SQLite.
         self.node_info = Gauge(
             "lmspd_node_info",
@@ -224,6 +239,9 @@ class Metrics:
             "Unfinished tasks this node took over from nodes whose lease expired",
             registry=r,
         )
+
+    def _store(self, r: CollectorRegistry) -> None:
+        self.sse_streams = Gauge("lmspd_sse_streams_open", "Event streams open, by API", ["api"], registry=r)
         self.store_commit = Histogram(
             "lmspd_store_commit_seconds",
             "Duration of one group commit of the store's writer (its jobs, COMMIT and fsync)",
@@ -233,7 +251,9 @@ class Metrics:
         self.store_batch = Histogram(
             "lmspd_store_commit_batch_size", "Jobs in one group commit", buckets=BATCH_BUCKETS, registry=r
         )
-        # Every label value a dashboard expects is exported from the start, at zero.
+
+    def _zero_every_label(self) -> None:
+        """Every label value a dashboard expects is exported from the start, at zero."""
         for kind in ("task", "response"):
             self.tasks_created.labels(kind)
         for outcome in ("succeeded", "failed", "cancelled"):

@@ -1,19 +1,25 @@
-"""The app factory and the route table: every route of the service, in one place.
+"""The app factory and the route table: every route of the service, in one place, with the
+handler module and the part of the core (lmspd.core.service) it calls.
 
-/healthz, /readyz                         liveness, readiness (no token)
+/healthz, /readyz                         liveness, readiness (no token)        -> core.status
 /openapi.json                             this app's OpenAPI document (no token) -> lmspd.api.openapi
-/metrics                                  Prometheus metrics (operators) -> lmspd.metrics
-/lmsp/v1/capabilities, /lmsp/v1/models    discovery (docs/lmsp.md §10)
-/lmsp/v1/tasks[...]                       durable tasks (docs/lmsp.md §7)  -> lmspd.api.tasks
-/lmsp/v1/tasks/{id}/events                event stream (docs/lmsp.md §6.4) -> lmspd.api.events
-/v1/responses[...], /lmsp/v1/responses[/compact]  OpenAI Responses API -> lmspd.api.responses
-/v1/chat/completions                      Chat Completions view   -> lmspd.api.chat
-/v1/messages[/count_tokens]               Anthropic Messages view -> lmspd.api.messages
-/lmsp/v1/summary                          the server at a glance (the console) -> lmspd.api.summary
+/metrics                                  Prometheus metrics (operators)        -> core.status
+/lmsp/v1/capabilities                     discovery (docs/lmsp.md §10)          -> the config
+/lmsp/v1/models[...], /v1/models          models                -> lmspd.api.models: core.models
+/lmsp/v1/tasks[...]                       durable tasks (docs/lmsp.md §7)
+                                          -> lmspd.api.tasks: core.intake, core.reads, core.endings
+/lmsp/v1/tasks/{id}/events                event stream (docs/lmsp.md §6.4) -> lmspd.api.events: core.reads
+/v1/responses[...], /lmsp/v1/responses    OpenAI Responses API
+                                          -> lmspd.api.responses: core.intake, core.reads, core.endings
+/v1/responses/compact                     -> lmspd.api.responses: core.compaction
+/v1/chat/completions                      Chat Completions view   -> lmspd.api.chat: the same
+/v1/messages[/count_tokens]               Anthropic Messages view -> lmspd.api.messages: the same
+/lmsp/v1/summary                          the server at a glance (the console) -> lmspd.api.summary: core.status
+/lmsp/v1/cluster                          the nodes (PostgreSQL) -> lmspd.api.cluster: core.cluster
 /, /console/*                             the web console (no token) -> lmspd.api.console
 Each route carries its OpenAPI contract (lmspd.api.routing); the service behind the app is
-built by lmspd.core.runtime. Every handler translates HTTP to one call of lmspd.core.Core.
-Every request is logged, once, by lmspd.api.access_log.
+built by lmspd.core.runtime. Every handler translates HTTP to calls of the core's parts, and
+nothing else; every request is logged, once, by lmspd.api.access_log.
 """
 
 from __future__ import annotations
@@ -59,7 +65,7 @@ async def healthz(request: Request) -> Response:
 
 
 async def readyz(request: Request) -> Response:
-    why = state_of(request).core.not_ready()
+    why = state_of(request).core.status.not_ready()
     return _json(Health("ready") if why is None else Health("not_ready", why), 200 if why is None else 503)
 
 
@@ -97,7 +103,7 @@ async def scrape(request: Request) -> Response:
     # Server-wide figures (every tenant's queue among them): operators' alone once tokens are
     # configured; without tokens (loopback only) anyone local may (docs/operations.md, "Metrics").
     app.auth.operator(request)
-    return Response(await app.core.metrics_text(), media_type=CONTENT_TYPE)
+    return Response(await app.core.status.metrics_text(), media_type=CONTENT_TYPE)
 
 
 def _render(request: Request, exc: LmspdError) -> Response:

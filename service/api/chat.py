@@ -31,7 +31,7 @@ async def create_chat_completion(request: Request) -> Response:
         if extras.logprobs is not None:
             req = s.replace(req, include=[s.LOGPROBS], top_logprobs=extras.logprobs)
         task_request = s.TaskRequest.of(req, stop=extras.stop or None, seed=extras.seed)
-        task, _ = await app.core.submit(owner, task_request, kind="response")
+        task, _ = await app.core.intake.submit(owner, task_request, kind="response")
     except LmspdError as exc:  # checked as the Responses request it runs as: named as Chat's fields
         name_chat_fields(exc, chat)
         raise
@@ -46,9 +46,9 @@ async def create_chat_completion(request: Request) -> Response:
 
         stream = openai_stream(app.core, task, -1, chunks.frames, end, own=True)
         return event_stream(request, stream)
-    final = await while_connected(request, app.core.outcome(task), task=task)
-    response = msgspec.json.decode(await app.core.snapshot(final), type=s.Response)
-    await app.core.release(final)
+    final = await while_connected(request, app.core.endings.outcome(task), task=task)
+    response = msgspec.json.decode(await app.core.reads.snapshot(final), type=s.Response)
+    await app.core.endings.release(final)
     if response.status == "failed":
         return openai_response(failed_error(response))
     body = completion(response, completion_id=completion_id, created=task.created_at)

@@ -76,7 +76,7 @@ def resume_point(raw: str | None, param: str, next_seq: int) -> int:
 async def task_events(request: Request) -> Response:
     app = state_of(request)
     task_id = request.path_params["task_id"]
-    task = await app.core.task(task_id, app.auth.owner(request))
+    task = await app.core.reads.task(task_id, app.auth.owner(request))
     if (raw := request.headers.get("last-event-id")) is not None:
         after = resume_point(raw, "Last-Event-ID", task.next_seq)
     else:
@@ -94,7 +94,7 @@ async def _lmsp_stream(core: Core, task_id: str, after: int) -> AsyncGenerator[b
     # One write per batch of events: a replay is bounded by the database read, not by sends.
     with core.metrics.sse_streams.labels("lmsp").track_inprogress():
         yield b"retry: 2000\n\n"
-        async for batch in core.follow(task_id, after, SSE_BATCH):
+        async for batch in core.reads.follow(task_id, after, SSE_BATCH):
             yield b"".join(lmsp_frame(ev) for ev in batch) if batch else b": keep-alive\n\n"
 
 
@@ -135,7 +135,7 @@ async def while_connected(request: Request, work: Awaitable[T], *, task: TaskRec
     if job.done() and not job.cancelled():
         return job.result()
     if task is not None:
-        state_of(request).core.abandon(task)
+        state_of(request).core.endings.abandon(task)
     raise ClientGone
 
 
@@ -159,7 +159,7 @@ class Cut(NamedTuple):
 def _cut(core: Core, task: TaskRecord, last: int) -> Cut:
     """The shutdown's or the full storage's end of a stream at event ``last``."""
     rid = task.response_id
-    if core.stalled(task.id):
+    if core.reads.stalled(task.id):
         return Cut(
             "storage_full",
             f"the server's storage is full: response {rid} cannot go on now; it ends by its policy once "
@@ -203,7 +203,7 @@ async def openai_stream(
     last = after
     core.metrics.sse_streams.labels("openai").inc()
     try:
-        async with contextlib.aclosing(core.follow(task.id, after, SSE_BATCH, keepalive)) as batches:
+        async with contextlib.aclosing(core.reads.follow(task.id, after, SSE_BATCH, keepalive)) as batches:
             async for batch in batches:
                 if batch:
                     last = batch[-1].seq
@@ -211,14 +211,14 @@ async def openai_stream(
                     yield render(batch)
                     if own:
                         delivered(core, task.id, batch)
-                elif core.stalled(task.id):
+                elif core.reads.stalled(task.id):
                     break  # nothing comes until there is room
                 else:
                     yield idle
-        if not finished and (await core.task(task.id, None)).status in TERMINAL:
+        if not finished and (await core.reads.task(task.id, None)).status in TERMINAL:
             # It ended as the stream did (or before the point it resumed from): whatever
             # is left of its log is there to send, up to its final event.
-            async for batch in core.follow(task.id, last, SSE_BATCH):
+            async for batch in core.reads.follow(task.id, last, SSE_BATCH):
                 if batch:
                     last = batch[-1].seq
                     yield render(batch)
@@ -228,11 +228,11 @@ async def openai_stream(
             yield end(_cut(core, task, last))
         yield trailer
         if own and finished:
-            await core.release(await core.task(task.id, None))
+            await core.endings.release(await core.reads.task(task.id, None))
     finally:
         core.metrics.sse_streams.labels("openai").dec()
         if own and not finished:
-            if cut and core.stalled(task.id):
-                core.settle_later(task)  # it fails by its policy once there is room; then released
+            if cut and core.reads.stalled(task.id):
+                core.endings.settle_later(task)  # it fails by its policy once there is room; then released
             else:
-                core.abandon(task)  # (not while shutting down: then the task is left to its policy)
+                core.endings.abandon(task)  # (not while shutting down: then the task is left to its policy)

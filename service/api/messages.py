@@ -61,7 +61,7 @@ async def create_message(request: Request) -> Response:
     owner = app.auth.owner(request)
     body, translation = await _translated(request, app, MessagesRequest)
     try:
-        task, _ = await app.core.submit(owner, translation.request, kind="response")
+        task, _ = await app.core.intake.submit(owner, translation.request, kind="response")
     except e.LmspdError as exc:  # checked as the Responses request it runs as: named as Messages' fields
         name_messages_fields(exc, translation)
         raise
@@ -82,9 +82,9 @@ async def create_message(request: Request) -> Response:
             app.core, task, -1, events.frames, end, own=True, idle=view.ping(), trailer=b"", keepalive=keepalive
         )
         return _said(event_stream(request, stream), translation)
-    final = await while_connected(request, app.core.outcome(task), task=task)
-    response = msgspec.json.decode(await app.core.snapshot(final), type=s.Response)
-    await app.core.release(final)
+    final = await while_connected(request, app.core.endings.outcome(task), task=task)
+    response = msgspec.json.decode(await app.core.reads.snapshot(final), type=s.Response)
+    await app.core.endings.release(final)
     if response.status == "failed":
         raise failed_error(response)
     body_out = view.message(response, shape)
@@ -96,7 +96,7 @@ async def count_tokens(request: Request) -> Response:
     owner = app.auth.owner(request)
     _, translation = await _translated(request, app, CountTokensRequest)
     try:
-        count = await app.core.input_tokens(owner, translation.request)
+        count = await app.core.intake.input_tokens(owner, translation.request)
     except e.LmspdError as exc:
         name_messages_fields(exc, translation)
         raise

@@ -32,13 +32,13 @@ def lmsp_model(v: ModelView) -> wire.LmspModel:
 async def list_models(request: Request) -> Response:
     app = state_of(request)
     app.auth.owner(request)
-    return _json(wire.LmspModelList(data=[lmsp_model(v) for v in await app.core.model_views()]))
+    return _json(wire.LmspModelList(data=[lmsp_model(v) for v in await app.core.models.views()]))
 
 
 async def list_openai_models(request: Request) -> Response:
     app = state_of(request)
     app.auth.owner(request)
-    views = await app.core.model_views()
+    views = await app.core.models.views()
     # OpenAI's Model has id, object, created, owned_by; clients ignore the state beside them.
     return _json(
         wire.ModelList(data=[wire.Model(id=v.id, **{k: getattr(v, k) for k in wire.STATE_FIELDS}) for v in views])
@@ -55,32 +55,32 @@ def _force(request: Request) -> bool:
 async def load(request: Request) -> Response:
     app = state_of(request)
     app.auth.operator(request)
-    return _json(lmsp_model(await app.core.load_model(request.path_params["name"])))
+    return _json(lmsp_model(await app.core.models.load(request.path_params["name"])))
 
 
 async def unload(request: Request) -> Response:
     app = state_of(request)
     app.auth.operator(request)
     force = _force(request)
-    return _json(lmsp_model(await app.core.unload_model(request.path_params["name"], force=force)))
+    return _json(lmsp_model(await app.core.models.unload(request.path_params["name"], force=force)))
 
 
 async def recycle(request: Request) -> Response:
     app = state_of(request)
     app.auth.operator(request)
-    return _json(wire.Recycle(started=app.core.recycle_engine()), 202)
+    return _json(wire.Recycle(started=app.core.models.recycle_engine()), 202)
 
 
 async def pin(request: Request) -> Response:
     app = state_of(request)
     app.auth.operator(request)
-    return _json(lmsp_model(await app.core.pin_model(request.path_params["name"], True)))
+    return _json(lmsp_model(await app.core.models.pin(request.path_params["name"], True)))
 
 
 async def unpin(request: Request) -> Response:
     app = state_of(request)
     app.auth.operator(request)
-    return _json(lmsp_model(await app.core.pin_model(request.path_params["name"], False)))
+    return _json(lmsp_model(await app.core.models.pin(request.path_params["name"], False)))
 
 
 _OPERATOR = "Needs an operator token (`server.admin_tokens`): an ordinary token gets 403."

@@ -30,6 +30,7 @@ from lmspd.api.wire import (
 )
 from lmspd.responses import items as input_items_of
 from lmspd.responses import schema as s
+from lmspd.responses.checks import Accepted, accept
 from lmspd.store.task_store import Event
 
 T = TypeVar("T")
@@ -46,41 +47,43 @@ def _raw_json(data: bytes) -> Response:
     return Response(data, media_type="application/json")
 
 
-async def _decode_request(request: Request) -> tuple[bytes, s.ResponseRequest]:
+async def _decode_request(request: Request) -> tuple[bytes, Accepted[s.ResponseRequest]]:
     config = state_of(request).config
     body = await read_body(request, config.server.max_body_bytes)
-    req = decode(body, s.ResponseRequest)
-    req.validate(hosted_tools=config.responses.hosted_tools)
-    if req.omitted_tools:
-        log.info("hosted tools left out: %s", ", ".join(req.omitted_tools), extra={"omitted_tools": req.omitted_tools})
-    return body, req
+    accepted = accept(decode(body, s.ResponseRequest), hosted_tools=config.responses.hosted_tools)
+    if omitted := list(accepted.omitted_tools):
+        log.info("hosted tools left out: %s", ", ".join(omitted), extra={"omitted_tools": omitted})
+    return body, accepted
 
 
-def _said(response: Response, req: s.ResponseRequest) -> Response:
+def _said(response: Response, accepted: Accepted[s.ResponseRequest]) -> Response:
     """The response says what intake left out of the request (docs/responses.md, "Coding agents")."""
-    if req.omitted_tools:
-        response.headers[OMITTED_TOOLS_HEADER] = ", ".join(req.omitted_tools)
+    if accepted.omitted_tools:
+        response.headers[OMITTED_TOOLS_HEADER] = ", ".join(accepted.omitted_tools)
     return response
 
 
 async def create_response(request: Request) -> Response:
     app = state_of(request)
     owner = app.auth.owner(request)
-    body, req = await _decode_request(request)
+    body, accepted = await _decode_request(request)
+    req = accepted.request
     key = idempotency_key(request) if req.background else None
-    task, _ = await app.core.submit(owner, req, kind="response", idempotency=(key, fingerprint(body)) if key else None)
+    task, _ = await app.core.intake.submit(
+        owner, req, kind="response", idempotency=(key, fingerprint(body)) if key else None
+    )
     if req.background:
-        return _said(_raw_json(await app.core.snapshot(task)), req)
+        return _said(_raw_json(await app.core.reads.snapshot(task)), accepted)
     if req.compact_threshold() is not None:
         # Compaction ends before the stream opens or the answer is awaited: a refusal is a 400.
-        await while_connected(request, app.core.past_compaction(task), task=task)
+        await while_connected(request, app.core.endings.past_compaction(task), task=task)
     if req.stream:
         stream = openai_stream(app.core, task, -1, render, stream_error, own=True)
-        return _said(event_stream(request, stream), req)
-    final = await while_connected(request, app.core.outcome(task), task=task)
-    data = await app.core.snapshot(final)
-    await app.core.release(final)
-    return _said(_raw_json(data), req)
+        return _said(event_stream(request, stream), accepted)
+    final = await while_connected(request, app.core.endings.outcome(task), task=task)
+    data = await app.core.reads.snapshot(final)
+    await app.core.endings.release(final)
+    return _said(_raw_json(data), accepted)
 
 
 async def compact(request: Request) -> Response:
@@ -89,7 +92,7 @@ async def compact(request: Request) -> Response:
     owner = app.auth.owner(request)
     body = decode(await read_body(request, app.config.server.max_body_bytes), s.CompactRequest)
     body.validate()
-    return _json(await while_connected(request, app.core.compact(owner, body)))
+    return _json(await while_connected(request, app.core.compaction.compact(owner, body)))
 
 
 def openai_frame(ev: Event) -> bytes:
@@ -115,44 +118,44 @@ def stream_error(cut: Cut) -> bytes:
 
 async def get_response(request: Request) -> Response:
     app = state_of(request)
-    task = await app.core.response_task(request.path_params["response_id"], app.auth.owner(request))
+    task = await app.core.reads.response_task(request.path_params["response_id"], app.auth.owner(request))
     if request.query_params.get("stream") in ("true", "1"):
         after = resume_point(request.query_params.get("starting_after"), "starting_after", task.next_seq)
         stream = openai_stream(app.core, task, after, render, stream_error, own=False)
         return event_stream(request, stream)
-    return _raw_json(await app.core.snapshot(task))
+    return _raw_json(await app.core.reads.snapshot(task))
 
 
 async def delete_response(request: Request) -> Response:
     app = state_of(request)
-    task = await app.core.response_task(request.path_params["response_id"], app.auth.owner(request))
-    await app.core.delete(task)
+    task = await app.core.reads.response_task(request.path_params["response_id"], app.auth.owner(request))
+    await app.core.endings.delete(task)
     return _json(DeletedResponse(id=task.response_id, deleted=True))
 
 
 async def cancel_response(request: Request) -> Response:
     app = state_of(request)
     owner = app.auth.owner(request)
-    task = await app.core.response_task(request.path_params["response_id"], owner)
+    task = await app.core.reads.response_task(request.path_params["response_id"], owner)
     if task.status not in ("succeeded", "failed"):
-        task = await app.core.cancel_and_wait(task.id, owner)
-    return _raw_json(await app.core.snapshot(task))
+        task = await app.core.endings.cancel_and_wait(task.id, owner)
+    return _raw_json(await app.core.reads.snapshot(task))
 
 
 async def input_tokens(request: Request) -> Response:
     app = state_of(request)
     owner = app.auth.owner(request)
-    _, req = await _decode_request(request)
-    count = await app.core.input_tokens(owner, req)
-    return _said(_json(InputTokens(input_tokens=count)), req)
+    _, accepted = await _decode_request(request)
+    count = await app.core.intake.input_tokens(owner, accepted.request)
+    return _said(_json(InputTokens(input_tokens=count)), accepted)
 
 
 async def list_input_items(request: Request) -> Response:
     app = state_of(request)
-    task = await app.core.response_task(request.path_params["response_id"], app.auth.owner(request))
+    task = await app.core.reads.response_task(request.path_params["response_id"], app.auth.owner(request))
     query = request.query_params
     page = input_items_of.page(
-        input_items_of.resources(task.response_id, await app.core.input_items(task)),
+        input_items_of.resources(task.response_id, await app.core.reads.input_items(task)),
         limit=ascii_int(query.get("limit", "20"), "limit", 1, 100),
         order=query.get("order", "desc"),
         after=query.get("after"),

@@ -18,7 +18,7 @@ from lmspd.api.state import state_of
 async def summary(request: Request) -> Response:
     app = state_of(request)
     owner = app.auth.owner(request)
-    st = await app.core.summary(owner)
+    st = await app.core.status.summary(owner)
     body = wire.Summary(
         version=__version__,
         now=st.now,

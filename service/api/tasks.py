@@ -24,6 +24,7 @@ from lmspd.api.wire import (
 )
 from lmspd.errors import InvalidRequestError
 from lmspd.responses import schema as s
+from lmspd.responses.checks import accept
 from lmspd.responses.enforce import SchemaError
 from lmspd.responses.schema import TaskCreate
 from lmspd.store.status import STATUSES
@@ -40,13 +41,13 @@ async def create_task(request: Request) -> Response:
     body = await read_body(request, app.config.server.max_body_bytes)
     envelope = decode(body, TaskCreate)
     try:
-        envelope.input.validate(hosted_tools=app.config.responses.hosted_tools)
+        accepted = accept(envelope.input, hosted_tools=app.config.responses.hosted_tools)
     except InvalidRequestError as exc:
         raise _within_input(exc) from exc
     try:
-        task, replayed = await app.core.submit(
+        task, replayed = await app.core.intake.submit(
             owner,
-            envelope.input,
+            accepted.request,
             kind="task",
             on_restart=envelope.on_restart,
             idempotency=(key, fingerprint(body)) if key else None,
@@ -66,7 +67,7 @@ def _within_input(exc: InvalidRequestError) -> InvalidRequestError:
 
 async def get_task(request: Request) -> Response:
     app = state_of(request)
-    task = await app.core.task(request.path_params["task_id"], app.auth.owner(request))
+    task = await app.core.reads.task(request.path_params["task_id"], app.auth.owner(request))
     tag = etag(task)
     if request.headers.get("if-none-match") == tag:
         return Response(status_code=304, headers={"ETag": tag})
@@ -81,7 +82,7 @@ async def list_tasks(request: Request) -> Response:
         raise InvalidRequestError(f"unknown status {bad[0]!r}", param="status")
     limit = ascii_int(request.query_params.get("limit", "20"), "limit", 1, 100)
     after = task_cursor(request.query_params.get("after"))
-    tasks, has_more = await app.core.tasks(owner, limit=limit, after=after, statuses=statuses or None)
+    tasks, has_more = await app.core.reads.tasks(owner, limit=limit, after=after, statuses=statuses or None)
     data = [task_object(t) for t in tasks]
     return _json(
         TaskList(
@@ -95,7 +96,7 @@ async def list_tasks(request: Request) -> Response:
 
 async def cancel_task(request: Request) -> Response:
     app = state_of(request)
-    task = await app.core.cancel(request.path_params["task_id"], app.auth.owner(request))
+    task = await app.core.endings.cancel(request.path_params["task_id"], app.auth.owner(request))
     return _json(task_object(task))
 
 

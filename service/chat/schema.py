@@ -15,6 +15,7 @@ from typing import Any, Literal, NoReturn
 import msgspec
 
 from lmspd.errors import InvalidRequestError
+from lmspd.responses.checks import accept
 from lmspd.responses.schema import MAX_TOKENS, ResponseRequest
 from lmspd.responses.tools import text_param
 
@@ -393,7 +394,7 @@ class ChatCompletionRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=
             safety_identifier=self.safety_identifier,
             prompt_cache_key=self.prompt_cache_key,
         )
-        request.validate()
+        accept(request)
         extras = ChatExtras(
             stop=self.stop_sequences,
             seed=self.seed,

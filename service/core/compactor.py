@@ -120,57 +120,79 @@ def summary_id(task_id: str) -> str:
     return f"{task_id}.compaction"
 
 
-async def for_task(
-    engine: EngineClient,
-    commit: Commit,
-    metrics: Metrics,
-    task_id: str,
-    state: ResponseState,
-    model: ResolvedModel,
-    request: ResponseRequest,
-    history: list[Item],
-    threshold: int,
-    key: str,
-) -> tuple[list[Item], int] | None:
-    """``context_management``: compact the history before generating when the rendered
-    input reaches the threshold or leaves no room for output. Returns the items that
-    follow the request's own (the compaction item, or none) and the input's tokens;
-    None if the task was cancelled meanwhile. Durable: once ``mlx.compaction.completed``
-    and the item are committed, a resumed task reuses them."""
-    if state.outputs.compacted:
-        done = state.outputs.items[0]
-        after: list[Item] = [CompactionItem(type="compaction", id=done.id, encrypted_content=done.text)]
-        return after, await asyncio.to_thread(count, model, request, history, after)
-    before = await asyncio.to_thread(count, model, request, history)
-    if before < min(threshold, model.context_length - 1):
-        return [], before
-    if state.compaction_started is None:
-        await commit(task_id, state.compaction_begins(before))
-    # The verbatim tail and the summary each get at most a quarter of the threshold, so the
-    # compacted input lands well below it and the next turn does not compact again at once.
-    keep = min(compaction.default_keep_tokens(model.context_length), max(1, threshold // 4))
-    item_id = f"cmp_{ulid.new()}"
-    try:
-        prepared = await asyncio.to_thread(
-            prepare,
-            model,
-            request,
-            history,
-            keep_tokens=keep,
-            max_summary_tokens=min(1024, max(1, threshold // 4)),
-            request_id=summary_id(task_id),
-            cache_key=key,
-            before=before,
-        )
-        summary, finished = await summarize(engine, model, prepared.generate)
-        if finished.reason == "cancelled":
+@dataclass(frozen=True)
+class TaskInput:
+    """A task's input as ``context_management`` compacts it."""
+
+    task_id: str
+    model: ResolvedModel
+    request: ResponseRequest
+    history: list[Item]
+    threshold: int
+    cache_key: str
+
+
+class TaskCompactor:
+    """``context_management``: compaction inside a task, its progress written into the task's
+    event log by ``commit`` (the supervisor's, which wakes the task's readers)."""
+
+    def __init__(self, commit: Commit, metrics: Metrics) -> None:
+        self.commit = commit
+        self.metrics = metrics
+
+    async def run(self, engine: EngineClient, state: ResponseState, job: TaskInput) -> tuple[list[Item], int] | None:
+        """Compact the history before generating when the rendered input reaches the threshold
+        or leaves no room for output. Returns the items that follow the request's own (the
+        compaction item, or none) and the input's tokens; None if the task was cancelled
+        meanwhile. Durable: once ``mlx.compaction.completed`` and the item are committed, a
+        resumed task reuses them."""
+        model, request, history, threshold = job.model, job.request, job.history, job.threshold
+        if state.outputs.compacted:
+            done = state.outputs.items[0]
+            after: list[Item] = [CompactionItem(type="compaction", id=done.id, encrypted_content=done.text)]
+            return after, await asyncio.to_thread(count, model, request, history, after)
+        before = await asyncio.to_thread(count, model, request, history)
+        if before < min(threshold, model.context_length - 1):
+            return [], before
+        if state.compaction_started is None:
+            await self.commit(job.task_id, state.compaction_begins(before))
+        item_id = f"cmp_{ulid.new()}"
+        if (made := await self._summarize(engine, job, before, item_id)) is None:
             return None
-        made = item(prepared, summary, item_id)
-        input_tokens = await asyncio.to_thread(count, model, request, history, [made])
-        require_shorter(before, input_tokens)
-    except ContextLengthExceededError as exc:
-        # Seed: a job whose automatic compaction refused the request fails invalid_prompt.
-        raise InvalidPromptError(f"compaction failed: {exc.message}", param=exc.param) from exc
-    await commit(task_id, state.compaction_done(item_id, made.encrypted_content, before, input_tokens))
-    metrics.compactions.labels("task").inc()
-    return [made], input_tokens
+        compacted, input_tokens = made
+        await self.commit(
+            job.task_id, state.compaction_done(item_id, compacted.encrypted_content, before, input_tokens)
+        )
+        self.metrics.compactions.labels("task").inc()
+        return [compacted], input_tokens
+
+    async def _summarize(
+        self, engine: EngineClient, job: TaskInput, before: int, item_id: str
+    ) -> tuple[CompactionItem, int] | None:
+        """The compaction item and the compacted input's tokens (None: cancelled)."""
+        model, request, history, threshold = job.model, job.request, job.history, job.threshold
+        # The verbatim tail and the summary each get at most a quarter of the threshold, so the
+        # compacted input lands well below it and the next turn does not compact again at once.
+        keep = min(compaction.default_keep_tokens(model.context_length), max(1, threshold // 4))
+        try:
+            prepared = await asyncio.to_thread(
+                prepare,
+                model,
+                request,
+                history,
+                keep_tokens=keep,
+                max_summary_tokens=min(1024, max(1, threshold // 4)),
+                request_id=summary_id(job.task_id),
+                cache_key=job.cache_key,
+                before=before,
+            )
+            summary, finished = await summarize(engine, model, prepared.generate)
+            if finished.reason == "cancelled":
+                return None
+            made = item(prepared, summary, item_id)
+            input_tokens = await asyncio.to_thread(count, model, request, history, [made])
+            require_shorter(before, input_tokens)
+        except ContextLengthExceededError as exc:
+            # Seed: a job whose automatic compaction refused the request fails invalid_prompt.
+            raise InvalidPromptError(f"compaction failed: {exc.message}", param=exc.param) from exc
+        return made, input_tokens

@@ -21,11 +21,9 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable
-from typing import Protocol
+from collections.abc import Awaitable, Callable
 
-from lmspd.config import Config
-from lmspd.core.lifecycle import ModelLifecycle
+from lmspd.config import EngineConfig
 from lmspd.engine.process import EngineClient
 from lmspd.errors import EngineRecycledError, LmspdError
 from lmspd.metrics import Metrics
@@ -36,25 +34,22 @@ log = logging.getLogger("lmspd.supervisor")
 RSS_CHECK_SECS = 30.0
 
 
-class Serving(Protocol):
-    """What a recycle needs of the supervisor (lmspd.core.supervisor.Supervisor)."""
-
-    config: Config
-    engine: EngineClient
-    metrics: Metrics
-    lifecycle: ModelLifecycle
-
-    def use_engine(self, engine: EngineClient) -> None: ...
-
-    async def preload(self) -> None: ...
-
-    def wake(self) -> None: ...
-
-
 class Recycler:
-    def __init__(self, supervisor: Serving) -> None:
-        self.supervisor = supervisor
-        self.config = supervisor.config.engine
+    """``current``: the engine serving now; ``serve_on``: sends every new generation to the
+    engine it is given, then gives it the pins and keep-alives and the preloads (the
+    supervisor's)."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        metrics: Metrics,
+        current: Callable[[], EngineClient],
+        serve_on: Callable[[EngineClient], Awaitable[None]],
+    ) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.current = current
+        self.serve_on = serve_on
         self.started_at = time.monotonic()  # the current engine's start
         self.draining: list[EngineClient] = []  # old engines finishing their generations
         self.replaced = False  # the current engine is one this recycler started (its owner)
@@ -75,7 +70,7 @@ class Recycler:
         if self.config.recycle_above_rss_bytes and now - self._rss_checked >= RSS_CHECK_SECS:
             self._rss_checked = now
             with contextlib.suppress(LmspdError):
-                if (await self.supervisor.engine.status()).rss_bytes > self.config.recycle_above_rss_bytes:
+                if (await self.current().status()).rss_bytes > self.config.recycle_above_rss_bytes:
                     return "rss"
         return None
 
@@ -91,8 +86,7 @@ class Recycler:
             await asyncio.shield(self._task)
 
     async def _recycle(self, reason: str) -> None:
-        sup = self.supervisor
-        old = sup.engine
+        old = self.current()
         log.info("recycling the engine (%s): starting the next one", reason)
         new = EngineClient(old.config, old.cache_dir)
         new.keep_alive = dict(old.keep_alive)
@@ -103,15 +97,12 @@ class Recycler:
             await new.close()
             return
         new.listeners = list(old.listeners)
-        sup.use_engine(new)
         self.replaced = True
         self.started_at = time.monotonic()
-        sup.metrics.engine_recycles.labels(reason).inc()
+        self.metrics.engine_recycles.labels(reason).inc()
         self.draining.append(old)
         try:
-            await sup.lifecycle.configure()
-            await sup.preload()
-            sup.wake()
+            await self.serve_on(new)
             if not await _within(old.drained(), self.config.recycle_drain_secs):
                 n = old.stats()["in_flight"]
                 log.info("engine recycle: %d generations still running; resuming them on the next engine", n)

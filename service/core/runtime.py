@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from lmspd.config import Config
 from lmspd.core.hub import Hub
-from lmspd.core.operations import Core
+from lmspd.core.service import Core, compose
 from lmspd.core.supervisor import Supervisor
 from lmspd.engine.process import EngineClient
 from lmspd.engine.protocol import SamplingParams
@@ -23,8 +23,10 @@ from lmspd.errors import LmspdError, StorageFullError
 from lmspd.metrics import Metrics
 from lmspd.models.registry import ModelRegistry
 from lmspd.prompting.generation import check_request
+from lmspd.responses.reasoning_echo import ReasoningEcho
 from lmspd.responses.sealing import KEY_FILE, Sealer
 from lmspd.store import secrets
+from lmspd.store.items import ItemIndex
 from lmspd.store.opening import open_database
 from lmspd.store.task_store import TaskStore
 from lmspd.store.url import StoreUrl
@@ -54,8 +56,13 @@ async def started(
         runner = engine or EngineClient(config.engine, config.server.prompt_cache_dir)
         # Reasoning sealed for clients that keep no state: one key for every node of a cluster.
         pg = db.dialect == "postgresql"
-        sealer = Sealer(await secrets.shared(db, KEY_FILE, Sealer.new_key)) if pg else None
-        supervisor = Supervisor(config, store, runner, hub, registry, metrics, sealer)
+        if pg:
+            sealer = Sealer(await secrets.shared(db, KEY_FILE, Sealer.new_key))
+        else:
+            sealer = Sealer.at(config.server.database_path.parent)
+        # Built once, shared by intake and the supervisor (lmspd.core.service.compose).
+        echo, items = ReasoningEcho.of(config, db), ItemIndex(db)
+        supervisor = Supervisor(config, store, runner, hub, registry, metrics, sealer, echo, items)
         cluster: Cluster | None = None
         if pg:  # one node of several (SPEC §15): its lease first
             from lmspd.core.cluster import Cluster  # psycopg only when on PostgreSQL
@@ -72,8 +79,7 @@ async def started(
         # at start: while serving, a slow reader may still be streaming a finished one.
         with contextlib.suppress(StorageFullError):  # deleting needs room too: the janitor retries
             await store.delete_finished_unstored()
-        core = Core(config, store, hub, supervisor, registry, metrics, sealer)
-        core.cluster = cluster
+        core = compose(config, store, hub, supervisor, registry, metrics, cluster)
         stack.push_async_callback(core.close)
         await asyncio.to_thread(_warm_up, config, registry)
         chores = [asyncio.create_task(_janitor(config, store))]

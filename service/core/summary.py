@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
+from lmspd.core.hub import Hub
 from lmspd.core.lifecycle import ModelView
 from lmspd.core.supervisor import Supervisor
 from lmspd.errors import LmspdError
@@ -67,3 +68,34 @@ async def server_state(
         ttft_secs=ttft,
         tokens_per_sec=speed,
     )
+
+
+class ServerStatus:
+    """The server as probes, scrapers and the console read it: ``/readyz``, ``/metrics`` and
+    ``GET /lmsp/v1/summary``."""
+
+    def __init__(self, store: TaskStore, hub: Hub, supervisor: Supervisor, metrics: Metrics) -> None:
+        self.store = store
+        self.hub = hub
+        self.supervisor = supervisor
+        self.metrics = metrics
+
+    def not_ready(self) -> str | None:
+        """Why ``/readyz`` answers 503 (None: ready). Read on every probe: nothing here loads
+        or reads a model (the default model's verdict was decided at its preload)."""
+        if self.hub.closing.is_set():
+            return "the server is shutting down"
+        if not self.supervisor.engine.alive:
+            return "the engine is down (it is restarted)"
+        return self.supervisor.default_refused
+
+    async def summary(self, owner: str) -> ServerState:
+        """``owner``'s task counts, the models, the engine and the recent speed."""
+        return await server_state(
+            owner, store=self.store, supervisor=self.supervisor, metrics=self.metrics, not_ready=self.not_ready()
+        )
+
+    async def metrics_text(self) -> bytes:
+        """``/metrics``: the Prometheus text exposition."""
+        await self.supervisor.lifecycle.observe()
+        return await self.metrics.render(self.store, engine_alive=self.supervisor.engine.alive)

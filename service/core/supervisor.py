@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import msgspec
 
 from lmspd.config import Config
 from lmspd.core import compactor
+from lmspd.core.claim import Claim, Run
 from lmspd.core.compactor import summary_id
 from lmspd.core.hub import Hub
 from lmspd.core.inputs import item_ids
@@ -53,7 +55,7 @@ from lmspd.responses.sealing import Sealer
 from lmspd.store.conn import Conn, Job
 from lmspd.store.items import ItemIndex
 from lmspd.store.status import TERMINAL, TaskStatus
-from lmspd.store.task_store import Event, EventBuilder, TaskRecord, TaskStore
+from lmspd.store.task_store import EventBuilder, TaskRecord, TaskStore
 
 log = logging.getLogger("lmspd.supervisor")
 
@@ -71,17 +73,21 @@ class Supervisor:
         registry: ModelRegistry,
         metrics: Metrics | None = None,
         sealer: Sealer | None = None,
+        echo: ReasoningEcho | None = None,
+        items: ItemIndex | None = None,
     ) -> None:
+        """``sealer``, ``echo``, ``items``: the service's own, shared with intake (built here
+        when left out, as tests that run a supervisor alone do)."""
         self.config = config
         self.store = store
         self.engine = engine
         self.hub = hub
         self.registry = registry
         self.metrics = metrics or store.metrics
-        self.echo = ReasoningEcho.of(config, store.db)
         # Reasoning sealed for clients that keep no state (docs/responses.md, "Coding agents").
         self.sealer = sealer or Sealer.at(config.server.database_path.parent)
-        self.items = ItemIndex(store.db)
+        self.echo = echo or ReasoningEcho.of(config, store.db)
+        self.items = items or ItemIndex(store.db)
         self.running: dict[str, asyncio.Task[None]] = {}
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
@@ -93,7 +99,8 @@ class Supervisor:
         self._resolved: dict[str, ResolvedModel] = {}  # requested model name -> what it resolved to
         self.storage = StorageBackoff(config.server.database_path)
         self.lifecycle = ModelLifecycle(config, engine, registry, self.metrics)
-        self.recycler = Recycler(self)
+        self.recycler = Recycler(config.engine, self.metrics, lambda: self.engine, self._serve_on)
+        self.compactor = compactor.TaskCompactor(self._commit, self.metrics)
         # Why the default model can never load (None: it can), decided once by preload from
         # its files and the memory budget, so /readyz reads it without touching the model.
         self.default_refused: str | None = None
@@ -113,6 +120,13 @@ class Supervisor:
         self.engine = engine
         self.lifecycle.engine = engine
         self.decoding.next_engine()
+
+    async def _serve_on(self, engine: EngineClient) -> None:
+        """A recycle's next engine: new generations go to it, set up as a restarted one is."""
+        self.use_engine(engine)
+        await self.lifecycle.configure()
+        await self.preload()
+        self.wake()
 
     def recycle(self, reason: str = "operator") -> bool:
         """Replace the engine while serving (lmspd.core.recycle); False: one is under way."""
@@ -241,7 +255,7 @@ class Supervisor:
         """The task's response as its event log left it; None if the log cannot be read, and
         then the task has failed with ``task_corrupt`` (one damaged row stops only its task)."""
         try:
-            return ResponseState.from_events(await self._all_events(task.id))
+            return ResponseState.from_events(await self.store.all_events(task.id))
         except StorageFullError:
             raise
         except Exception as exc:
@@ -287,17 +301,9 @@ class Supervisor:
         if task.on_restart == "retry":
             await self.store.requeue(task.id, new_attempt=True, events=state.restarted(task.attempt + 1, code))
         elif task.on_restart == "resume":
-            await self.store.requeue(task.id, new_attempt=False)
+            await self._resume(task.id)
         else:
             await self._fail(task.id, state, code, detail)
-
-    async def _all_events(self, task_id: str) -> list[Event]:
-        events: list[Event] = []
-        after = -1
-        while batch := await self.store.events_after(task_id, after, 5000):
-            events += batch
-            after = batch[-1].seq
-        return events
 
     # --- running one task -----------------------------------------------------------------------
 
@@ -390,134 +396,175 @@ class Supervisor:
         request = msgspec.json.decode(task.request, type=TaskRequest)
         # The model named at intake (PostgreSQL: the accepting node's default, if it named none).
         name = task.model or request.model or self.config.default_model
-        # A model already in memory: claimed and running in one commit, with no round trip to
-        # an engine that answers only between its decode steps. (The engine knows models by
-        # their canonical names; a spelling seen before maps to one without resolving it.)
-        # That commit is written while the prompt is prepared and prefilled: time to first
-        # token does not wait for its fsync, and nothing of the task's is committed (nor any
-        # other state of it touched) before it has landed.
+        if (claim := await self._claim(task_id, state, name, clustered)) is None:
+            return
+        try:
+            await self._serve(Run(task, state, request, name, claim))
+        finally:
+            await claim.settled()  # before anything else may touch the task
+
+    async def _claim(self, task_id: str, state: ResponseState, name: str, clustered: bool) -> Claim | None:
+        """The task, claimed: ahead, on a model already in memory, else to ``loading`` (None:
+        cancelled or claimed elsewhere first).
+
+        A model already in memory: claimed and running in one commit, with no round trip to
+        an engine that answers only between its decode steps. (The engine knows models by
+        their canonical names; a spelling seen before maps to one without resolving it.)
+        That commit is written while the prompt is prepared and prefilled: time to first
+        token does not wait for its fsync, and nothing of the task's is committed (nor any
+        other state of it touched) before it has landed."""
         known = self._resolved.get(name)
         canonical = known.name if known is not None else name
-        resident = not clustered and self.engine.resident(canonical)
-        claim: asyncio.Future[bool] | None = None
-        if resident:
-            # Running means decoding (docs/lmsp.md §7.2): past max_concurrency, a task waits
-            # here, queued, rather than in the engine's own queue reading running.
-            waited = await self.slots.acquire(task_id, canonical)  # given back when _run ends
-            waited = await self.decoding.acquire(task_id, canonical) or waited
-            claim = asyncio.ensure_future(self._to(task_id, "running", state.in_progress(), via="loading"))
-            if waited and not await claim:
-                return  # cancelled while it waited: no generation starts for it
-        elif not clustered and not await self._to(task_id, "loading", []):
-            return  # cancelled (or claimed) first
-        try:
-            await self._serve(task, state, request, name, claim)
-        finally:
-            if claim is not None:  # settled before anything else may touch the task
-                with contextlib.suppress(Exception):
-                    await claim
+        if clustered or not self.engine.resident(canonical):
+            return Claim() if clustered or await self._to(task_id, "loading", []) else None
+        # Running means decoding (docs/lmsp.md §7.2): past max_concurrency, a task waits
+        # here, queued, rather than in the engine's own queue reading running.
+        waited = await self.slots.acquire(task_id, canonical)  # given back when _run ends
+        waited = await self.decoding.acquire(task_id, canonical) or waited
+        claim = Claim(asyncio.ensure_future(self._to(task_id, "running", state.in_progress(), via="loading")))
+        if waited and not await claim.held():
+            return None  # cancelled while it waited: no generation starts for it
+        return claim
 
-    async def _serve(
-        self,
-        task: TaskRecord,
-        state: ResponseState,
-        request: TaskRequest,
-        name: str,
-        claim: asyncio.Future[bool] | None,
-    ) -> None:
-        """Run a claimed task (``claim``: the claim's commit, if it is still being written)."""
-        task_id = task.id
+    async def _serve(self, run: Run) -> None:
+        """Run a claimed task, then settle it by how its generation ended: each ending is a
+        transition of its own, written only if the claim held."""
+        ending: Callable[[], Awaitable[None]]
         try:
-            # A resident model was resolved when it was loaded: its files are not read again
-            # (the engine holds its weights), which keeps a thread hop off the first token.
-            model = self._resolved.get(name) if claim is not None else None
-            if model is None:
-                model = await asyncio.to_thread(self.registry.resolve, name)
-                if len(self._resolved) >= CANONICAL_NAMES_KEPT:
-                    self._resolved.clear()
-                self._resolved[name] = model
-            if claim is None:  # (a resident model's slots were taken before its claim)
-                await self.slots.acquire(task_id, model.name)  # given back when _run ends
-                await self.decoding.acquire(task_id, model.name)
-                await self.engine.load(model.name, str(model.path))
-                if not await self._to(task_id, "running", state.in_progress()):
-                    return await self._settle_cancel(task_id, state)
-            self.metrics.first_token_stages.mark(task_id, "claim")
-            history = await history_for(
-                self.store, task.owner, task.previous_response_id, task.conversation, before=task.id
-            )
-            # Reasoning a client dropped from turns it sends back is put back first.
-            history, request, echoed = await self.echo.restore(task.owner, history, request)
-            max_tokens = request.max_output_tokens or self.config.server.default_max_output_tokens
-            after: list[Item] = []
-            if (threshold := request.compact_threshold()) is not None:
-                if not await held(claim):
-                    return
-                key = cache_key(task.owner, request.prompt_cache_key)
-                compacted = await compactor.for_task(
-                    self.engine, self._commit, self.metrics, task_id, state, model, request, history, threshold, key
-                )
-                if compacted is None:
-                    return await self._settle_cancel(task_id, state)
-                after, input_tokens = compacted
-                # Generation is capped by the context left after the prompt (length: incomplete).
-                max_tokens = min(max_tokens, model.context_length - input_tokens)
-            prompt = await asyncio.to_thread(prompt_for, model, request, history, after)
-            # A resumed task: the parser catches up with the text already generated.
-            seal = None
-            if request.sealed_reasoning:
-                owner, sealer = task.owner, self.sealer
-                seal = lambda item_id, text: sealer.seal(owner, item_id, text)  # noqa: E731
-            generated = tokenizer_for(model).decode(state.tokens)
-            state.outputs.attach(prompt.parser(), generated, prompt.tools.namespaces, seal)
-            cmd = await asyncio.to_thread(  # tokenizing a long prompt takes a while
-                build_generate,
-                model,
-                prompt,
-                request_id=task_id,
-                max_tokens=max_tokens,
-                # The defaults stored at intake, else (not known there) this model's.
-                sampling=request.sampling(request.sampling_defaults or self.registry.sampling_defaults(name, model)),
-                generated=state.tokens,
-                stop=request.stop,
-                logprobs=request.logprobs,
-                cache_key=cache_key(task.owner, request.prompt_cache_key),
-            )
-            self.metrics.first_token_stages.mark(task_id, "prompt")
-            finished = await self._generate(task_id, state, cmd, claim)
+            finished = await self._produce(run)
+        except (StorageFullError, LeaseLostError):
+            # Storage: not the task's fault, it is settled by its policy once there is room.
+            # Lease: another node's task now, nothing more is written into it from here.
+            raise
         except EngineCrashedError as exc:
-            if not await held(claim):
-                return None
-            task = await self.store.get(task_id)
-            if task.status == "cancelling":
-                return await self._settle_cancel(task_id, state)
-            if isinstance(exc, EngineRecycledError):  # the server did not restart: resume, whatever the policy
-                await self.store.requeue(task_id, new_attempt=False)
-                return None
-            return await self._interrupted(task, state, "engine_crashed", exc.message)
-        except StorageFullError:
-            raise  # not the task's fault: it is settled by its policy once there is room
-        except LeaseLostError:
-            raise  # another node's task now: nothing more is written into it from here
+            ending = functools.partial(self._crashed, run, exc)
         except LmspdError as exc:
-            if not await held(claim):
-                return None
-            return await self._fail(task_id, state, exc.code, exc.message)
-        if finished is None or not await held(claim):
-            return None  # someone else's task after all
-        if finished.reason == "cancelled":
-            return await self._settle_cancel(task_id, state)
-        events = state.finish(finished.reason, finished.prompt_tokens, finished.cached_tokens, finished.stop_sequence)
-        jobs = [self.echo.finish_job(task.owner, state.response, echoed)]
-        if task.kind == "response" and task.stored:  # its items can be referenced (item_reference)
-            jobs.append(self.items.job(task.owner, task_id, item_ids(request, state.response)))
-        if not await self._final(task_id, "succeeded", events, state, also=_all(jobs)):
-            await self._settle_cancel(task_id, state)
-        return None
+            ending = functools.partial(self._fail, run.id, run.state, exc.code, exc.message)
+        else:
+            if finished is None:
+                return
+            ending = functools.partial(self._finished, run, finished)
+        if await run.claim.held():
+            await ending()
 
-    async def _generate(
-        self, task_id: str, state: ResponseState, cmd: p.Generate, claim: asyncio.Future[bool] | None
-    ) -> p.Finished | None:
+    async def _produce(self, run: Run) -> p.Finished | None:
+        """The steps from claim to the generation's end; None: the run stops here (the task
+        was settled on the way, or is someone else's)."""
+        model = await self._model(run)
+        if not await self._running(run, model):
+            return None
+        self.metrics.first_token_stages.mark(run.id, "claim")
+        history = await self._history(run)
+        max_tokens = run.request.max_output_tokens or self.config.server.default_max_output_tokens
+        after: list[Item] = []
+        if (threshold := run.request.compact_threshold()) is not None:
+            if not await run.claim.held():
+                return None
+            compacted = await self.compactor.run(self.engine, run.state, self._job(run, model, history, threshold))
+            if compacted is None:
+                await self._settle_cancel(run.id, run.state)
+                return None
+            after, input_tokens = compacted
+            # Generation is capped by the context left after the prompt (length: incomplete).
+            max_tokens = min(max_tokens, model.context_length - input_tokens)
+        cmd = await self._command(run, model, history, after, max_tokens)
+        self.metrics.first_token_stages.mark(run.id, "prompt")
+        return await self._generate(run.id, run.state, cmd, run.claim)
+
+    async def _model(self, run: Run) -> ResolvedModel:
+        """What the run's model name resolves to. A resident model was resolved when it was
+        loaded: its files are not read again (the engine holds its weights), which keeps a
+        thread hop off the first token."""
+        model = self._resolved.get(run.name) if run.claim.ahead else None
+        if model is None:
+            model = await asyncio.to_thread(self.registry.resolve, run.name)
+            if len(self._resolved) >= CANONICAL_NAMES_KEPT:
+                self._resolved.clear()
+            self._resolved[run.name] = model
+        return model
+
+    async def _running(self, run: Run, model: ResolvedModel) -> bool:
+        """A task claimed after loading: its slots, its model loaded, then ``running``. False:
+        cancelled meanwhile, and settled so. (A claim ahead took its slots before its commit.)"""
+        if run.claim.ahead:
+            return True
+        await self.slots.acquire(run.id, model.name)  # given back when _run ends
+        await self.decoding.acquire(run.id, model.name)
+        await self.engine.load(model.name, str(model.path))
+        if await self._to(run.id, "running", run.state.in_progress()):
+            return True
+        await self._settle_cancel(run.id, run.state)
+        return False
+
+    async def _history(self, run: Run) -> list[Item]:
+        """The turns the task continues, with the reasoning a client dropped from turns it sends
+        back put back first (into ``run.request`` too)."""
+        task = run.task
+        history = await history_for(
+            self.store, task.owner, task.previous_response_id, task.conversation, before=task.id
+        )
+        history, run.request, run.echoed = await self.echo.restore(task.owner, history, run.request)
+        return history
+
+    def _job(self, run: Run, model: ResolvedModel, history: list[Item], threshold: int) -> compactor.TaskInput:
+        key = cache_key(run.task.owner, run.request.prompt_cache_key)
+        return compactor.TaskInput(run.id, model, run.request, history, threshold, key)
+
+    async def _command(
+        self, run: Run, model: ResolvedModel, history: list[Item], after: list[Item], max_tokens: int
+    ) -> p.Generate:
+        """The prompt, its parser attached to the response, and the engine's Generate for it."""
+        request, state = run.request, run.state
+        prompt = await asyncio.to_thread(prompt_for, model, request, history, after)
+        seal = None
+        if request.sealed_reasoning:
+            owner, sealer = run.task.owner, self.sealer
+            seal = lambda item_id, text: sealer.seal(owner, item_id, text)  # noqa: E731
+        # A resumed task: the parser catches up with the text already generated.
+        generated = tokenizer_for(model).decode(state.tokens)
+        state.outputs.attach(prompt.parser(), generated, prompt.tools.namespaces, seal)
+        return await asyncio.to_thread(  # tokenizing a long prompt takes a while
+            build_generate,
+            model,
+            prompt,
+            request_id=run.id,
+            max_tokens=max_tokens,
+            # The defaults stored at intake, else (not known there) this model's.
+            sampling=request.sampling(request.sampling_defaults or self.registry.sampling_defaults(run.name, model)),
+            generated=state.tokens,
+            stop=request.stop,
+            logprobs=request.logprobs,
+            cache_key=cache_key(run.task.owner, request.prompt_cache_key),
+        )
+
+    # --- how a run ends: each transition its own ------------------------------------------------
+
+    async def _finished(self, run: Run, finished: p.Finished) -> None:
+        """The generation ended: ``succeeded`` (with the echo's and the item index's rows), or
+        ``cancelled`` if a cancel stopped it or came first."""
+        state, task = run.state, run.task
+        if finished.reason == "cancelled":
+            return await self._settle_cancel(run.id, state)
+        events = state.finish(finished.reason, finished.prompt_tokens, finished.cached_tokens, finished.stop_sequence)
+        jobs = [self.echo.finish_job(task.owner, state.response, run.echoed)]
+        if task.kind == "response" and task.stored:  # its items can be referenced (item_reference)
+            jobs.append(self.items.job(task.owner, run.id, item_ids(run.request, state.response)))
+        if not await self._final(run.id, "succeeded", events, state, also=_all(jobs)):
+            await self._settle_cancel(run.id, state)
+
+    async def _crashed(self, run: Run, exc: EngineCrashedError) -> None:
+        """The engine died (or was recycled) under the generation."""
+        task = await self.store.get(run.id)
+        if task.status == "cancelling":
+            return await self._settle_cancel(run.id, run.state)
+        if isinstance(exc, EngineRecycledError):  # the server did not restart: resume, whatever the policy
+            return await self._resume(run.id)
+        await self._interrupted(task, run.state, "engine_crashed", exc.message)
+
+    async def _resume(self, task_id: str) -> None:
+        await self.store.requeue(task_id, new_attempt=False)
+
+    async def _generate(self, task_id: str, state: ResponseState, cmd: p.Generate, claim: Claim) -> p.Finished | None:
         """Stream the generation, committing each batch of deltas before it is published;
         None (the generation stopped) if the claim did not hold."""
         queue: asyncio.Queue[p.Delta | p.Finished | Exception] = asyncio.Queue()
@@ -550,7 +597,7 @@ class Supervisor:
                         tokens += item.token_ids
                         logprobs += [s.LogProb.of(entry) for entry in item.logprobs or []]
                 if (text or tokens) and (events := state.delta(text, tokens, logprobs)):
-                    if not await held(claim):
+                    if not await claim.held():
                         return None
                     await self._commit(task_id, events)
                     self.metrics.first_token_stages.mark(task_id, "commit")
@@ -573,8 +620,3 @@ def _all(jobs: list[Callable[[Conn], None] | None]) -> Callable[[Conn], None] | 
             job(conn)
 
     return run
-
-
-async def held(claim: asyncio.Future[bool] | None) -> bool:
-    """The task is this run's: its claim committed (None: it was claimed already)."""
-    return claim is None or await claim

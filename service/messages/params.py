@@ -17,6 +17,7 @@ from typing import Literal
 
 from lmspd.errors import ContextLengthExceededError, LmspdError
 from lmspd.messages.schema import MessagesBody, Translation
+from lmspd.responses.checks import accept
 
 _ITEM = re.compile(r"input\[(\d+)\](?:\.(\w+))?(.*)", re.S)
 _TOOL = re.compile(r"tools\[(\d+)\](?:\.(\w+))?(.*)", re.S)
@@ -96,7 +97,7 @@ def translate(body: MessagesBody, hosted_tools: Literal["refuse", "omit"] = "ref
         name_messages_fields(exc, None)
         raise
     try:
-        translation.request.validate()
+        accept(translation.request)
     except LmspdError as exc:
         name_messages_fields(exc, translation)
         raise

@@ -12,10 +12,10 @@ from typing import Any, Literal, TypeVar
 
 import msgspec
 
-from lmspd.engine.protocol import SamplingParams, TokenLogprob, validate_top_logprobs
+from lmspd.engine.protocol import SamplingParams, TokenLogprob
 from lmspd.errors import InvalidRequestError
 from lmspd.models.sampling import LMSPD_DEFAULTS, SamplingDefaults
-from lmspd.models.tokenizer import TEMPLATE_ARGUMENTS
+from lmspd.responses.inputs import parse_items
 from lmspd.responses.tools import (
     Directives,
     JsonObjectFormat,
@@ -24,7 +24,6 @@ from lmspd.responses.tools import (
     TextFormatPlain,
     Tool,
     directives,
-    omit_hosted,
 )
 
 # --- requests -------------------------------------------------------------------------------
@@ -42,9 +41,9 @@ MAX_TOKENS = 2**31 - 1
 
 
 class ResponseRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True, dict=True):
-    """A Responses request. Decoding validates types and rejects unknown fields;
-    :meth:`validate` checks values and the features that are not served yet, and parses
-    :attr:`directives` (``dict=True`` holds them; only the fields are encoded)."""
+    """A Responses request. Decoding validates types and rejects unknown fields; the values and
+    the features not served yet are checked by :func:`lmspd.responses.checks.accept`, which
+    parses :attr:`directives` once (``dict=True`` holds them; only the fields are encoded)."""
 
     model: str | None = None
     input: str | list[Any]
@@ -95,77 +94,6 @@ class ResponseRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, 
             return None
         return self.top_logprobs or 0
 
-    @property
-    def omitted_tools(self) -> list[str]:
-        """The hosted tool types :meth:`validate` left out (``hosted_tools = "omit"``)."""
-        omitted: list[str] = self.__dict__.get("omitted_tools", [])
-        return omitted
-
-    def validate(self, *, hosted_tools: Literal["refuse", "omit"] = "refuse") -> None:
-        """``hosted_tools``: the server's ``[responses] hosted_tools``: "omit" takes hosted tools
-        out of ``tools`` (before anything reads them: the stored request has none)."""
-        from lmspd.responses.inputs import parse_items
-
-        if hosted_tools == "omit":
-            self.tools, self.__dict__["omitted_tools"] = omit_hosted(self.tools)
-        if isinstance(self.input, list):
-            if not self.input:
-                raise InvalidRequestError("input must not be empty", param="input")
-            parse_items(self.input)
-        if self.max_output_tokens is not None and not 1 <= self.max_output_tokens <= MAX_TOKENS:
-            raise InvalidRequestError(f"max_output_tokens must be from 1 to {MAX_TOKENS}", param="max_output_tokens")
-        if self.metadata is not None:
-            if len(self.metadata) > 16:
-                raise InvalidRequestError("metadata has more than 16 keys", param="metadata")
-            for k, v in self.metadata.items():
-                if len(k) > 64 or len(v) > 512:
-                    raise InvalidRequestError(
-                        "metadata keys are at most 64 and values 512 characters", param="metadata"
-                    )
-        if self.client_metadata is not None:
-            if len(self.client_metadata) > MAX_CLIENT_METADATA_KEYS:
-                raise InvalidRequestError(
-                    f"client_metadata has more than {MAX_CLIENT_METADATA_KEYS} keys", param="client_metadata"
-                )
-            size = sum(len(k) + len(v) for k, v in self.client_metadata.items())
-            if size > MAX_CLIENT_METADATA_CHARS:
-                raise InvalidRequestError(
-                    f"client_metadata holds more than {MAX_CLIENT_METADATA_CHARS} characters", param="client_metadata"
-                )
-        if self.truncation not in (None, "disabled"):
-            raise InvalidRequestError("truncation must be 'disabled'", param="truncation")
-        self.directives  # noqa: B018 (parsed and checked here, at intake)
-        validate_top_logprobs(self.top_logprobs)
-        for i, value in enumerate(self.include or []):
-            if value not in INCLUDES:
-                raise InvalidRequestError(
-                    f"include value {value!r} is not available here (only {' and '.join(map(repr, sorted(INCLUDES)))})",
-                    param=f"include[{i}]",
-                )
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0):
-                raise InvalidRequestError(f"{name} is not supported: only 0", param=name)
-        if self.prompt is not None:
-            raise InvalidRequestError("stored prompt templates are not available on a local server", param="prompt")
-        if self.max_tool_calls is not None and not 1 <= self.max_tool_calls <= MAX_TOKENS:
-            raise InvalidRequestError(f"max_tool_calls must be from 1 to {MAX_TOKENS}", param="max_tool_calls")
-        if self.stream_options is not None and not self.stream:
-            raise InvalidRequestError("stream_options needs stream: true", param="stream_options")
-        if self.conversation is not None:
-            if self.previous_response_id is not None:
-                raise InvalidRequestError(
-                    "previous_response_id and conversation are mutually exclusive", param="conversation"
-                )
-            if not self.conversation_id:
-                raise InvalidRequestError("conversation must be an id or {'id': ...}", param="conversation")
-        self.compact_threshold()  # validates context_management
-        if reserved := TEMPLATE_ARGUMENTS & set(self.chat_template_kwargs or {}):
-            raise InvalidRequestError(
-                f"chat_template_kwargs may not set {sorted(reserved)}", param="chat_template_kwargs"
-            )
-        if self.background and self.stream:
-            raise InvalidRequestError("background and stream cannot be combined", param="stream")
-
     def compact_threshold(self) -> int | None:
         """``context_management``'s compaction threshold (None: no automatic compaction)."""
         if self.context_management is None:
@@ -192,7 +120,7 @@ class ResponseRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, 
     @functools.cached_property
     def directives(self) -> Directives:
         """tools, tool_choice, text and reasoning in their typed, checked form: parsed once per
-        request (by :meth:`validate` at intake), then read by every later stage."""
+        request (by :func:`lmspd.responses.checks.accept` at intake), then read by every later stage."""
         return directives(
             tools=self.tools,
             tool_choice=self.tool_choice,
@@ -222,8 +150,6 @@ class ResponseRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, 
         return self.conversation or None
 
     def items(self) -> list[Any]:
-        from lmspd.responses.inputs import parse_items
-
         if isinstance(self.input, str):
             return parse_items([{"role": "user", "content": self.input}])
         return parse_items(self.input)

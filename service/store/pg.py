@@ -27,7 +27,7 @@ from lmspd.errors import LmspdError, StorageFullError, StoreUnavailableError
 from lmspd.store.check import DatabaseUnusableError
 from lmspd.store.conn import Params
 from lmspd.store.db import CommitHook, Database, Job, RetryBatch, Row, Writer, run_batch
-from lmspd.store.pg_migrate import migrate_pg
+from lmspd.store.pg_migrate import latest_version, migrate_pg, schema_version
 from lmspd.store.queries import queries
 from lmspd.store.url import StoreUrl
 
@@ -260,8 +260,6 @@ def probe(url: StoreUrl) -> int:
     """Connect once and read the schema version, before the service starts anything (``lmspd
     serve`` and ``lmspd doctor``): a server that is down, a wrong password or a database newer
     than this lmspd is refused in one line. Returns the version found (0: none yet)."""
-    from lmspd.store.pg_migrate import latest_version, schema_version
-
     if psycopg is None:
         raise DatabaseUnusableError(
             f"store.url is {url}, but PostgreSQL's driver is not installed: pip install 'lmspd[postgresql]'"
@@ -290,8 +288,6 @@ class Inspection(msgspec.Struct, kw_only=True):
 def inspect(url: StoreUrl) -> Inspection:
     """Connect, read the schema version, the server's clock and the nodes' leases."""
     import time
-
-    from lmspd.store.pg_migrate import latest_version, schema_version
 
     if psycopg is None:
         raise DatabaseUnusableError("PostgreSQL's driver is not installed: pip install 'lmspd[postgresql]'")

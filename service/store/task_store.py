@@ -429,6 +429,15 @@ class TaskStore:
             for r in rows
         ]
 
+    async def all_events(self, task_id: str) -> list[Event]:
+        """The task's whole event log, read in pages (a resumed task's may be long)."""
+        events: list[Event] = []
+        after = -1
+        while batch := await self.events_after(task_id, after, 5000):
+            events += batch
+            after = batch[-1].seq
+        return events
+
     async def list(
         self, owner: str, *, limit: int = 20, after: str | None = None, statuses: list[str] | None = None
     ) -> list[TaskRecord]:

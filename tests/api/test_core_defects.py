@@ -17,8 +17,11 @@ from support.wait import wait_until
 
 from lmspd.config import Config, EngineConfig, ModelEntry, ResponsesConfig, ServerConfig
 from lmspd.core import Core
+from lmspd.core.endings import Endings
 from lmspd.core.hub import Hub
-from lmspd.models.registry import ModelRegistry, ResolvedModel
+from lmspd.core.reads import Reads
+from lmspd.core.storage_backoff import StorageBackoff
+from lmspd.models.registry import ResolvedModel
 from lmspd.responses.builder import ResponseState, initial_response
 from lmspd.responses.schema import OutputMessage, Response, TaskRequest
 from lmspd.store.db import Database
@@ -172,7 +175,9 @@ async def test_cancel_of_a_resumed_task_keeps_its_streamed_output(tmp_path: Path
     config = Config(cache_dir=str(model_cache), server=ServerConfig(data_dir=str(tmp_path)))
     db = await Database.open(config.server.database_path)
     store = TaskStore(db)
-    core = Core(config, store, Hub(), _Supervisor(), ModelRegistry(config))  # type: ignore[arg-type]
+    hub, supervisor = Hub(), _Supervisor()
+    reads = Reads(config, store, hub, StorageBackoff(config.server.database_path))
+    endings = Endings(config, store, hub, reads, supervisor.cancel)
     request = TaskRequest(input="Hi")
     state = ResponseState(initial_response(request, response_id="x", model="m", created_at=0))
     task, _ = await store.create(
@@ -183,9 +188,9 @@ async def test_cancel_of_a_resumed_task_keeps_its_streamed_output(tmp_path: Path
     await store.append_events(task.id, state.delta("Once upon", [1, 2]))
     await store.append_events(task.id, state.delta(" a time", [3]))
     await store.requeue(task.id, new_attempt=False)  # a restart with on_restart: resume
-    done = await core.cancel(task.id, "")
+    done = await endings.cancel(task.id, "")
     assert done.status == "cancelled"
-    final = msgspec.json.decode(await core.snapshot(done), type=Response)
+    final = msgspec.json.decode(await reads.snapshot(done), type=Response)
     (message,) = final.output
     assert isinstance(message, OutputMessage)
     assert final.status == "cancelled" and message.content[0].text == "Once upon a time"

@@ -115,7 +115,7 @@ def stored_item(client: TestClient, headers: dict[str, str]) -> dict[str, Any]:
 
 
 def seal(client: TestClient, owner: str, item_id: str, text: str) -> str:
-    token: str = client.app.state.lmsp.core.sealer.seal(owner, item_id, text)  # type: ignore[attr-defined]
+    token: str = client.app.state.lmsp.core.intake.sealer.seal(owner, item_id, text)  # type: ignore[attr-defined]
     return token
 
 

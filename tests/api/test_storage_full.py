@@ -153,7 +153,7 @@ async def test_restart_with_the_disk_still_full_waits_and_then_follows_each_poli
     """Recovery at start cannot write either: the server starts anyway (reads still work),
     the interrupted tasks wait, said once, and are settled by their policies once there is room."""
     from lmspd.core.hub import Hub
-    from lmspd.core.operations import Core
+    from lmspd.core.service import compose
     from lmspd.core.supervisor import Supervisor
     from lmspd.engine.process import EngineClient
     from lmspd.models.registry import ModelRegistry
@@ -165,10 +165,10 @@ async def test_restart_with_the_disk_still_full_waits_and_then_follows_each_poli
     db = await Database.open(config.server.database_path)
     store, hub, registry = TaskStore(db), Hub(), ModelRegistry(config)
     supervisor = Supervisor(config, store, EngineClient(EngineConfig()), hub, registry)
-    core = Core(config, store, hub, supervisor, registry, store.metrics)
+    core = compose(config, store, hub, supervisor, registry, store.metrics)
     request = msgspec.json.decode(b'{"input": "hi", "max_output_tokens": 4}', type=ResponseRequest)
     ids = {
-        policy: (await core.submit("alice", request, kind="task", on_restart=policy))[0].id
+        policy: (await core.intake.submit("alice", request, kind="task", on_restart=policy))[0].id
         for policy in ("fail", "retry", "resume")
     }
 

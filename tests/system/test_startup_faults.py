@@ -276,15 +276,15 @@ async def test_one_unreadable_task_fails_alone(tmp_path: Path, tiny: ResolvedMod
     config = tiny_config(tiny, model_cache, tmp_path)
     db = await Database.open(config.server.database_path)
     store = TaskStore(db)
-    from lmspd.core.operations import Core  # the intake path writes the first event as it really is
+    from lmspd.core.service import compose  # the intake path writes the first event as it really is
 
     hub = Hub()
     supervisor = Supervisor(config, store, EngineClient(EngineConfig()), hub, ModelRegistry(config))
-    core = Core(config, store, hub, supervisor, ModelRegistry(config), store.metrics)
+    core = compose(config, store, hub, supervisor, ModelRegistry(config), store.metrics)
     from lmspd.responses.schema import ResponseRequest
 
     request = msgspec.json.decode(b'{"input": "hi", "max_output_tokens": 4}', type=ResponseRequest)
-    ids = [(await core.submit("alice", request, kind="task", on_restart="retry"))[0].id for _ in range(3)]
+    ids = [(await core.intake.submit("alice", request, kind="task", on_restart="retry"))[0].id for _ in range(3)]
     empty, garbled, sound = ids
 
     def damage(conn: Conn) -> None:

@@ -57,7 +57,7 @@ async def started(
         sealer = Sealer(await secrets.shared(db, KEY_FILE, Sealer.new_key)) if pg else None
         supervisor = Supervisor(config, store, runner, hub, registry, metrics, sealer)
         cluster: Cluster | None = None
-        if pg:  # one node of several (SPEC §15): its lease first
+        if pg:  # one node of several (docs/operations.md, "Several nodes"): its lease first
             from lmspd.core.cluster import Cluster  # psycopg only when on PostgreSQL
 
             cluster = Cluster(config, db, store, hub)  # type: ignore[arg-type]

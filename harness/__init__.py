@@ -14,6 +14,7 @@ Processes, models and clients for the test tiers:
   ``spawn``/``serve``/``kill`` for any command in its own process group.
 - ``postgres``: a real PostgreSQL in a temporary directory; ``durable_cluster`` for a run's own.
 - ``history``: a finished task with a long event history, written through the store.
+- ``sse``: reading a server-sent event stream's named events.
 - ``generation``: engine commands and their collection, for the engine tier.
 - ``families``: tokenizers for the tool-calling template families.
 - ``openresponses``: validation against the Open Responses schema (in ``data/``).

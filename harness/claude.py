@@ -1,5 +1,6 @@
 """The real Claude Code CLI: where the pinned binary is, an isolated environment to run it in,
-the requests it sent (``data/claude/``), and a loopback proxy that forces its first call.
+the requests it sent (``data/claude/``) and a session built on them, and a loopback proxy that
+forces its first call.
 
 Claude Code is the npm package ``@anthropic-ai/claude-code`` (a native binary since 2.x, in the
 platform package it depends on); .ci/run installs the version pinned here under the test cache.
@@ -7,6 +8,7 @@ platform package it depends on); .ci/run installs the version pinned here under 
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -198,3 +200,64 @@ def force_bash(method: str, path: str, body: Any) -> Any:
     }
     forced = [dict(tool, input_schema=schema) if tool.get("name") == "Bash" else tool for tool in tools]
     return dict(body, tools=forced, tool_choice={"type": "tool", "name": "Bash"})
+
+
+# A Claude Code session, turn after turn, built on the captured ``three-tools-turn1`` request
+# (``--tools "Bash,Read,Edit"``, ~3,700 prompt tokens): bench/agent_session.py ``--messages``.
+SESSION_PROMPTS = [
+    "What does src/main.py print?",
+    "Add a test for it.",
+    "Which command runs the tests?",
+    "Summarize what you changed.",
+    "Anything left to do?",
+]
+SESSION_TOOL_OUTPUT = "     1\timport sys\n     2\t\n     3\tprint('hello from proj', file=sys.stdout)\n"
+_HOP = {"host", "content-length", "connection", "accept-encoding"}
+
+
+def session_headers() -> dict[str, str]:
+    """The headers Claude Code sent with the captured request (less those httpx sets)."""
+    sent: dict[str, str] = captured("three-tools-turn1")["headers"]
+    return {k: v for k, v in sent.items() if k.lower() not in _HOP}
+
+
+def session_first() -> list[dict[str, Any]]:
+    """Turn 1's messages as Claude Code sent them: the user's two text blocks, then the
+    environment as a mid-conversation ``system`` message."""
+    messages: list[dict[str, Any]] = captured("three-tools-turn1")["body"]["messages"]
+    return messages
+
+
+def session_body(messages: list[dict[str, Any]], model: str, max_tokens: int) -> dict[str, Any]:
+    """A turn's request: the captured body (system blocks with the billing header, tools,
+    thinking, effort, context_management, metadata) around the whole conversation. As in the
+    captured turn 2, the ``cache_control`` mark moves to the last message's last block and the
+    environment message, no longer last, is resent as a plain string."""
+    body = captured("three-tools-turn1")["body"]
+    marked = copy.deepcopy(messages)
+    for message in marked:
+        if isinstance(message["content"], list):
+            for block in message["content"]:
+                block.pop("cache_control", None)
+    for message in marked[:-1]:
+        if message["role"] == "system" and isinstance(message["content"], list):
+            message["content"] = "".join(block["text"] for block in message["content"])
+    last = marked[-1]["content"]
+    if isinstance(last, list) and last:
+        last[-1]["cache_control"] = {"type": "ephemeral"}
+    return dict(body, model=model, messages=marked, max_tokens=max_tokens)
+
+
+def session_next(messages: list[dict[str, Any]], answer: list[dict[str, Any]], turn: int) -> list[dict[str, Any]]:
+    """What Claude Code sends next: the conversation, the answer's content blocks as they came
+    (thinking blocks with their signatures), then a ``tool_result`` for each call, or else the
+    user's next prompt."""
+    out = [*messages, {"role": "assistant", "content": answer}]
+    calls = [block for block in answer if block["type"] == "tool_use"]
+    if calls:
+        results = [{"type": "tool_result", "tool_use_id": c["id"], "content": SESSION_TOOL_OUTPUT} for c in calls]
+        out.append({"role": "user", "content": results})
+    else:
+        text = SESSION_PROMPTS[turn % len(SESSION_PROMPTS)]
+        out.append({"role": "user", "content": [{"type": "text", "text": text}]})
+    return out

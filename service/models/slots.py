@@ -11,6 +11,18 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Callable
+
+
+async def admitted(fut: asyncio.Future[None], give_back: Callable[[], None]) -> None:
+    """Wait for a queued holder's turn; a waiter cancelled just as it was admitted gives its
+    slot back (``give_back``) before the cancellation goes on."""
+    try:
+        await fut
+    except asyncio.CancelledError:
+        if fut.done() and not fut.cancelled():
+            give_back()
+        raise
 
 
 class ModelSlots:
@@ -32,12 +44,7 @@ class ModelSlots:
         self._queue.append((holder, model, fut))
         self._admit()
         waited = not fut.done()
-        try:
-            await fut
-        except asyncio.CancelledError:
-            if fut.done() and not fut.cancelled():  # admitted just as it was cancelled
-                self.release(holder)
-            raise
+        await admitted(fut, lambda: self.release(holder))
         return waited
 
     def release(self, holder: str) -> None:
@@ -91,12 +98,7 @@ class DecodeSlots:
             return False
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._queue.append((holder, model, fut))
-        try:
-            await fut
-        except asyncio.CancelledError:
-            if fut.done() and not fut.cancelled():  # admitted just as it was cancelled
-                self.release(holder)
-            raise
+        await admitted(fut, lambda: self.release(holder))
         return True
 
     def release(self, holder: str) -> None:

@@ -20,6 +20,7 @@ from starlette.testclient import TestClient
 
 from harness.claude import captured
 from harness.engine_host import Host
+from harness.sse import named_events
 from lmspd.config import Config, EngineConfig, ModelEntry, ServerConfig
 from lmspd.models.registry import ResolvedModel
 
@@ -57,16 +58,7 @@ def replay(client: TestClient, name: str) -> tuple[int, Any]:
             r.read()
             return r.status_code, r.json()
         assert r.headers["content-type"].startswith("text/event-stream")
-        events: list[tuple[str, Any]] = []
-        kind = ""
-        for line in r.iter_lines():
-            if line.startswith("event: "):
-                kind = line[7:]
-            elif line.startswith("data: "):
-                data = json.loads(line[6:])
-                assert data["type"] == kind, (kind, data)
-                events.append((kind, data))
-        return r.status_code, events
+        return r.status_code, named_events(r.iter_lines())
 
 
 @pytest.mark.parametrize("name", ["default-turn1", "default-turn2"])

@@ -24,6 +24,7 @@ from starlette.testclient import TestClient
 
 from harness.engine_host import Host
 from harness.families import make_thinker
+from harness.sse import named_events
 from lmspd.config import Config, EngineConfig, ModelEntry, ResponsesConfig, ServerConfig
 from lmspd.models.registry import ResolvedModel
 
@@ -132,19 +133,10 @@ def create(client: TestClient, payload: dict[str, Any], owner: str = "alice", pa
 
 def sse(client: TestClient, payload: dict[str, Any], path: str = "/v1/messages") -> list[tuple[str, Any]]:
     """The stream's (event, data) pairs, read to its end."""
-    out: list[tuple[str, Any]] = []
     with client.stream("POST", path, json={**payload, "stream": True}, headers=key()) as r:
         assert r.status_code == 200, r.read()
         assert r.headers["content-type"].startswith("text/event-stream")
-        kind = ""
-        for line in r.iter_lines():
-            if line.startswith("event: "):
-                kind = line[7:]
-            elif line.startswith("data: "):
-                data = json.loads(line[6:])
-                assert kind == data["type"], (kind, data)
-                out.append((kind, data))
-    return out
+        return named_events(r.iter_lines())
 
 
 def check_stream(events: list[tuple[str, Any]]) -> dict[str, Any]:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from starlette.testclient import TestClient
+
 from harness.engine_host import Host
 from harness.wait import wait_until
 from lmspd.config import Config, EngineConfig, ModelEntry, ServerConfig
@@ -32,6 +34,18 @@ def config_for(
     )
 
 
+def finished_task(client: TestClient, model: str) -> str:
+    """Run a short task on ``model``; the status it ends in."""
+    body = {"type": "response", "input": {"model": model, "input": "Hi", "max_output_tokens": 4}}
+    task_id = client.post("/lmsp/v1/tasks", json=body).json()["id"]
+
+    def finished() -> str | None:
+        status: str = client.get(f"/lmsp/v1/tasks/{task_id}").json()["status"]
+        return status if status in ("succeeded", "failed", "cancelled") else None
+
+    return wait_until(finished, "the task to finish")
+
+
 def test_preloaded_models_are_resident_before_ready_and_their_first_task_loads_nothing(
     host: Host, tmp_path: Path, model_cache: Path, tiny: ResolvedModel, tiny2: ResolvedModel
 ) -> None:
@@ -41,14 +55,7 @@ def test_preloaded_models_are_resident_before_ready_and_their_first_task_loads_n
         assert client.get("/readyz").status_code == 200
         listed = {m["id"]: m for m in client.get("/lmsp/v1/models").json()["data"]}
         assert listed["tiny2"]["loaded"] and listed["tiny2"]["resident_bytes"] > 0
-        body = {"type": "response", "input": {"model": "tiny2", "input": "Hi", "max_output_tokens": 4}}
-        task_id = client.post("/lmsp/v1/tasks", json=body).json()["id"]
-
-        def finished() -> str | None:
-            status: str = client.get(f"/lmsp/v1/tasks/{task_id}").json()["status"]
-            return status if status in ("succeeded", "failed", "cancelled") else None
-
-        assert wait_until(finished, "the task to finish") == "succeeded"
+        assert finished_task(client, "tiny2") == "succeeded"
         metrics = client.get("/metrics").text
         # Loaded once, by the preload (the shared engine had not loaded it before): the task loaded nothing.
         assert 'lmspd_model_loads_total{model="tiny2"} 1.0' in metrics
@@ -87,14 +94,7 @@ def test_a_default_model_that_cannot_fit_leaves_the_server_serving_but_not_ready
         assert client.get("/lmsp/v1/summary").json()["ready"] is False
         assert not {m["id"]: m for m in client.get("/lmsp/v1/models").json()["data"]}[smol.name]["loaded"]
         # It serves what can load: a task on a model that fits runs.
-        body = {"type": "response", "input": {"model": "tiny2", "input": "Hi", "max_output_tokens": 4}}
-        task_id = client.post("/lmsp/v1/tasks", json=body).json()["id"]
-
-        def finished() -> str | None:
-            status: str = client.get(f"/lmsp/v1/tasks/{task_id}").json()["status"]
-            return status if status in ("succeeded", "failed", "cancelled") else None
-
-        assert wait_until(finished, "the task to finish") == "succeeded"
+        assert finished_task(client, "tiny2") == "succeeded"
         assert client.get("/readyz").json()["reason"] == reason  # still: nothing made it fit
         # No load of it was tried, at the start or since.
         assert f'lmspd_model_loads_total{{model="{smol.name}"}}' not in client.get("/metrics").text

@@ -11,7 +11,16 @@ from harness.models import ROOT
 
 
 @pytest.mark.parametrize(
-    "module", ["bench.raw", "bench.step_profile", "bench.matvec", "bench.memory", "bench.peers", "bench.agents"]
+    "module",
+    [
+        "bench.raw",
+        "bench.step_profile",
+        "bench.matvec",
+        "bench.memory",
+        "bench.peers",
+        "bench.agents",
+        "bench.agent_session",
+    ],
 )
 def test_help_exits_cleanly(module: str) -> None:
     done = subprocess.run(

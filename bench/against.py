@@ -23,8 +23,8 @@ import tempfile
 from pathlib import Path
 
 from bench.peers import LOWER_BETTER, ROWS, measure, stream
-from bench.serving import kill, serve
 from bench.step_profile import default_model_dir
+from harness.server import kill, serve
 
 ROOT = Path(__file__).resolve().parent.parent
 

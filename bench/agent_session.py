@@ -7,7 +7,7 @@ the Messages API (issue 42).
 
 Codex CLI runs with ``store: false`` and resends its whole history on every request. Turn 1 is
 the request Codex 0.171.0 sent on its second round trip, configured as the README says for an
-8k-context model (``tests/support/data/codex/multi-agent-off-turn2.json``: its ~6.5k-token
+8k-context model (``harness/data/codex/multi-agent-off-turn2.json``: its ~6.5k-token
 prompt with 7 function tools, ``client_metadata``, ``include: ["reasoning.encrypted_content"]``,
 ``prompt_cache_key``, then a reasoning item, a ``function_call`` to ``exec_command`` and its
 ``function_call_output``; the reasoning item's token, which the capture stand-in wrote, is
@@ -35,7 +35,7 @@ against such a server.
 
 ``--messages``: Claude Code's session instead: streamed ``POST /v1/messages?beta=true``, turn 1
 the request Claude Code 2.1.332 sent under ``--tools "Bash,Read,Edit"`` as captured
-(``tests/support/data/claude/three-tools-turn1.json``: ~3,700 prompt tokens, the billing header
+(``harness/data/claude/three-tools-turn1.json``: ~3,700 prompt tokens, the billing header
 and two ``cache_control`` system blocks, a user message and the environment as a
 mid-conversation ``system`` message, Bash, Read, Edit and a deferred placeholder, adaptive
 thinking with ``display: "omitted"``, ``effort: high``, ``context_management``,
@@ -56,7 +56,6 @@ import copy
 import json
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -66,13 +65,12 @@ from typing import Any, Protocol
 
 import httpx
 
-from bench.serving import kill, serve
+from harness import claude, codex
+from harness.server import kill, serve
 from lmspd.config import load_config
 from lmspd.engine.prompt_cache import stored_lengths
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-from support import claude, codex  # noqa: E402  (tests/support)
 
 LS_OUTPUT = (
     "Chunk ID: 4f1c2a\nWall time: 0.0000 seconds\nProcess exited with code 0\n"
@@ -234,10 +232,9 @@ class ClaudeCode:
 
 
 def thinker_model(dest: Path) -> Path:
-    """The tests' tiny hermes_think model (tests/support/families.py) with a 16k context."""
-    from support.families import make_family_tokenizer
-    from support.models import CACHE, SMOL, make_tiny_model
-
+    """The tests' tiny hermes_think model (harness/families.py) with a 16k context."""
+    from harness.families import make_family_tokenizer
+    from harness.models import CACHE, SMOL, make_tiny_model
     from lmspd.models.pull import pull_builtin
 
     smol = pull_builtin(SMOL, CACHE / "models")  # instant once the test suite has pulled it

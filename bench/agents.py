@@ -14,7 +14,7 @@ it is killed with its process group and counts as failed):
 
 - the Codex CLI (the pinned 0.171.0: ``LMSPD_CODEX``, else the test cache's, else ``codex`` on
   PATH) as ``codex exec --json "say hello"``, configured as the README's "Coding agents"
-  section says for an 8k-context model (``tests/support/codex.py``), a fresh CODEX_HOME each
+  section says for an 8k-context model (``harness/codex.py``), a fresh CODEX_HOME each
   run in the same workspace folder (a person trying it again in their project); a run
   completed when Codex exits 0 with a final agent message;
 - Claude Code (the pinned 2.1.332: ``LMSPD_CLAUDE``, else the test cache's
@@ -55,14 +55,13 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.serving import kill, serve
+from harness.claude import CLAUDE_VERSION, claude_binary
+from harness.codex import codex_binary, codex_config
+from harness.server import kill, serve
 from lmspd.config import load_config
 from lmspd.store.status import ACTIVE
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-from support.claude import CLAUDE_VERSION, claude_binary  # noqa: E402  (tests/support)
-from support.codex import codex_binary, codex_config  # noqa: E402
 
 PROMPTS = {"codex": "say hello", "claude": "Reply with: hello"}
 

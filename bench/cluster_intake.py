@@ -5,7 +5,7 @@ and the replay of a finished task's events (``Last-Event-ID``) on SQLite and on 
     python -m bench.tasks --store auto      # a PostgreSQL of its own (initdb/pg_ctl), fsync on
 
 Each row starts that many real ``lmspd serve`` processes on one fresh database (on PostgreSQL each is
-a node, SPEC §15), spreads ``--clients`` concurrent HTTP clients over them round robin, and posts
+a node), spreads ``--clients`` concurrent HTTP clients over them round robin, and posts
 ``--tasks`` one-token tasks: accepted tasks/s and p50/p99 of one POST (202 = committed). The
 default model serves; with ``--store URL`` the rows share that database, with ``auto`` each gets its own;
 on one machine the nodes share its cores, so the rows say what the store costs, not what more
@@ -34,12 +34,10 @@ from pathlib import Path
 
 import httpx
 
-from bench.serving import free_port
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from support.postgres import PostgresServer, bin_dir
-
-from bench.tasks import replay, seed_history
+from bench.tasks import replay
+from harness.history import seed_history
+from harness.postgres import durable_cluster
+from harness.server import free_port
 
 BODY = {"type": "response", "input": {"input": "Hi", "max_output_tokens": 1}}
 
@@ -101,18 +99,12 @@ async def intake(urls: list[str], clients: int, total: int) -> tuple[float, floa
 
 
 def main(args: argparse.Namespace) -> None:
-    server: PostgresServer | None = None
-    base = args.store
-    if args.store == "auto":
-        found = bin_dir()
-        if found is None:
-            raise SystemExit("no PostgreSQL here: pass --store postgresql://…, or apt install postgresql")
-        server = PostgresServer(found, durable=True)
-        server.start()
-        base = server.url()
     rows: list[tuple[str, float, float, float]] = []
     replays: list[tuple[str, int, float]] = []
-    try:
+    given = None if args.store == "auto" else args.store
+    missing = "no PostgreSQL here: pass --store postgresql://…, or apt install postgresql"
+    with durable_cluster(given, missing) as server:
+        base = server.url() if server else args.store
         for label, count, pg in [
             ("SQLite", 1, False),
             ("PostgreSQL", 1, True),
@@ -125,9 +117,6 @@ def main(args: argparse.Namespace) -> None:
             with tempfile.TemporaryDirectory() as tmp, nodes(Path(tmp), count, url) as urls:
                 rows.append(measure(label, count, urls, args))
         replays = replay_rows(server.create_database() if server else base, args.history)
-    finally:
-        if server is not None:
-            server.stop()
     print(f"intake, {args.clients} clients over the nodes, {args.tasks} one-token tasks")
     print(f"{'store':<22} {'tasks/s':>9} {'p50 ms':>8} {'p99 ms':>8}")
     for name, rate, p50, p99 in rows:

@@ -273,7 +273,7 @@ async def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="lmspd-bench-") as scratch:
         if args.tiny:
-            from bench.fuzz import tiny_model
+            from harness.fuzz import tiny_model
 
             args.model_dir = tiny_model(Path(scratch) / "tiny")
         path: Path = (args.model_dir or default_model_dir()).resolve()

@@ -26,8 +26,8 @@ from pathlib import Path
 import httpx
 
 from bench.peers import children, process_label
-from bench.serving import kill, serve
 from bench.step_profile import default_model_dir, thread_cpu
+from harness.server import kill, serve
 
 
 def answer(client: httpx.Client, url: str, prompt: str, tokens: int) -> int:

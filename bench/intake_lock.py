@@ -9,7 +9,7 @@ each making tasks with ``TaskStore.create`` (the bound read, the task, its first
 the lock (``intake_lock`` made a no-op in this process only) the nodes' batches commit in
 parallel and the bound can be overshot by about a batch per node; with it, they take turns
 (docs/operations.md, "Several nodes"). Without ``--url`` a PostgreSQL of its own is started
-(tests/support/postgres.py), fsync on. Rounds interleave the rows; the median of each is shown.
+(harness/postgres.py), fsync on. Rounds interleave the rows; the median of each is shown.
 """
 
 from __future__ import annotations
@@ -17,20 +17,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import psycopg
 
+from harness.postgres import durable_cluster
 from lmspd.store.opening import open_database
 from lmspd.store.pg_migrate import migrate_pg
 from lmspd.store.queries import queries
 from lmspd.store.task_store import NewEvent, TaskRecord, TaskStore
 from lmspd.store.url import StoreUrl
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from support.postgres import PostgresServer, bin_dir
 
 EVENT = b'{"type":"response.created","sequence_number":0}'
 SHIPPED = queries("postgresql")["intake_lock"]
@@ -71,33 +68,25 @@ async def main() -> None:
     ap.add_argument("--tasks", type=int, default=3000)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
-    server: PostgresServer | None = None
-    if args.url is None:
-        found = bin_dir()
-        if found is None:
-            raise SystemExit("no PostgreSQL here: pass --url, or apt install postgresql")
-        server = PostgresServer(found, durable=True)
-        server.start()
     rows = [
         (f"{n} node{'s' if n > 1 else ''}, {'with' if lock else 'without'} the lock", n, lock)
         for n in (1, 2, 3)
         for lock in (True, False)
     ]
     results: dict[str, list[tuple[float, float, float]]] = {name: [] for name, _, _ in rows}
-    try:
-        for _ in range(args.rounds):
-            for name, n, lock in rows:
-                url = server.create_database() if server else args.url
-                with psycopg.connect(url, autocommit=True) as conn:
-                    migrate_pg(conn)
-                queries("postgresql")["intake_lock"] = SHIPPED if lock else "SELECT 1"
-                results[name].append(await measure(url, n, args.clients, args.tasks))
-                if server:
-                    server.drop_database(url)
-    finally:
-        queries("postgresql")["intake_lock"] = SHIPPED
-        if server is not None:
-            server.stop()
+    with durable_cluster(args.url, "no PostgreSQL here: pass --url, or apt install postgresql") as server:
+        try:
+            for _ in range(args.rounds):
+                for name, n, lock in rows:
+                    url = server.create_database() if server else args.url
+                    with psycopg.connect(url, autocommit=True) as conn:
+                        migrate_pg(conn)
+                    queries("postgresql")["intake_lock"] = SHIPPED if lock else "SELECT 1"
+                    results[name].append(await measure(url, n, args.clients, args.tasks))
+                    if server:
+                        server.drop_database(url)
+        finally:
+            queries("postgresql")["intake_lock"] = SHIPPED
     print(f"intake on PostgreSQL, {args.clients} callers over the nodes, {args.tasks} tasks; median of {args.rounds}")
     print(f"{'nodes':<30} {'tasks/s':>9} {'p50 ms':>8} {'p99 ms':>8}")
     for name, runs in results.items():

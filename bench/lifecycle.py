@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.serving import kill, serve
+from harness.server import kill, serve
 from lmspd.config import load_config
 from lmspd.models.registry import ModelRegistry
 

@@ -44,7 +44,7 @@ from typing import Any
 import httpx
 
 from bench.raw import Raw
-from bench.serving import free_port, kill, spawn
+from harness.server import free_port, kill, spawn
 from lmspd.config import load_config
 from lmspd.models.registry import ModelRegistry
 

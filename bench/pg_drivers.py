@@ -2,7 +2,7 @@
 
     python -m bench.pg_drivers [--url postgresql://…] [--clients 64] [--tasks 2000] [--rounds 3]
 
-Without ``--url`` it starts a PostgreSQL of its own (tests/support/postgres.py: initdb and pg_ctl in a
+Without ``--url`` it starts a PostgreSQL of its own (harness/postgres.py: initdb and pg_ctl in a
 temporary directory, fsync on as a server would run). Each row makes ``--tasks`` tasks from
 ``--clients`` concurrent callers, each task what ``TaskStore.create`` writes (the queue bound read,
 the task row, its first event, the sequence number advanced, the task read back), all waiting callers
@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import contextlib
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -35,13 +34,11 @@ import asyncpg
 import psycopg
 from ulid import monotonic as ulid
 
+from harness.postgres import durable_cluster
 from lmspd.store.opening import open_database
 from lmspd.store.pg_migrate import migrate_pg
 from lmspd.store.task_store import NewEvent, TaskRecord, TaskStore
 from lmspd.store.url import StoreUrl
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from support.postgres import PostgresServer, bin_dir
 
 EVENT = b'{"type":"response.created","sequence_number":0}'
 INSERT_TASK = (
@@ -210,14 +207,7 @@ async def main() -> None:
     ap.add_argument("--tasks", type=int, default=2000)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
-    server: PostgresServer | None = None
-    if args.url is None:
-        bindir = bin_dir()
-        if bindir is None:
-            raise SystemExit("no PostgreSQL here: pass --url, or apt install postgresql")
-        server = PostgresServer(bindir, durable=True)
-        server.start()
-    try:
+    with durable_cluster(args.url, "no PostgreSQL here: pass --url, or apt install postgresql") as server:
         base = args.url or (server.url() if server else "")
         drivers: list[tuple[str, Callable[[str], AsyncIterator[Callable[[], Awaitable[Any]]]]]] = [
             ("psycopg sync, writer thread", psycopg_thread),
@@ -239,9 +229,6 @@ async def main() -> None:
             with tempfile.TemporaryDirectory() as tmp:
                 lite = StoreUrl("sqlite", "", Path(tmp) / "bench.db")
                 results["lmspd TaskStore (SQLite)"].append(await measure(task_store_at(lite), args.clients, args.tasks))
-    finally:
-        if server is not None:
-            server.stop()
     print(f"task intake, {args.clients} concurrent callers, {args.tasks} tasks, group commit; median of {args.rounds}")
     print(f"{'driver':<30} {'tasks/s':>9} {'p50 ms':>8} {'p99 ms':>8}")
     for name, runs in results.items():

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from openai import OpenAI
 
-from bench.serving import free_port, kill, spawn
+from harness.server import free_port, kill, spawn
 from lmspd.config import load_config
 from lmspd.engine.prompt_cache import stored_lengths
 from lmspd.models.registry import ModelRegistry

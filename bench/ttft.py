@@ -25,7 +25,7 @@ from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.raw import Raw
-from bench.serving import free_port, kill, spawn
+from harness.server import free_port, kill, spawn
 from lmspd.config import load_config
 from lmspd.metrics import STAGES
 from lmspd.models.registry import ModelRegistry

@@ -229,7 +229,7 @@ class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class ClusterConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """Nodes sharing one PostgreSQL (SPEC §15): each renews its lease every heartbeat."""
+    """Nodes sharing one PostgreSQL (docs/operations.md, "Several nodes"): each renews its lease every heartbeat."""
 
     # This node's name among the others; default host:port. Stable across restarts, so a node
     # that restarts settles what its previous run left at once, without waiting for its lease.

@@ -308,8 +308,9 @@ class StorageFullError(ServerOverloadedError):
 
 
 class LeaseLostError(LmspdError):
-    """This node's lease on a task was taken over by another node (SPEC §15, fencing): it must
-    write nothing more into the task and stop generating it. Never a client's to see."""
+    """This node's lease on a task was taken over by another node (fencing: docs/operations.md,
+    "Several nodes"): it must write nothing more into the task and stop generating it. Never a
+    client's to see."""
 
     code = "lease_lost"
     status = 409

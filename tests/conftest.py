@@ -1,11 +1,11 @@
 """Fixtures every tier shares: the real bundled model (pulled once per cache), the tiny
-random-weight models (support.models), the shared engine process (the engine tier) and the
+random-weight models (harness.models), the shared engine process (the engine tier) and the
 engine hosts of in-process apps (the api tier).
 
 Tiers by folder: unit/ (no model run, no engine, no server), engine/ (a real engine
 process), api/ (an app on the tiny model, or a real server on it), system/ (real processes
-killed and restarted, the bundled model). Helpers live in support/ (imported as
-``support.<module>``: this file's folder is on ``sys.path``).
+killed and restarted, the bundled model). Helpers live in the repository's harness/
+(imported as ``harness.<module>``), which the benchmarks and CI share.
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
-from support.engine_host import Host, Hosts
-from support.models import CACHE, SMOL, make_tiny_model
-from support.postgres import PostgresServer
-from support.postgres import from_environment as postgres_from_environment
-from support.wait import wait_until_async
 
+from harness.engine_host import Host, Hosts
+from harness.models import CACHE, SMOL, make_tiny_model
+from harness.postgres import PostgresServer
+from harness.postgres import from_environment as postgres_from_environment
+from harness.wait import wait_until_async
 from lmspd.config import EngineConfig
 from lmspd.engine.process import EngineClient
 from lmspd.models.pull import pull_builtin
@@ -35,7 +35,7 @@ from lmspd.store.url import StoreUrl
 
 @pytest.fixture(scope="session")
 def postgres() -> Iterator[PostgresServer]:
-    """The session's real PostgreSQL (support/postgres.py), started on first use. Missing, it
+    """The session's real PostgreSQL (harness/postgres.py), started on first use. Missing, it
     fails the tests that need it under CI (CI=true) and skips them elsewhere, saying why."""
     server = postgres_from_environment()
     if server is None:

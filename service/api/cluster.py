@@ -1,5 +1,5 @@
 """``GET /lmsp/v1/cluster`` (operators): the nodes sharing this server's PostgreSQL, their leases,
-models and load (SPEC §15; docs/operations.md, "Several nodes"). Translation only: the nodes are
+models and load (docs/operations.md, "Several nodes"). Translation only: the nodes are
 lmspd.core.cluster's; on SQLite there is one node and no lease, and the list is empty."""
 
 from __future__ import annotations

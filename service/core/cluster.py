@@ -1,4 +1,4 @@
-"""This process as one node of several on one PostgreSQL (SPEC §15; docs/operations.md, "Several
+"""This process as one node of several on one PostgreSQL (docs/operations.md, "Several
 nodes"): its lease, the other nodes' changes, and the work of nodes that died.
 
 - Joining takes a lease under a new epoch (``store.fence``): every claim and event write of

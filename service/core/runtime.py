@@ -64,7 +64,7 @@ async def started(
         echo, items = ReasoningEcho.of(config, db), ItemIndex(db)
         supervisor = Supervisor(config, store, runner, hub, registry, metrics, sealer, echo, items)
         cluster: Cluster | None = None
-        if pg:  # one node of several (SPEC §15): its lease first
+        if pg:  # one node of several (docs/operations.md, "Several nodes"): its lease first
             from lmspd.core.cluster import Cluster  # psycopg only when on PostgreSQL
 
             cluster = Cluster(config, db, store, hub)  # type: ignore[arg-type]

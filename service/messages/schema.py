@@ -428,7 +428,7 @@ class MessagesBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 if hosted_tools == "omit":
                     omitted.append(kind)
                     continue
-                # SPEC §3.4's hosted-tools rule: named, and how to turn it off.
+                # The hosted-tools rule (docs/responses.md, "Coding agents"): named, and how to turn it off.
                 raise hosted_refusal(kind, where)
             tool: Tool = _convert(raw, Tool, where)
             function: dict[str, Any] = {

@@ -1,4 +1,4 @@
-"""The nodes sharing one PostgreSQL (SPEC §15; docs/operations.md, "Several nodes"): each one's
+"""The nodes sharing one PostgreSQL (docs/operations.md, "Several nodes"): each one's
 lease row, renewed on the database's clock, and the take-over of a dead node's tasks.
 
 Writes go through the group-committing writer like every other; the lease epoch a registration

@@ -131,8 +131,9 @@ def _get(conn: Conn, task_id: str) -> TaskRecord:
 
 
 class Fence(msgspec.Struct, kw_only=True):
-    """Whose writes these are (PostgreSQL, SPEC §15): this node and its current lease epoch. A
-    write into a task claimed under another node or epoch finds no row (queries_pg.sql)."""
+    """Whose writes these are (PostgreSQL; docs/operations.md, "Several nodes"): this node and its
+    current lease epoch. A write into a task claimed under another node or epoch finds no row
+    (queries_pg.sql)."""
 
     me: str | None = None
     epoch: int | None = None

@@ -1,7 +1,7 @@
 """What coding agents send (docs/responses.md, "Coding agents"): sealed reasoning, item
 references, client_metadata, namespace tools and hosted tools, through the real app and engine.
 
-The thinker (tests/support/families.py) reasons for two tokens and then answers, so its
+The thinker (harness/families.py) reasons for two tokens and then answers, so its
 reasoning items are real; the tiny model's calls are valid only because the grammar holds them.
 """
 
@@ -15,10 +15,10 @@ from typing import Any
 import msgspec
 import pytest
 from starlette.testclient import TestClient
-from support.engine_host import Host
-from support.families import make_thinker
-from support.openresponses import validate
 
+from harness.engine_host import Host
+from harness.families import make_thinker
+from harness.openresponses import validate
 from lmspd.config import Config, EngineConfig, ModelEntry, ResponsesConfig, ServerConfig
 from lmspd.models.registry import ResolvedModel
 

@@ -12,10 +12,10 @@ from typing import Any
 import msgspec
 import pytest
 from starlette.testclient import TestClient
-from support.engine_host import Host, purge
-from support.families import make_thinker
-from support.wait import wait_until
 
+from harness.engine_host import Host, purge
+from harness.families import make_thinker
+from harness.wait import wait_until
 from lmspd.config import Config, EngineConfig, ModelEntry, ResponsesConfig, ServerConfig
 from lmspd.models.registry import ResolvedModel
 

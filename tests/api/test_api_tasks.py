@@ -15,10 +15,10 @@ import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
-from support.engine_host import Host, purge, tiny_config
-from support.openresponses import validate, validate_event
-from support.wait import wait_until
 
+from harness.engine_host import Host, purge, tiny_config
+from harness.openresponses import validate, validate_event
+from harness.wait import wait_until
 from lmspd.api import events
 from lmspd.config import Config, EngineConfig
 from lmspd.models.registry import ResolvedModel

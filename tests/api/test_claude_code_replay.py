@@ -1,4 +1,4 @@
-"""Claude Code 2.1.332's own requests (``support/data/claude/``, its README says how they were
+"""Claude Code 2.1.332's own requests (``harness/data/claude/``, its README says how they were
 captured) replayed against the real app, with the headers Claude Code sent, on a tiny model
 with the bundled model's context (8192 tokens): the default request (twelve tools, ~12,000
 tokens) is refused in Anthropic's words, the form Claude Code reports as "Prompt is too long";
@@ -17,10 +17,10 @@ from typing import Any
 import msgspec
 import pytest
 from starlette.testclient import TestClient
-from support.claude import captured
-from support.engine_host import Host
-from support.sse import named_events
 
+from harness.claude import captured
+from harness.engine_host import Host
+from harness.sse import named_events
 from lmspd.config import Config, EngineConfig, ModelEntry, ServerConfig
 from lmspd.models.registry import ResolvedModel
 

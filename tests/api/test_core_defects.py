@@ -11,10 +11,10 @@ from typing import Any
 import msgspec
 import pytest
 from starlette.testclient import TestClient
-from support.engine_host import Host, purge
-from support.openresponses import validate
-from support.wait import wait_until
 
+from harness.engine_host import Host, purge
+from harness.openresponses import validate
+from harness.wait import wait_until
 from lmspd.config import Config, EngineConfig, ModelEntry, ResponsesConfig, ServerConfig
 from lmspd.core import Core
 from lmspd.core.endings import Endings

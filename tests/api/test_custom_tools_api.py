@@ -15,9 +15,9 @@ import msgspec
 import openai
 import pytest
 from llguidance import LLMatcher, LLTokenizer
-from support.openresponses import validate, validate_event
-from support.server import Server, tiny_server
 
+from harness.openresponses import validate, validate_event
+from harness.server import Server, tiny_server
 from lmspd.models.registry import ResolvedModel
 
 SETTINGS = r"""start: entry ("\n" entry){0,2} "\n"

@@ -15,11 +15,11 @@ from typing import Any
 import jsonschema
 import openai
 import pytest
-from support.families import FAMILY_FORMAT, make_family_tokenizer
-from support.models import make_tiny_model
-from support.openresponses import validate, validate_event
-from support.server import Server, tiny_server
 
+from harness.families import FAMILY_FORMAT, make_family_tokenizer
+from harness.models import make_tiny_model
+from harness.openresponses import validate, validate_event
+from harness.server import Server, tiny_server
 from lmspd.models.registry import ResolvedModel
 
 PARAMS = {

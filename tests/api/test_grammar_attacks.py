@@ -20,9 +20,9 @@ from typing import Any
 
 import httpx
 import pytest
-from support.models import make_tiny_model
-from support.server import Server, tiny_server
 
+from harness.models import make_tiny_model
+from harness.server import Server, tiny_server
 from lmspd.models.registry import ResolvedModel
 
 # A thousand copies of one small subschema: its prompt is ~14k tokens, its grammar an

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 from starlette.testclient import TestClient
-from support.engine_host import Host
 
+from harness.engine_host import Host
 from lmspd.api.app import ROUTES
 from lmspd.api.openapi import documented
 from lmspd.api.problems import is_anthropic_path

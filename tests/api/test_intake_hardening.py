@@ -12,9 +12,9 @@ from typing import Any
 import msgspec
 import pytest
 from starlette.testclient import TestClient
-from support.engine_host import Host, tiny_config
-from support.wait import wait_until
 
+from harness.engine_host import Host, tiny_config
+from harness.wait import wait_until
 from lmspd.config import Config, EngineConfig, ModelEntry, ServerConfig
 from lmspd.errors import InvalidRequestError, ModelNotFoundError
 from lmspd.models.registry import ModelRegistry, ResolvedModel

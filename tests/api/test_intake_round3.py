@@ -12,9 +12,9 @@ from typing import Any
 import msgspec
 import pytest
 from starlette.testclient import TestClient
-from support.engine_host import Host, tiny_config
 
-from bench import fuzz_attacks
+from harness import fuzz_attacks
+from harness.engine_host import Host, tiny_config
 from lmspd.config import Config, EngineConfig, ResponsesConfig
 from lmspd.models.registry import ResolvedModel
 
@@ -238,11 +238,11 @@ def test_an_item_or_part_type_that_is_no_string_is_a_400(client: TestClient, rou
         assert tasks_of(client, ALICE) == before
 
 
-# --- the fuzz harness's hand-written attacks (bench.fuzz_attacks) -------------------------------
+# --- the fuzz harness's hand-written attacks (harness.fuzz_attacks) -------------------------------
 
 
 def test_the_fuzz_harness_attacks_are_each_answered_as_it_requires(client: TestClient) -> None:
-    """What ``bench.fuzz`` sends after schemathesis, on every documented POST route, held to
+    """What ``harness.fuzz`` sends after schemathesis, on every documented POST route, held to
     the harness's own verdict: it must find nothing here, as it must on a real server."""
     paths = client.get("/openapi.json").json()["paths"]
     posts = {path for path, ops in paths.items() if "post" in ops and "{" not in path}

@@ -21,10 +21,10 @@ from typing import Any
 import msgspec
 import pytest
 from starlette.testclient import TestClient
-from support.engine_host import Host
-from support.families import make_thinker
-from support.sse import named_events
 
+from harness.engine_host import Host
+from harness.families import make_thinker
+from harness.sse import named_events
 from lmspd.config import Config, EngineConfig, ModelEntry, ResponsesConfig, ServerConfig
 from lmspd.models.registry import ResolvedModel
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from starlette.testclient import TestClient
-from support.engine_host import Host
-from support.wait import wait_until
 
+from harness.engine_host import Host
+from harness.wait import wait_until
 from lmspd.config import Config, EngineConfig, ModelEntry, ServerConfig
 from lmspd.models.footprint import estimate_or_zero
 from lmspd.models.registry import ResolvedModel

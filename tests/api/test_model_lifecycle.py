@@ -11,9 +11,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
-from support.engine_host import Host
-from support.wait import wait_until
 
+from harness.engine_host import Host
+from harness.wait import wait_until
 from lmspd.cli.main import COMMANDS, build_parser
 from lmspd.config import Config, EngineConfig, ModelEntry, ServerConfig
 from lmspd.models.registry import ResolvedModel

@@ -17,9 +17,9 @@ from typing import Any
 
 import httpx
 import pytest
-from support.models import SMOL
-from support.server import Server, tiny_server
 
+from harness.models import SMOL
+from harness.server import Server, tiny_server
 from lmspd.models.registry import ResolvedModel
 
 QUICK: dict[str, Any] = {"input": "Hi", "temperature": 0, "max_output_tokens": 1}

@@ -1,7 +1,7 @@
 """The OpenAPI document: valid OpenAPI 3.1, every route of the app and nothing else, errors
 per path family, served at /openapi.json and printed by ``lmspd openapi``.
 
-``support/data/openapi-3.1-schema.json`` is the OpenAPI Initiative's published schema for 3.1 documents
+``harness/data/openapi-3.1-schema.json`` is the OpenAPI Initiative's published schema for 3.1 documents
 (https://spec.openapis.org/oas/3.1/schema/2022-10-07, Apache-2.0), vendored verbatim so the test
 runs offline. Its ``$dynamicRef: "#meta"`` (a hook for schemas that extend it) resolves to its own
 ``$defs/schema`` here, so it is read with that as a plain ``$ref``: the same check, five times
@@ -22,8 +22,8 @@ import msgspec
 import pytest
 from starlette.applications import Starlette
 from starlette.routing import Route
-from support import DATA
 
+from harness import DATA
 from lmspd.api.app import create_app
 from lmspd.api.openapi import document
 from lmspd.api.problems import openai_body

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 from starlette.testclient import TestClient
-from support.engine_host import Host, tiny_config
 
+from harness.engine_host import Host, tiny_config
 from lmspd.config import Config, EngineConfig
 from lmspd.models.registry import ResolvedModel
 from lmspd.responses import tools

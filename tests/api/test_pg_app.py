@@ -1,6 +1,6 @@
 """The real app on PostgreSQL ([store] url): LMSP tasks and /v1 responses end to end, the rows
 in the database, Last-Event-ID replay, cancel and idempotency, on the tiny model and a real
-PostgreSQL (tests/support/postgres.py). The SQLite app is tests/api/test_api_tasks.py's."""
+PostgreSQL (harness/postgres.py). The SQLite app is tests/api/test_api_tasks.py's."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import msgspec
 import psycopg
 import pytest
 from starlette.testclient import TestClient
-from support.engine_host import Host, tiny_config
-from support.wait import wait_until
 
+from harness.engine_host import Host, tiny_config
+from harness.wait import wait_until
 from lmspd.config import Config, EngineConfig, StoreConfig
 from lmspd.models.catalog import BUILTIN_MODELS
 from lmspd.models.pull import is_pulled

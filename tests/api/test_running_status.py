@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 from starlette.testclient import TestClient
-from support.engine_host import Host, tiny_config
-from support.wait import wait_until
 
+from harness.engine_host import Host, tiny_config
+from harness.wait import wait_until
 from lmspd.config import EngineConfig
 from lmspd.models.registry import ResolvedModel
 

@@ -14,9 +14,9 @@ from typing import Any
 import msgspec
 import pytest
 from starlette.testclient import TestClient
-from support.engine_host import Host
-from support.wait import wait_until
 
+from harness.engine_host import Host
+from harness.wait import wait_until
 from lmspd.config import Config, EngineConfig, ModelEntry, ServerConfig
 from lmspd.models.registry import ResolvedModel
 from lmspd.responses.schema import TaskRequest

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from harness.server import free_port
+
 # serve.run with an app whose startup waits (as for an engine) until a file appears.
 SCRIPT = """
 import asyncio, contextlib, sys
@@ -35,12 +37,6 @@ lmspd.api.app.create_app = blocked_app
 config = Config(server=ServerConfig(host="127.0.0.1", port=int(sys.argv[1]), data_dir=sys.argv[3]))
 asyncio.run(serve.run(config))
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def bind_fails(port: int) -> bool:

@@ -3,7 +3,7 @@
 A real ``lmspd serve`` on loopback (real sockets: backpressure is the kernel's), keep-alive
 0.5 s (a reader that takes nothing for 1 s is gone), serving a finished task of 20,000 events
 (~4.7 MB of SSE, more than the kernel buffers on loopback) seeded through the store.
-``bench/sse_abuse.py`` does the same at scale (1,000 dropped streams, hundreds of slow readers).
+``harness/sse_abuse.py`` does the same at scale (1,000 dropped streams, hundreds of slow readers).
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from typing import Any
 
 import httpx
 import pytest
-from support.wait import wait_until
 
-from bench.serving import free_port, kill, spawn
-from bench.tasks import seed_history
+from harness.history import seed_history
+from harness.server import free_port, kill, spawn
+from harness.wait import wait_until
 from lmspd.api.events import EventStream
 from lmspd.models.registry import ResolvedModel
 

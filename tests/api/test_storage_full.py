@@ -18,9 +18,9 @@ from typing import Any
 import msgspec
 import pytest
 from starlette.testclient import TestClient
-from support.engine_host import Host, tiny_config
-from support.wait import wait_until
 
+from harness.engine_host import Host, tiny_config
+from harness.wait import wait_until
 from lmspd.config import Config, EngineConfig
 from lmspd.models.registry import ResolvedModel
 from lmspd.store.db import Database, SqliteDatabase, on_thread

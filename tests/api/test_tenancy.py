@@ -24,9 +24,9 @@ from typing import Any
 import pytest
 import ulid
 from starlette.testclient import TestClient
-from support.engine_host import Host
-from support.wait import wait_until
 
+from harness.engine_host import Host
+from harness.wait import wait_until
 from lmspd.api import console
 from lmspd.api.app import ROUTES
 from lmspd.api.openapi import documented

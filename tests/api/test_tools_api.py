@@ -17,9 +17,9 @@ import msgspec
 import openai
 import pydantic
 import pytest
-from support.openresponses import validate, validate_event
-from support.server import Server, tiny_server
 
+from harness.openresponses import validate, validate_event
+from harness.server import Server, tiny_server
 from lmspd.models.registry import ResolvedModel
 
 CITY = {

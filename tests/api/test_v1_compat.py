@@ -16,11 +16,11 @@ import openai
 import pytest
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 from langchain_openai import ChatOpenAI
-from support.openresponses import validate, validate_event
-from support.server import Server, tiny_server
-from support.wait import wait_until
 
-from bench.stall import HUGE, LARGE, LONG_ROUTES
+from harness.openresponses import validate, validate_event
+from harness.server import Server, tiny_server
+from harness.stall import HUGE, LARGE, LONG_ROUTES
+from harness.wait import wait_until
 from lmspd.models.registry import ResolvedModel
 
 LONG = {"input": "Tell me a story.", "max_output_tokens": 3000}
@@ -270,7 +270,7 @@ def test_chat_openai_invoke_and_stream(server: Server, use_responses_api: bool) 
 
 # A long prompt is refused: by its size before it is tokenized, by its token count where its
 # size could fit (issue 12: the tokenizer runs where the event loop does not wait for it).
-# Whether other clients wait meanwhile is a timing, measured by bench/stall.py, not asserted here.
+# Whether other clients wait meanwhile is a timing, measured by harness/stall.py, not asserted here.
 @pytest.mark.parametrize("size", ["huge", "large"])
 @pytest.mark.parametrize(("route", "body"), LONG_ROUTES, ids=[r for r, _ in LONG_ROUTES])
 def test_a_long_prompt_is_refused_by_its_size_or_its_length(server: Server, route: str, body: Any, size: str) -> None:

@@ -14,12 +14,14 @@ import shutil
 from collections.abc import Iterator
 
 import pytest
-from support.clients import require, require_module
+
+from harness.clients import require, require_module
 
 require_module("playwright")
 
 from playwright.sync_api import Browser, Playwright, sync_playwright  # noqa: E402
-from support.browser import CHROMIUM, FLAGS, Console  # noqa: E402
+
+from harness.browser import CHROMIUM, FLAGS, Console  # noqa: E402
 
 
 @pytest.fixture(scope="session")

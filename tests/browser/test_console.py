@@ -16,9 +16,9 @@ from typing import Any
 import httpx
 import pytest
 from playwright.sync_api import Browser, Page, ViewportSize, expect
-from support.browser import LAPTOP, PHONE, Console, shot
-from support.server import Server, tiny_server
 
+from harness.browser import LAPTOP, PHONE, Console, shot
+from harness.server import Server, tiny_server
 from lmspd.api.console import CSP
 from lmspd.models.registry import ResolvedModel
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import httpx
 import pytest
 from playwright.sync_api import Browser, expect
-from support.browser import LAPTOP, Console, shot
-from support.server import Server, tiny_server
 
+from harness.browser import LAPTOP, Console, shot
+from harness.server import Server, tiny_server
 from lmspd.models.registry import ResolvedModel
 
 pytestmark = pytest.mark.real_model

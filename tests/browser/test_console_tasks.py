@@ -15,9 +15,9 @@ import httpx
 import msgspec
 import pytest
 from playwright.sync_api import Browser, Page, expect
-from support.browser import LAPTOP, Console, shot
-from support.server import Server, task, tiny_server, wait_final
 
+from harness.browser import LAPTOP, Console, shot
+from harness.server import Server, task, tiny_server, wait_final
 from lmspd.models.registry import ResolvedModel
 
 SLOW = 60_000  # ms: the deadline of waits that end on the state they wait for

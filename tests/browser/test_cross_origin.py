@@ -24,10 +24,10 @@ from typing import Any
 import httpx
 import pytest
 from playwright.sync_api import Browser, Playwright, Response
-from support.browser import CHROMIUM, FLAGS, LAPTOP, Console
-from support.clients import require
-from support.server import Server, free_port, tiny_server, wait_final
 
+from harness.browser import CHROMIUM, FLAGS, LAPTOP, Console
+from harness.clients import require
+from harness.server import Server, free_port, tiny_server, wait_final
 from lmspd.models.registry import ResolvedModel
 
 SLOW = 60_000  # ms

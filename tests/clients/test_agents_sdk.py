@@ -14,9 +14,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support.clients import require_module
-from support.server import Server, tiny_server
 
+from harness.clients import require_module
+from harness.server import Server, tiny_server
 from lmspd.models.registry import ResolvedModel
 
 require_module("agents")

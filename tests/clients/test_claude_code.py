@@ -1,14 +1,14 @@
 """The real Claude Code CLI (``claude -p``) against a real ``lmspd serve``, run as the README's
 "Coding agents" section says: ``ANTHROPIC_BASE_URL`` at the server, any ``ANTHROPIC_API_KEY``
 (a tokenless loopback server), ``--model`` one of the server's models and, for an 8k-context
-model, ``--tools "Bash,Read,Edit"``. Each run is isolated (``support.claude.claude_env``: its own
+model, ``--tools "Bash,Read,Edit"``. Each run is isolated (``harness.claude.claude_env``: its own
 HOME and ``CLAUDE_CONFIG_DIR``, telemetry, updates and nonessential traffic off).
 
 The model is the ``brief`` tiny one with the bundled model's 8k context (``brief_8k``: it ends
 its answers by itself after a few tokens, so each of Claude Code's requests costs about a
 second). Its random weights never call a tool by themselves, so the tool loop's test gets its
 call the way the engine and API tiers do, by grammar: a loopback proxy between Claude Code and
-the server (``support.claude.force_bash``) adds ``tool_choice: {"type": "tool", "name":
+the server (``harness.claude.force_bash``) adds ``tool_choice: {"type": "tool", "name":
 "Bash"}`` to the first request, and narrows that request's Bash ``input_schema`` to one constant
 command, so lmspd's grammar makes the model call Bash with exactly ``echo lmspd-tool-ok``. Every
 other request, the turn carrying Claude Code's own ``tool_result`` included, reaches the server
@@ -23,11 +23,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support.claude import CLAUDE_VERSION, FORCED_COMMAND, claude_binary, force_bash, proxy, run_claude
-from support.clients import require
-from support.models import ROOT
-from support.server import Server, tiny_server
 
+from harness.claude import CLAUDE_VERSION, FORCED_COMMAND, claude_binary, force_bash, proxy, run_claude
+from harness.clients import require
+from harness.models import ROOT
+from harness.server import Server, tiny_server
 from lmspd.models.registry import ResolvedModel
 
 SMALL = ["--model", "tiny", "--tools", "Bash,Read,Edit"]
@@ -36,7 +36,7 @@ SMALL = ["--model", "tiny", "--tools", "Bash,Read,Edit"]
 @pytest.fixture(scope="session")
 def claude() -> Path:
     """The Claude Code CLI (``@anthropic-ai/claude-code``, the version .ci/run pins); skipped where
-    it is missing, except under CI (support.clients)."""
+    it is missing, except under CI (harness.clients)."""
     what = f"the Claude Code CLI (npm i @anthropic-ai/claude-code@{CLAUDE_VERSION}, or LMSPD_CLAUDE)"
     return require(what, claude_binary())
 

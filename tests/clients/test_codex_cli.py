@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support.clients import require
-from support.codex import CODEX_VERSION, codex_binary, codex_config
-from support.models import ROOT
-from support.server import Server, tiny_server
 
+from harness.clients import require
+from harness.codex import CODEX_VERSION, codex_binary, codex_config
+from harness.models import ROOT
+from harness.server import Server, tiny_server
 from lmspd.models.registry import ResolvedModel
 
 SERVER = "default_max_output_tokens = 64\n"
@@ -34,7 +34,7 @@ SERVER = "default_max_output_tokens = 64\n"
 @pytest.fixture(scope="session")
 def codex() -> Path:
     """The Codex CLI (``@openai/codex``, the version .ci/run pins); skipped where it is
-    missing, except under CI (support.clients)."""
+    missing, except under CI (harness.clients)."""
     return require(f"the Codex CLI (npm i @openai/codex@{CODEX_VERSION}, or LMSPD_CODEX)", codex_binary())
 
 

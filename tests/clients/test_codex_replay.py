@@ -1,6 +1,6 @@
 """Codex CLI's own requests, replayed byte for byte against a real ``lmspd serve``.
 
-The bodies are what ``codex exec`` 0.171.0 sent (``support/data/codex/``, README there): its
+The bodies are what ``codex exec`` 0.171.0 sent (``harness/data/codex/``, README there): its
 ~6,500-token prompt with 8 function tools, the ``multi_agent_v1`` namespace, ``web_search``
 (or not), ``client_metadata``, ``include: ["reasoning.encrypted_content"]``,
 ``prompt_cache_key``, ``reasoning.summary``, ``store: false``; and turn 2, which replays the
@@ -9,7 +9,7 @@ whole history with the server's reasoning item, its ``function_call`` and Codex'
 
 The tiny random model with a 16k context stands in for the model (Codex's default request
 is ~9,200 tokens once its namespace's functions are offered; it prefills in about a second):
-what is checked is the request surface (SPEC §3.4), not what the model says. ``thinker`` is
+what is checked is the request surface (docs/responses.md, "Coding agents"), not what the model says. ``thinker`` is
 the tiny ``hermes_think`` family model, which opens a reasoning block, so its answers carry
 reasoning items with ``encrypted_content``.
 """
@@ -21,12 +21,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support.codex import Streamed, body, headers, post_stream, without_reasoning_tokens
-from support.families import make_family_tokenizer
-from support.models import make_tiny_model
-from support.openresponses import validate, validate_event
-from support.server import Server, tiny_server
 
+from harness.codex import Streamed, body, headers, post_stream, without_reasoning_tokens
+from harness.families import make_family_tokenizer
+from harness.models import make_tiny_model
+from harness.openresponses import validate, validate_event
+from harness.server import Server, tiny_server
 from lmspd.models.registry import ResolvedModel
 
 FINISHED = ("response.completed", "response.incomplete")
@@ -137,7 +137,7 @@ def test_codex_turn2_replay_is_accepted(server: Server, name: str) -> None:
 
 def test_a_reasoning_token_lmspd_did_not_seal_is_refused_naming_the_item(server: Server) -> None:
     """As captured, turn 2's reasoning item carries the capture stand-in's token: it does
-    not verify, so the request is a 400 naming the item (SPEC §3.4)."""
+    not verify, so the request is a 400 naming the item (docs/responses.md, "Coding agents")."""
     payload = body("no-web-search-turn2")
     index = next(i for i, item in enumerate(payload["input"]) if item["type"] == "reasoning")
     answer = post_stream(server.url, payload, headers())

@@ -1,4 +1,4 @@
-"""Claims by model (SPEC §15; docs/operations.md, "Several nodes"): two real ``lmspd serve`` nodes
+"""Claims by model (docs/operations.md, "Several nodes"): two real ``lmspd serve`` nodes
 on one real PostgreSQL serving different models. A task posted to a node that does not serve its
 model is accepted (another live node serves it) and runs there; a model no node serves is the
 same 404 naming ``model`` as on one node, with nothing written."""
@@ -14,8 +14,8 @@ from typing import Any
 import httpx
 import psycopg
 import pytest
-from support.server import Server, tiny_server, wait_final
 
+from harness.server import Server, tiny_server, wait_final
 from lmspd.models.registry import ResolvedModel
 
 

@@ -1,4 +1,4 @@
-"""PostgreSQL going away under a serving node (SPEC §15; docs/operations.md, "Several nodes"):
+"""PostgreSQL going away under a serving node (docs/operations.md, "Several nodes"):
 new work is refused with 503 and ``Retry-After`` while it is down, nothing acknowledged is
 lost, and the node serves again once it is back. A PostgreSQL of the test's own, stopped with
 ``-m immediate`` (as a crash would) and started again on the same port."""
@@ -12,10 +12,10 @@ from typing import Any
 import msgspec
 import pytest
 from starlette.testclient import TestClient
-from support.engine_host import Host, tiny_config
-from support.postgres import PostgresServer, bin_dir
-from support.wait import wait_until
 
+from harness.engine_host import Host, tiny_config
+from harness.postgres import PostgresServer, bin_dir
+from harness.wait import wait_until
 from lmspd.config import EngineConfig, StoreConfig
 from lmspd.models.registry import ResolvedModel
 

@@ -1,6 +1,6 @@
-"""Acceptance (SPEC §15): three real ``lmspd serve`` nodes on loopback on one real PostgreSQL,
-the tiny random-weight model. Not in the default run (pyproject testpaths): ``.ci/run`` runs this
-folder in a bounded step of its own (docs/testing.md).
+"""Acceptance (docs/operations.md, "Several nodes"): three real ``lmspd serve`` nodes on loopback
+on one real PostgreSQL, the tiny random-weight model. Not in the default run (pyproject
+testpaths): ``.ci/run`` runs this folder in a bounded step of its own (docs/testing.md).
 
 1. Kill -9 a node mid-generation: its tasks of each policy end as the policy says, settled by a
    survivor once its lease expires; the resumed text equals an uninterrupted greedy run; event
@@ -27,9 +27,9 @@ from typing import Any
 import httpx
 import psycopg
 import pytest
-from support.server import Server, read_sse, submit, task, tiny_server, wait_final
-from support.wait import wait_until
 
+from harness.server import Server, read_sse, submit, task, tiny_server, wait_final
+from harness.wait import wait_until
 from lmspd.models.registry import ResolvedModel
 
 PROMPT = "Tell me a long story about a dragon."

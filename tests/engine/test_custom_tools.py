@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import regex
 from llguidance import LLMatcher, LLTokenizer
-from support import DATA
 
+from harness import DATA
 from lmspd.engine import protocol as p
 from lmspd.engine.process import EngineClient
 from lmspd.models.registry import ResolvedModel

@@ -7,9 +7,9 @@ import os
 import signal
 
 import pytest
-from support.generation import PROMPTS, collect, request
-from support.wait import wait_until_async
 
+from harness.generation import PROMPTS, collect, request
+from harness.wait import wait_until_async
 from lmspd.config import EngineConfig
 from lmspd.engine import protocol as p
 from lmspd.engine.process import EARLY_CANCELS_KEPT, EngineClient

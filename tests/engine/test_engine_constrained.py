@@ -10,8 +10,8 @@ import json
 import jsonschema
 import msgspec
 import pytest
-from support.generation import PROMPTS, collect, request
 
+from harness.generation import PROMPTS, collect, request
 from lmspd.engine.process import EngineClient
 from lmspd.errors import InvalidRequestError
 from lmspd.models.registry import ResolvedModel

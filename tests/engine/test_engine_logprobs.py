@@ -6,8 +6,8 @@ import asyncio
 
 import msgspec
 import pytest
-from support.generation import PROMPTS, collect, deltas_of, request
 
+from harness.generation import PROMPTS, collect, deltas_of, request
 from lmspd.engine import protocol as p
 from lmspd.engine.logprobs import LOGPROB_FLOOR, TokenPieces, top_logprobs
 from lmspd.engine.process import EngineClient

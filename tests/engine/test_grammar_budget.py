@@ -9,8 +9,8 @@ import uuid
 
 import msgspec
 import pytest
-from support.generation import PROMPTS, collect, request
 
+from harness.generation import PROMPTS, collect, request
 from lmspd.engine import protocol as p
 from lmspd.engine.process import EngineClient
 from lmspd.errors import InvalidRequestError

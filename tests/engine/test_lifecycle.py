@@ -7,8 +7,8 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
-from support.generation import PROMPTS, collect, request
 
+from harness.generation import PROMPTS, collect, request
 from lmspd.config import EngineConfig
 from lmspd.engine import protocol as p
 from lmspd.engine.process import EngineClient

@@ -6,8 +6,7 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator
 
-from support.wait import wait_until_async
-
+from harness.wait import wait_until_async
 from lmspd.config import EngineConfig
 from lmspd.engine import protocol as p
 from lmspd.engine.pacing import MIN_STEP, PrefillPacer

@@ -19,10 +19,10 @@ import mlx.core as mx
 import msgspec
 import pytest
 from mlx_lm.models.cache import KVCache
-from support.disk import fill, free, small_disk
-from support.generation import deltas_of
-from support.wait import wait_until_async
 
+from harness.disk import fill, free, small_disk
+from harness.generation import deltas_of
+from harness.wait import wait_until_async
 from lmspd.config import EngineConfig
 from lmspd.engine import prompt_cache
 from lmspd.engine import protocol as p

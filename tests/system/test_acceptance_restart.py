@@ -19,10 +19,10 @@ import httpx
 import msgspec
 import openai
 import pytest
-from support.server import Server, read_sse, task, tiny_server, wait_final
-from support.server import submit as submit_task
-from support.wait import wait_until
 
+from harness.server import Server, read_sse, task, tiny_server, wait_final
+from harness.server import submit as submit_task
+from harness.wait import wait_until
 from lmspd.cli.tasks import output_text
 from lmspd.models.registry import ResolvedModel
 

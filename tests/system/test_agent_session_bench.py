@@ -14,8 +14,8 @@ import subprocess
 import sys
 
 import pytest
-from support.models import ROOT
 
+from harness.models import ROOT
 from lmspd.models.registry import ResolvedModel
 
 TURN = re.compile(r"^turn (\d+): (\d+) prompt tokens, (\d+) cached,", re.M)

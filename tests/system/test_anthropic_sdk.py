@@ -15,9 +15,9 @@ from typing import Any
 import anthropic
 import httpx
 import pytest
-from support.families import make_thinker
-from support.server import Server, tiny_server
 
+from harness.families import make_thinker
+from harness.server import Server, tiny_server
 from lmspd.models.registry import ResolvedModel
 
 TOKEN = "sk-alice"

@@ -13,10 +13,10 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from support.openresponses import validate, validate_event
-from support.server import Server, tiny_server
-from support.wait import wait_until
 
+from harness.openresponses import validate, validate_event
+from harness.server import Server, tiny_server
+from harness.wait import wait_until
 from lmspd.models.registry import ResolvedModel
 
 LONG = "The quick brown fox jumps over the lazy dog near the river bank today. " * 12  # ~170 tokens

@@ -6,17 +6,17 @@ The real small model with quantized weights prefills at a few tokens per second 
 (and in one step of up to the prefill chunk), so a prompt of some hundred tokens keeps the
 engine's main thread in one MLX call for many seconds: the case pipe EOF alone cannot
 catch, as the engine reads the pipe only between steps. How soon the engine is gone is a
-timing, measured by bench/lifeline.py (against the step it was in), not asserted here."""
+timing, measured by harness/lifeline.py (against the step it was in), not asserted here."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import httpx
-from support.server import submit, tiny_server
-from support.wait import wait_until
 
-from bench.lifeline import PROMPT, alive, engine_of
+from harness.lifeline import PROMPT, alive, engine_of
+from harness.server import submit, tiny_server
+from harness.wait import wait_until
 from lmspd.models.registry import ResolvedModel
 
 # What the engine logs when it reads the pipe's EOF between steps (lmspd.engine.worker): the

@@ -14,10 +14,10 @@ import msgspec
 import openai
 import pydantic
 import pytest
-from support.openresponses import validate, validate_event
-from support.server import Server, tiny_server
-from support.wait import wait_until
 
+from harness.openresponses import validate, validate_event
+from harness.server import Server, tiny_server
+from harness.wait import wait_until
 from lmspd.engine.prompt_cache import stored_lengths
 from lmspd.models.registry import ResolvedModel
 

@@ -1,7 +1,7 @@
 """`lmspd serve` on a PostgreSQL it cannot use: refused in one line and exit 1 before anything
 starts (systemd restarts it), a password in the URL never in its output; a database newer than
 this lmspd is refused, an older one migrated (tests/unit/test_store.py). Real processes, a real
-PostgreSQL (tests/support/postgres.py)."""
+PostgreSQL (harness/postgres.py)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from support.server import free_port
 
+from harness.server import free_port
 from lmspd.store.pg_migrate import latest_version
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,9 +12,9 @@ from typing import Any
 
 import httpx
 import pytest
-from support.server import read_sse, submit, tiny_server, wait_final
-from support.wait import wait_until
 
+from harness.server import read_sse, submit, tiny_server, wait_final
+from harness.wait import wait_until
 from lmspd.models.registry import ResolvedModel
 
 PROMPT = "Tell me a long story about a dragon."

@@ -20,9 +20,9 @@ from typing import Any
 
 import httpx
 import pytest
-from support.server import tiny_server
-from support.wait import wait_until
 
+from harness.server import tiny_server
+from harness.wait import wait_until
 from lmspd.cli.main import main
 from lmspd.cli.systemd import notify
 from lmspd.cli.units import EXAMPLE_EXECUTABLE, examples, install_for, launchd_plist, systemd_unit

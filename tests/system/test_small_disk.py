@@ -1,5 +1,5 @@
 """A real ``lmspd serve`` whose data directory is a 12 MB file system of its own (a tmpfs,
-support.disk), with the default configuration: the prompt cache's disk copy, bounded at
+harness.disk), with the default configuration: the prompt cache's disk copy, bounded at
 2 GiB, shares that disk with the database.
 
 It used to fill it: long prompts' cache files ran into ENOSPC, MLX's RuntimeError ended the
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from support.disk import free, small_disk
-from support.server import Server, tiny_server
 
+from harness.disk import free, small_disk
+from harness.server import Server, tiny_server
 from lmspd.models.registry import ResolvedModel
 
 DISK_BYTES = 12 << 20

@@ -23,11 +23,11 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from support.disk import fill, read_only, small_disk
-from support.engine_host import tiny_config
-from support.server import free_port
-from support.wait import wait_until_async
 
+from harness.disk import fill, read_only, small_disk
+from harness.engine_host import tiny_config
+from harness.server import free_port
+from harness.wait import wait_until_async
 from lmspd.api.app import create_app
 from lmspd.cli import doctor
 from lmspd.cli.serve import startup_error

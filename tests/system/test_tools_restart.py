@@ -15,9 +15,9 @@ from typing import Any
 import httpx
 import jsonschema
 import pytest
-from support.server import Server, read_sse, tiny_server, wait_final
-from support.wait import wait_until
 
+from harness.server import Server, read_sse, tiny_server, wait_final
+from harness.wait import wait_until
 from lmspd.models.registry import ResolvedModel
 
 # Long arguments (28 enum items, ~95 tokens), so the kill lands mid-call with a wide margin.

@@ -6,7 +6,8 @@ import subprocess
 import sys
 
 import pytest
-from support.models import ROOT
+
+from harness.models import ROOT
 
 
 @pytest.mark.parametrize(

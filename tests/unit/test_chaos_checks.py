@@ -1,4 +1,4 @@
-"""The chaos harness's invariant checker (bench/chaos/checks.py) on small synthetic databases:
+"""The chaos harness's invariant checker (harness/chaos/checks.py) on small synthetic databases:
 a clean run passes, and each kind of damage is found by the invariant meant to find it, so
 a chaos run that reports zero violations has checks that can fail."""
 
@@ -12,8 +12,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from bench.chaos.checks import Holder, check, holder_faults, read_db, snapshot_of
-from bench.chaos.ledger import Ack, Connection, Ledger, Policy, Snapshot, TaskState
+from harness.chaos.checks import Holder, check, holder_faults, read_db, snapshot_of
+from harness.chaos.ledger import Ack, Connection, Ledger, Policy, Snapshot, TaskState
 from lmspd.store.migrate import migrate
 
 

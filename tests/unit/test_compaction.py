@@ -9,9 +9,9 @@ from typing import Any
 
 import msgspec
 import pytest
-from support.families import FAMILY_FORMAT, make_family_tokenizer
-from support.openresponses import validate
 
+from harness.families import FAMILY_FORMAT, make_family_tokenizer
+from harness.openresponses import validate
 from lmspd.errors import ContextLengthExceededError, InvalidRequestError
 from lmspd.models.tokenizer import Tokenizer
 from lmspd.prompting.prompt import build_prompt

@@ -11,8 +11,8 @@ from typing import Any
 import msgspec
 import pytest
 from llguidance import LLMatcher, LLTokenizer
-from support.families import FAMILY_FORMAT, make_family_tokenizer
 
+from harness.families import FAMILY_FORMAT, make_family_tokenizer
 from lmspd.errors import InvalidRequestError
 from lmspd.models.tokenizer import Tokenizer
 from lmspd.prompting.prompt import build_prompt

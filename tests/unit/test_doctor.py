@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.server import free_port
 from lmspd.cli import doctor
 from lmspd.cli.main import main
 from lmspd.config import Config, load_config
@@ -60,12 +61,6 @@ def other_program() -> Iterator[int]:
     threading.Thread(target=hang_up, daemon=True).start()
     yield sock.getsockname()[1]
     sock.close()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _database(path: Path, user_version: int | None = None) -> None:
@@ -147,7 +142,7 @@ def _config(tmp_path: Path, **server: object) -> Config:
 
 
 def test_doctor_database_and_port_checks(tmp_path: Path) -> None:
-    config = _config(tmp_path, port=_free_port())
+    config = _config(tmp_path, port=free_port())
     [absent] = doctor._database(config)
     assert absent.level == "ok"
     assert absent.detail.endswith(f"does not exist yet (created at schema {len(migrations())} on first start)")
@@ -159,5 +154,5 @@ def test_doctor_database_and_port_checks(tmp_path: Path) -> None:
         f"{config.server.database_path}: it is not an SQLite database (its header is not SQLite's)",
     )
     assert repair.level == "FAIL" and "move the file aside" in repair.detail
-    remote = _config(tmp_path, host="0.0.0.0", port=_free_port())
+    remote = _config(tmp_path, host="0.0.0.0", port=free_port())
     assert doctor._port(remote).level == "FAIL"  # no tokens: lmspd serve would refuse this address

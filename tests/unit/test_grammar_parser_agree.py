@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 from llguidance import LLMatcher, LLTokenizer
-from support.families import make_family_tokenizer
 
+from harness.families import make_family_tokenizer
 from lmspd.models.tokenizer import Tokenizer
 from lmspd.prompting.prompt import build_prompt
 from lmspd.responses.parsing.output_parser import CallDone, ReasoningDelta, TextDelta

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 from mlx_lm.tokenizer_utils import _infer_thinking, _infer_tool_parser
-from support.families import FAMILY_FORMAT, make_family_tokenizer
 
+from harness.families import FAMILY_FORMAT, make_family_tokenizer
 from lmspd.engine.upstream.parsers import infer_mlx_thinking, infer_mlx_tool_parser, parser_module
 from lmspd.models.tokenizer import Tokenizer
 

@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator
 
 import msgspec
 import pytest
-from support.wait import wait_until_async
 
+from harness.wait import wait_until_async
 from lmspd.errors import LeaseLostError, QueueFullError
 from lmspd.store.nodes import NodeStore
 from lmspd.store.opening import open_database

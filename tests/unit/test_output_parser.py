@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support.families import FAMILY_FORMAT, make_family_tokenizer
 from tokenizers import Tokenizer
 
+from harness.families import FAMILY_FORMAT, make_family_tokenizer
 from lmspd.responses.parsing.call_formats import chat_tools
 from lmspd.responses.parsing.output_parser import (
     ArgumentsDelta,

@@ -9,8 +9,8 @@ from typing import Any
 
 import msgspec
 import pytest
-from support.openresponses import validate, validate_event
 
+from harness.openresponses import validate, validate_event
 from lmspd.prompting.prompt import Prompt
 from lmspd.responses import schema as s
 from lmspd.responses.builder import ResponseState, initial_response

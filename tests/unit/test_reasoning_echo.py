@@ -9,8 +9,8 @@ from typing import Any
 
 import msgspec
 import pytest
-from support.families import make_family_tokenizer
 
+from harness.families import make_family_tokenizer
 from lmspd.config import Config, EngineConfig, ResponsesConfig
 from lmspd.models.tokenizer import Tokenizer
 from lmspd.prompting.prompt import build_prompt

@@ -23,8 +23,8 @@ from typing import Any
 
 import httpx
 
-from support import DATA
-from support.models import CACHE
+from harness import DATA
+from harness.models import CACHE
 
 CLAUDE_DATA = DATA / "claude"
 # The Claude Code CLI the suite pins (npm package @anthropic-ai/claude-code); .ci/run installs it

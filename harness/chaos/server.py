@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.serving import free_port
+from harness.server import free_port
 from lmspd.config import load_config
 from lmspd.models.catalog import BUILTIN_MODELS
 from lmspd.models.pull import pull_builtin
@@ -28,8 +28,7 @@ def tiny_model(dest: Path) -> Path:
     """The test suite's tiny random-weight llama (real MLX, SmolLM2's tokenizer) with a
     4096-token context, so a generation takes a second or two and a cycle a few seconds."""
     smol = pull_builtin(BUILTIN_MODELS["smollm2-135m-instruct"], TEST_CACHE / "models")
-    sys.path.insert(0, str(ROOT / "tests"))
-    from support.models import make_tiny_model  # one definition of the tiny model, the tests'
+    from harness.models import make_tiny_model  # one definition of the tiny model, the tests'
 
     return make_tiny_model(dest / "tiny", smol, seed=0, context=4096)
 

@@ -1,7 +1,7 @@
 """A stand-in Responses server that records what a real client sends (the Codex fixtures).
 
-    python tests/support/codex_capture.py serve OUT_DIR [--port 18999]
-    python tests/support/codex_capture.py scrub REQ.json OUT.json --codex-home DIR --workspace DIR
+    python harness/codex_capture.py serve OUT_DIR [--port 18999]
+    python harness/codex_capture.py scrub REQ.json OUT.json --codex-home DIR --workspace DIR
 
 Each POST body is written to ``OUT_DIR/req_<n>.json`` and its request line and headers to
 ``OUT_DIR/req_<n>.headers``. The reply is a minimal valid Responses event stream that drives

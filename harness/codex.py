@@ -16,8 +16,8 @@ from typing import Any
 
 import httpx
 
-from support import DATA
-from support.models import CACHE
+from harness import DATA
+from harness.models import CACHE
 
 CODEX_DATA = DATA / "codex"
 # The Codex CLI the suite pins (npm package @openai/codex); .ci/run installs it under the test cache.

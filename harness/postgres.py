@@ -18,10 +18,12 @@ import itertools
 import os
 import pwd
 import shutil
-import socket
 import subprocess
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+
+from harness.server import free_port
 
 # Debian's layout first (the newest version), then PATH.
 _BIN_GLOBS = ("/usr/lib/postgresql/*/bin", "/opt/homebrew/opt/postgresql@*/bin", "/usr/local/opt/postgresql@*/bin")
@@ -42,12 +44,6 @@ def bin_dir() -> Path | None:
     if initdb and shutil.which("pg_ctl"):
         return Path(initdb).resolve().parent
     return None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class PostgresServer:
@@ -78,7 +74,7 @@ class PostgresServer:
             owner = pwd.getpwnam(os.environ.get("LMSPD_TEST_PG_USER", "nobody"))
             os.chown(self.root, owner.pw_uid, owner.pw_gid)
         data = self.root / "data"
-        self.port = _free_port()
+        self.port = free_port()
         quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.PIPE, "check": True, "timeout": 120}
         subprocess.run(
             [
@@ -191,3 +187,23 @@ def from_environment() -> PostgresServer | None:
         return PostgresServer(url=url)
     bindir = bin_dir()
     return PostgresServer(bindir) if bindir is not None else None
+
+
+@contextlib.contextmanager
+def durable_cluster(url: str | None, missing: str) -> Iterator[PostgresServer | None]:
+    """A benchmark's or a reliability run's PostgreSQL: with ``url`` (one that already runs)
+    None, the caller uses that; without, a cluster of its own, fsync on as a server runs,
+    started here and stopped on exit. ``missing``: the message a run exits with where
+    PostgreSQL is not installed."""
+    if url is not None:
+        yield None
+        return
+    found = bin_dir()
+    if found is None:
+        raise SystemExit(missing)
+    server = PostgresServer(found, durable=True)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -1,4 +1,4 @@
-"""Hand-written attacks for ``bench.fuzz``: bodies schemathesis' generation does not reach, sent
+"""Hand-written attacks for ``harness.fuzz``: bodies schemathesis' generation does not reach, sent
 to every documented route that reads them (issue 41 found each answering 500, or accepted where
 create refuses it).
 
@@ -9,7 +9,7 @@ create refuses it).
   part's, a payload item's.
 
 Each answer is held to the run's invariants (no 5xx; the surface's error shape,
-:func:`bench.fuzz_checks.check_error`) and, where the attack says which field a refusal names,
+:func:`harness.fuzz_checks.check_error`) and, where the attack says which field a refusal names,
 to a 400 naming it.
 """
 
@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from bench.fuzz_checks import check_error
+from harness.fuzz_checks import check_error
 
 NOT_STRINGS: list[Any] = [[], {}, ["function"], {"type": "function"}]
 FORGED_SEALS = ["lmspd.r1.not-a-real-seal", "lmspd.r1.", "lmspd.r1." + "A" * 64, "gAAAA-openai-sealed"]

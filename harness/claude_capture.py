@@ -1,8 +1,8 @@
 """A stand-in Messages server that records what the real Claude Code CLI sends (the fixtures
 under ``support/data/claude/``).
 
-    python tests/support/claude_capture.py serve OUT_DIR [--port 18998]
-    python tests/support/claude_capture.py scrub REQ.json OUT.json --home DIR --workspace DIR
+    python harness/claude_capture.py serve OUT_DIR [--port 18998]
+    python harness/claude_capture.py scrub REQ.json OUT.json --home DIR --workspace DIR
 
 Every request, whatever its method and path, is written to ``OUT_DIR/req_<n>.json`` as
 ``{"method", "path", "headers", "body"}`` (``body`` the decoded JSON, or the raw text, or

@@ -1,6 +1,6 @@
 """Event streams under abuse, against a real ``lmspd serve`` on loopback.
 
-    python -m bench.sse_abuse [--drops 1000] [--slow 200] [--rounds 3] [--events 5000]
+    python -m harness.sse_abuse [--drops 1000] [--slow 200] [--rounds 3] [--events 5000]
 
 A finished task with ``--events`` events (seeded through the store before the server starts),
 then: ``--drops`` SSE connections to its event stream, each dropped abruptly (RST) after the
@@ -29,8 +29,8 @@ from pathlib import Path
 
 import httpx
 
-from bench.serving import free_port, kill, spawn
-from bench.tasks import seed_history
+from harness.history import seed_history
+from harness.server import free_port, kill, spawn
 
 KEEPALIVE_SECS = 5.0
 
@@ -101,7 +101,7 @@ def main() -> int:
     try:
         task_id = asyncio.run(seed_history(work / "lmspd.db", args.events))
         if args.model is None:
-            from bench.fuzz import tiny_model
+            from harness.fuzz import tiny_model
 
             model = tiny_model(work / "tiny")
         else:

@@ -1,16 +1,16 @@
 """Chaos with several nodes on one PostgreSQL (``--nodes N --store postgresql://…|temp``).
 
-N ``lmspd serve`` nodes share one database (SPEC §15) with a short lease, so that survivors take
-a dead node's tasks over within seconds. The load's clients reach a live node chosen at random
-for each request, as a DNS round robin in front of them would (:class:`Spread`). Each cycle kills
-one node, chosen at random, with SIGKILL (its whole process group: server and engine) at a random
-moment while the load runs on the others; it comes back at once (it settles what it held under a
-new epoch) or only after a survivor took its tasks over. A sampler (:class:`Holders`) reads who
-holds each started task ten times a second: a task may change node only through the queue or
-once its holder's lease is gone (``checks.holder_faults``).
+N ``lmspd serve`` nodes share one database (docs/operations.md, "Several nodes") with a short
+lease, so that survivors take a dead node's tasks over within seconds. The load's clients reach a
+live node chosen at random for each request, as a DNS round robin in front of them would
+(:class:`Spread`). Each cycle kills one node, chosen at random, with SIGKILL (its whole process
+group: server and engine) at a random moment while the load runs on the others; it comes back at
+once (it settles what it held under a new epoch) or only after a survivor took its tasks over. A
+sampler (:class:`Holders`) reads who holds each started task ten times a second: a task may
+change node only through the queue or once its holder's lease is gone (``checks.holder_faults``).
 
 ``--store temp`` (or none) starts a PostgreSQL of the run's own, as the tests do
-(tests/support/postgres.py: ``initdb`` in a temporary directory, as ``nobody`` under root), with
+(harness/postgres.py: ``initdb`` in a temporary directory, as ``nobody`` under root), with
 fsync on; a URL names a database that already runs (its tables are lmspd's, made by the nodes).
 """
 
@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -40,7 +39,7 @@ from .checks import (
     state_of,
 )
 from .ledger import Ledger, Snapshot, TaskState
-from .server import ACTIVE, ROOT, Server, tiny_model, write_config
+from .server import ACTIVE, Server, tiny_model, write_config
 
 HEARTBEAT_SECS, LEASE_SECS = 0.5, 3.0
 STARTED = ("loading", "running", "cancelling")
@@ -53,18 +52,12 @@ def database(store: str | None) -> Iterator[str]:
         assert store is not None
         yield store
         return
-    sys.path.insert(0, str(ROOT / "tests"))
-    from support.postgres import PostgresServer, bin_dir  # the tests' way: one definition
+    from harness.postgres import durable_cluster
 
-    found = bin_dir()
-    if found is None:
-        raise SystemExit("chaos --nodes: PostgreSQL is not installed (initdb/pg_ctl not found); pass --store URL")
-    server = PostgresServer(found, durable=True)
-    server.start()
-    try:
+    missing = "chaos --nodes: PostgreSQL is not installed (initdb/pg_ctl not found); pass --store URL"
+    with durable_cluster(None, missing) as server:
+        assert server is not None
         yield server.create_database()
-    finally:
-        server.stop()
 
 
 def connect(url: str) -> Any:

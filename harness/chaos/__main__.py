@@ -1,19 +1,19 @@
 """Chaos: ``lmspd serve`` killed with SIGKILL again and again under load, then checked.
 
-    python -m bench.chaos [--cycles 20] [--engine-kills 2] [--seed 0] [--model NAME]
-    python -m bench.chaos --nodes 3 [--store postgresql://…|temp] [--cycles 6]
+    python -m harness.chaos [--cycles 20] [--engine-kills 2] [--seed 0] [--model NAME]
+    python -m harness.chaos --nodes 3 [--store postgresql://…|temp] [--cycles 6]
 
 With ``--nodes N`` the run is N nodes on one PostgreSQL, one of them killed each cycle while
-the load runs on the others (:mod:`bench.chaos.nodes`); without, one server on SQLite:
+the load runs on the others (:mod:`harness.chaos.nodes`); without, one server on SQLite:
 
 Each cycle starts the server on the same data directory, runs a mixed load against it
-(:mod:`bench.chaos.load`) and kills the whole process group (server and engine) with SIGKILL
+(:mod:`harness.chaos.load`) and kills the whole process group (server and engine) with SIGKILL
 at a random moment. Some kills come during startup (``--early-kills``), some during a clean
 SIGTERM shutdown that has begun (``--term-kills``). ``--engine-kills`` more times, only the
 engine process is killed mid-generation while the server lives on. After the last cycle a
 clean run resumes every reader to its final event and drains every task, runs uninterrupted
 references of the resumed tasks' inputs, and stops with SIGTERM; then the invariants
-(:mod:`bench.chaos.checks`) are checked on the database and on what the clients were told.
+(:mod:`harness.chaos.checks`) are checked on the database and on what the clients were told.
 Prints a table; exits 1 if any invariant was violated or the clean stop did not exit 0.
 
 Kill moments and the load's choices come from ``--seed``; the timing of a real process does
@@ -196,7 +196,7 @@ def table(args: argparse.Namespace, ledger: Ledger, report: Report, seconds: flo
 
 
 async def main_nodes(args: argparse.Namespace) -> int:
-    """--nodes N: several nodes on one PostgreSQL (bench.chaos.nodes)."""
+    """--nodes N: several nodes on one PostgreSQL (harness.chaos.nodes)."""
     start = time.monotonic()
     data = Path(tempfile.mkdtemp(prefix="lmspd-chaos-"))
     ledger = Ledger()
@@ -250,7 +250,7 @@ async def main(args: argparse.Namespace) -> int:
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.chaos", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m harness.chaos", description=__doc__.split("\n")[0])
     parser.add_argument("--cycles", type=int, default=20, help="server kill -9 cycles")
     parser.add_argument("--engine-kills", type=int, default=2, help="engine-only kills mid-generation")
     parser.add_argument("--seed", type=int, default=0)

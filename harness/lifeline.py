@@ -1,7 +1,7 @@
 """How soon the engine dies with its server: ``kill -9`` of ``lmspd serve`` in the middle of a
 long prefill step, against how long that prefill takes.
 
-    python -m bench.lifeline [--runs 1]
+    python -m harness.lifeline [--runs 1]
 
 One ``lmspd serve`` per run on the bundled model with quantized weights (pulled into the
 tests' cache), whose prefill of a prompt of some hundred tokens holds the engine's main
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.serving import kill, serve
+from harness.server import kill, serve
 
 ROOT = Path(__file__).resolve().parent.parent
 TEST_CACHE = Path(os.environ.get("LMSPD_TEST_CACHE", ROOT / ".test-cache"))

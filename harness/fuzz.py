@@ -1,6 +1,6 @@
 """Fuzzing from the OpenAPI document: schemathesis against real ``lmspd serve`` processes.
 
-    python -m bench.fuzz [--cases 1000] [--seed N] [--coverage]
+    python -m harness.fuzz [--cases 1000] [--seed N] [--coverage]
 
 Two servers on loopback, each on a tiny random-weight model (generation costs milliseconds):
 one open (no tokens), one with tokens. Schemathesis reads each server's own ``/openapi.json``
@@ -11,11 +11,11 @@ adds schemathesis' coverage phase (boundary values of every field, ~3,800 cases 
 the first round's runs with a valid token or none needed.
 
 Invariants checked on every response: no 5xx; every error body is OpenAI's envelope on /v1
-and a problem object on /lmsp/v1 (``bench.fuzz_checks``); status, content type and body as
+and a problem object on /lmsp/v1 (``harness.fuzz_checks``); status, content type and body as
 the document says (SSE events included); without a valid token, only 401s. Prints a table;
 exits non-zero on any failure.
 
-Then the hand-written attacks (``bench.fuzz_attacks``: item references, forged seals, ``type``
+Then the hand-written attacks (``harness.fuzz_attacks``: item references, forged seals, ``type``
 fields that are no string, where schemathesis' bodies do not reach), each sent once to every
 documented route that reads it, on both servers; a refusal must name the field it names.
 """
@@ -37,8 +37,8 @@ from pathlib import Path
 
 import httpx
 
-from bench import fuzz_attacks
-from bench.serving import free_port, kill, spawn
+from harness import fuzz_attacks
+from harness.server import free_port, kill, spawn
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECKS = (
@@ -71,10 +71,8 @@ class Tally:
 
 
 def tiny_model(dest: Path) -> Path:
-    """The tests' tiny random-weight model (tests/support/models.py), with the bundled tokenizer."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    from support.models import CACHE, SMOL, make_tiny_model
-
+    """The tests' tiny random-weight model (harness/models.py), with the bundled tokenizer."""
+    from harness.models import CACHE, SMOL, make_tiny_model
     from lmspd.models.pull import pull_builtin
 
     smol = pull_builtin(SMOL, CACHE / "models")  # instant once the test suite has pulled it
@@ -155,7 +153,7 @@ def run(
     if header is not None:
         cmd.append(f"--header={header}")
     env = os.environ | {
-        "SCHEMATHESIS_HOOKS": str(ROOT / "bench" / "fuzz_checks.py"),
+        "SCHEMATHESIS_HOOKS": str(Path(__file__).with_name("fuzz_checks.py")),
         "LMSPD_FUZZ_EXPECT": "401" if unauthorized else "",
     }
     log = out / f"{name}-{seed}.txt"

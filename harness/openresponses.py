@@ -1,4 +1,4 @@
-"""Validate objects against the Open Responses OpenAPI schema (a copy in tests/support/data, so
+"""Validate objects against the Open Responses OpenAPI schema (a copy in harness/data, so
 tests need nothing outside the project)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 
 import jsonschema
 
-from support import DATA
+from harness import DATA
 
 SCHEMA = DATA / "openresponses-openapi.json"
 EVENT_SCHEMAS = {

@@ -1,4 +1,4 @@
-"""lmspd's own invariants, as schemathesis checks (loaded by ``bench.fuzz`` through SCHEMATHESIS_HOOKS).
+"""lmspd's own invariants, as schemathesis checks (loaded by ``harness.fuzz`` through SCHEMATHESIS_HOOKS).
 
 ``error_shape``: every error body is what its surface promises: Anthropic's envelope on the
 Messages API (docs/messages.md), OpenAI's on the rest of /v1 and its aliases, an RFC 9457
@@ -49,7 +49,7 @@ def error_shape(ctx: schemathesis.CheckContext, response: schemathesis.Response,
 
 
 def check_error(path: str, status: int, media: str, body: Any, authenticate: list[str]) -> None:
-    """``error_shape`` on an answer's parts (also ``bench.fuzz``'s hand-written attacks')."""
+    """``error_shape`` on an answer's parts (also ``harness.fuzz``'s hand-written attacks')."""
     if _anthropic_path(path):
         assert media == "application/json", f"{status} on {path} is {media}"
         assert isinstance(body, dict) and body.get("type") == "error", f"not Anthropic's envelope: {body!r}"

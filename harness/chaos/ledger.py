@@ -102,7 +102,7 @@ class Ledger:
     cancels: int = 0
     requests: int = 0  # sent by the load (creates, SSE connections, cancels)
     refused: dict[int, int] = field(default_factory=dict)  # status -> count of refused submissions
-    # --nodes (bench/chaos/nodes.py): nodes killed, and what the sampler of holders saw.
+    # --nodes (harness/chaos/nodes.py): nodes killed, and what the sampler of holders saw.
     node_kills: int = 0
     node_kills_taken_over: int = 0  # kills whose node came back only after a survivor took over
     running_at_node_kills: int = 0

@@ -238,10 +238,10 @@ def make_thinker(out: Path, smol_dir: Path, prompt: str, steps: int = 2, lookahe
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.utils import load_model
 
+    from harness.models import make_tiny_model
     from lmspd.models.tokenizer import Tokenizer
     from lmspd.prompting.prompt import build_prompt
     from lmspd.responses.schema import ResponseRequest
-    from support.models import make_tiny_model
 
     path = make_tiny_model(out, make_family_tokenizer(out.with_name(out.name + "-tok"), smol_dir, "hermes_think"))
     tok = Tokenizer(path)

@@ -1,5 +1,5 @@
 """The invariants of a chaos run, checked on the database the server left and on what the
-clients were told (:mod:`bench.chaos.ledger`).
+clients were told (:mod:`harness.chaos.ledger`).
 
 The same state checks (sequence numbers, status against the last event) run on the
 database as each kill left it, as that is the state recovery starts from, and on the final

@@ -1,7 +1,7 @@
 """Whether a long prompt stalls other clients (issue 12): health-check latency while one
 client sends a prompt too long to serve, against the same probes on the idle server.
 
-    python -m bench.stall [--repeat 3]
+    python -m harness.stall [--repeat 3]
 
 One ``lmspd serve`` on the tests' tiny random-weight model (4096-token context, one engine
 slot). For each route that takes a prompt and two sizes, a 7.2 MB prompt (refused by its
@@ -33,7 +33,7 @@ from typing import Any
 import httpx
 import msgspec
 
-from bench.serving import kill, serve
+from harness.server import kill, serve
 
 ROOT = Path(__file__).resolve().parent.parent
 HUGE = "The quick brown fox jumps over the lazy dog. " * 160_000  # 7.2 MB: refused by its size
@@ -49,10 +49,8 @@ LONG_ROUTES: list[tuple[str, Callable[[str], Any]]] = [
 
 
 def tiny_model(dest: Path) -> Path:
-    """The tests' tiny random-weight model with a 4096-token context (tests/support/models.py)."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    from support.models import CACHE, SMOL, make_tiny_model
-
+    """The tests' tiny random-weight model with a 4096-token context (harness/models.py)."""
+    from harness.models import CACHE, SMOL, make_tiny_model
     from lmspd.models.pull import pull_builtin
 
     smol = pull_builtin(SMOL, CACHE / "models")  # instant once the test suite has pulled it

@@ -15,7 +15,7 @@ from typing import Any
 
 from lmspd.models.catalog import BUILTIN_MODELS
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("LMSPD_TEST_CACHE", ROOT / ".test-cache"))
 # The engine builds its kernels once per machine (about 10 s), not once per test server.
 os.environ.setdefault("LMSPD_KERNEL_DIR", str(CACHE / "kernels"))

@@ -1,1 +1,0 @@
-"""The kill -9 harness: ``python -m bench.chaos --cycles N`` (see ``__main__``)."""

@@ -194,19 +194,6 @@ def test_a_build_is_cached_under_a_key_of_its_inputs(monkeypatch: pytest.MonkeyP
     assert kernels.build_key() != key  # an edited header too
 
 
-def test_each_header_compiles_on_its_own() -> None:
-    """The kernels are a library: each header includes what it uses, so any one of them can be
-    included first, or alone (syntax only, with the build's flags; two at a time, ~1 min)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    checks = {Path(c[c.index("-include") + 1]).name: c for c in kernels.header_checks()}
-    assert {"pool.h", "arrays.h", "quantized.h", "decode_block.h"} <= set(checks)
-    with ThreadPoolExecutor(2) as pool:
-        done = {name: pool.submit(subprocess.run, c, capture_output=True, text=True) for name, c in checks.items()}
-    failed = {name: d.result().stderr[-1500:] for name, d in done.items() if d.result().returncode}
-    assert not failed, failed
-
-
 def test_a_machine_without_a_compiler_is_told_why(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("CXX", "no-such-compiler")
     with pytest.raises(kernels.KernelUnavailable, match="no C\\+\\+ compiler"):

@@ -14,6 +14,8 @@ from lmspd.cli.systemd import notify, notify_address, notify_when_ready
 from lmspd.config import Config
 from lmspd.errors import ConfigError, LmspdError
 
+STARTUP_TIMEOUT_SECS = 6 * 3600.0  # Hypercorn's bound on the lifespan's startup: see serve()
+
 log = logging.getLogger("lmspd.server")
 
 
@@ -86,6 +88,11 @@ async def run(config: Config) -> None:
         else f"{config.server.host}:{config.server.port}"
     ]
     hc.graceful_timeout = config.server.shutdown_grace_secs
+    # The lifespan's startup recovers unfinished tasks and preloads models, which on a fresh
+    # machine includes compiling lmspd's kernels (about a minute on two cores, docs/engine.md)
+    # and on a real model reading gigabytes: Hypercorn's 60 s default failed such a start. Its
+    # own steps are bounded (engine start, loads); this only must not cut them short.
+    hc.startup_timeout = STARTUP_TIMEOUT_SECS
     _drop_stalled_readers(hc, 2 * config.server.keepalive_secs)
     hc.accesslog = None  # the app logs each request (lmspd.api.access_log)
     sockets = _bind_now(hc, config)

@@ -4,6 +4,7 @@ and CI share is harness/, imported from the repository root (harness/__init__.py
 from __future__ import annotations
 
 import ast
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,10 +13,16 @@ import pytest
 from harness.models import ROOT
 
 
+@functools.cache
+def _parse(path: Path) -> ast.Module:
+    """Each file parsed once for all the checks (the trees are only read)."""
+    return ast.parse(path.read_text(), str(path))
+
+
 def _sources(*folders: str) -> Iterator[tuple[Path, ast.Module]]:
     for folder in folders:
         for path in sorted((ROOT / folder).rglob("*.py")):
-            yield path, ast.parse(path.read_text(), str(path))
+            yield path, _parse(path)
 
 
 def _imported(tree: ast.Module) -> Iterator[str]:

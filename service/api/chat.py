@@ -27,11 +27,12 @@ async def create_chat_completion(request: Request) -> Response:
     owner = app.auth.owner(request)
     chat = decode(await read_body(request, app.config.server.max_body_bytes), ChatCompletionRequest)
     try:
-        req, extras = chat.to_response_request()
+        accepted, extras = chat.to_response_request()
         if extras.logprobs is not None:
-            req = s.replace(req, include=[s.LOGPROBS], top_logprobs=extras.logprobs)
-        task_request = s.TaskRequest.of(req, stop=extras.stop or None, seed=extras.seed)
+            accepted = accepted.replace(include=[s.LOGPROBS], top_logprobs=extras.logprobs)
+        task_request = accepted.task(stop=extras.stop or None, seed=extras.seed)
         task, _ = await app.core.intake.submit(owner, task_request, kind="response")
+        req = accepted.request
     except LmspdError as exc:  # checked as the Responses request it runs as: named as Chat's fields
         name_chat_fields(exc, chat)
         raise

@@ -27,6 +27,8 @@ from lmspd.messages import view
 from lmspd.messages.params import name_messages_fields, translate
 from lmspd.messages.schema import CountTokensRequest, MessagesBody, MessagesRequest, Translation
 from lmspd.responses import schema as s
+from lmspd.responses.checks import Accepted
+from lmspd.responses.schema import TaskRequest
 
 B = TypeVar("B", bound=MessagesBody)
 log = logging.getLogger("lmspd.messages")
@@ -34,19 +36,19 @@ log = logging.getLogger("lmspd.messages")
 PING_SECS = 5.0
 
 
-async def _translated(request: Request, app: AppState, kind: type[B]) -> tuple[B, Translation]:
-    """The body decoded and translated; a refusal names the Messages field."""
+async def _translated(request: Request, app: AppState, kind: type[B]) -> tuple[B, Translation, Accepted[TaskRequest]]:
+    """The body decoded, translated and accepted; a refusal names the Messages field."""
     try:
         body = decode(await read_body(request, app.config.server.max_body_bytes), kind)
     except e.LmspdError as exc:
         name_messages_fields(exc, None)
         raise
-    translation = translate(body, app.config.responses.hosted_tools)
+    translation, accepted = translate(body, app.config.responses.hosted_tools)
     if translation.omitted:
         log.info(
             "server tools left out: %s", ", ".join(translation.omitted), extra={"omitted_tools": translation.omitted}
         )
-    return body, translation
+    return body, translation, accepted
 
 
 def _said(response: Response, translation: Translation) -> Response:
@@ -59,9 +61,9 @@ def _said(response: Response, translation: Translation) -> Response:
 async def create_message(request: Request) -> Response:
     app = state_of(request)
     owner = app.auth.owner(request)
-    body, translation = await _translated(request, app, MessagesRequest)
+    body, translation, accepted = await _translated(request, app, MessagesRequest)
     try:
-        task, _ = await app.core.intake.submit(owner, translation.request, kind="response")
+        task, _ = await app.core.intake.submit(owner, accepted, kind="response")
     except e.LmspdError as exc:  # checked as the Responses request it runs as: named as Messages' fields
         name_messages_fields(exc, translation)
         raise
@@ -94,9 +96,9 @@ async def create_message(request: Request) -> Response:
 async def count_tokens(request: Request) -> Response:
     app = state_of(request)
     owner = app.auth.owner(request)
-    _, translation = await _translated(request, app, CountTokensRequest)
+    _, translation, accepted = await _translated(request, app, CountTokensRequest)
     try:
-        count = await app.core.intake.input_tokens(owner, translation.request)
+        count = await app.core.intake.input_tokens(owner, accepted)
     except e.LmspdError as exc:
         name_messages_fields(exc, translation)
         raise

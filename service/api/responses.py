@@ -70,7 +70,7 @@ async def create_response(request: Request) -> Response:
     req = accepted.request
     key = idempotency_key(request) if req.background else None
     task, _ = await app.core.intake.submit(
-        owner, req, kind="response", idempotency=(key, fingerprint(body)) if key else None
+        owner, accepted, kind="response", idempotency=(key, fingerprint(body)) if key else None
     )
     if req.background:
         return _said(_raw_json(await app.core.reads.snapshot(task)), accepted)
@@ -146,7 +146,7 @@ async def input_tokens(request: Request) -> Response:
     app = state_of(request)
     owner = app.auth.owner(request)
     _, accepted = await _decode_request(request)
-    count = await app.core.intake.input_tokens(owner, accepted.request)
+    count = await app.core.intake.input_tokens(owner, accepted)
     return _said(_json(InputTokens(input_tokens=count)), accepted)
 
 

@@ -47,7 +47,7 @@ async def create_task(request: Request) -> Response:
     try:
         task, replayed = await app.core.intake.submit(
             owner,
-            accepted.request,
+            accepted,
             kind="task",
             on_restart=envelope.on_restart,
             idempotency=(key, fingerprint(body)) if key else None,

@@ -15,7 +15,7 @@ from typing import Any, Literal, NoReturn
 import msgspec
 
 from lmspd.errors import InvalidRequestError
-from lmspd.responses.checks import accept
+from lmspd.responses.checks import Accepted, accept
 from lmspd.responses.schema import MAX_TOKENS, ResponseRequest
 from lmspd.responses.tools import text_param
 
@@ -374,9 +374,10 @@ class ChatCompletionRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=
             ) from exc
         return text
 
-    def to_response_request(self) -> tuple[ResponseRequest, ChatExtras]:
-        """Validate, then translate. System and developer messages stay messages, in
-        place, rather than becoming ``instructions``: their order is the client's."""
+    def to_response_request(self) -> tuple[Accepted[ResponseRequest], ChatExtras]:
+        """Validate, then translate, and the translation accepted as the Responses request it
+        runs as. System and developer messages stay messages, in place, rather than becoming
+        ``instructions``: their order is the client's."""
         self.validate()
         request = ResponseRequest(
             model=self.model,
@@ -394,10 +395,10 @@ class ChatCompletionRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=
             safety_identifier=self.safety_identifier,
             prompt_cache_key=self.prompt_cache_key,
         )
-        accept(request)
+        accepted = accept(request)
         extras = ChatExtras(
             stop=self.stop_sequences,
             seed=self.seed,
             logprobs=(self.top_logprobs or 0) if self.logprobs else None,
         )
-        return request, extras
+        return accepted, extras

@@ -73,7 +73,7 @@ async def resolve(request: R, owner: str, index: ItemIndex, sealer: Sealer) -> R
                 raw[i], changed = opened, True
     if not changed:
         return request
-    resolved = s.replace(request, input=raw)
+    resolved = msgspec.structs.replace(request, input=raw)
     resolved.items()  # what replaced a reference or a seal parses as input too
     return resolved
 

@@ -26,11 +26,13 @@ from lmspd.models.sampling import SamplingDefaults
 from lmspd.prompting.generation import check_request, count_tokens, prompt_for, refuse_by_size, user_text_bytes
 from lmspd.responses import schema as s
 from lmspd.responses.builder import ResponseState, initial_response
+from lmspd.responses.checks import Accepted
 from lmspd.responses.enforce import SchemaBudget, check_directives
 from lmspd.responses.history import history
 from lmspd.responses.inputs import Item
 from lmspd.responses.reasoning_echo import ReasoningEcho
 from lmspd.responses.sealing import Sealer
+from lmspd.responses.tools import Directives
 from lmspd.store.items import ItemIndex
 from lmspd.store.status import OnRestart
 from lmspd.store.task_store import NewEvent, ResponseFields, TaskRecord, TaskStore
@@ -72,55 +74,47 @@ class Intake:
     async def submit(
         self,
         owner: str,
-        request: s.ResponseRequest,
+        accepted: Accepted[s.ResponseRequest],
         *,
         kind: Kind,
         on_restart: OnRestart = "fail",
         idempotency: tuple[str, str] | None = None,
     ) -> tuple[TaskRecord, bool]:
-        """Accept a validated request as a durable task; returns (task, replayed).
+        """Accept a request :func:`~lmspd.responses.checks.accept` checked as a durable task;
+        returns (task, replayed). Its directives, parsed there, are carried, never parsed again.
 
         Everything that would make the task fail anyway (unknown history, model, too
         long a prompt, the store's limits) is a client error here, before anything is
         written."""
+        request, parsed = accepted.request, accepted.directives
         if self.hub.closing.is_set():
             raise ServerOverloadedError("the server is shutting down")
         received = time.perf_counter()
         background = kind == "task" or request.background
         self._admit(request, background)
-        turns: list[Item] = []
-        if request.previous_response_id is not None or request.conversation is not None:
-            turns = await history(self.store, owner, request.previous_response_id, request.conversation_id)
-        request = await resolve(request, owner, self.items, self.sealer)
-        # Stored as sent, its input resolved (and, once checked, with its model's sampling defaults):
-        # the supervisor reads it back as a TaskRequest (a superset).
-        encoded = msgspec.json.encode(request)
-        # Checked as it will run: with the reasoning the echo puts back.
-        turns, rendered, _ = await self.echo.restore(owner, turns, request)
-        here = await self._served_here(request.model)
-        if len(encoded) < _INLINE_CHECK_BYTES and not turns and not _has_schemas(request):
-            defaults = self._check(rendered, turns, here)  # small and no grammar to check: cheaper than a thread hop
-        else:
-            defaults = await asyncio.to_thread(self._check, rendered, turns, here)
-        if defaults is not None:  # stored with it: a resumed task samples as it began
-            request = s.TaskRequest.of(request, sampling_defaults=defaults)
-            encoded = msgspec.json.encode(request)
+        request, encoded = await self._checked(owner, request, parsed)
         model = request.model or self.config.default_model
         limits = self.config.responses
         stored = request.store and store_enabled(limits) and limits.store_max_bytes > 0
         expires = int(time.time()) + limits.background_ephemeral_ttl_secs if background and not request.store else None
 
-        def first(task: TaskRecord, seq: int) -> NewEvent:
-            response = initial_response(
-                request, response_id=task.response_id, model=model, created_at=task.created_at, background=background
+        def opening(task: TaskRecord) -> ResponseState:
+            return ResponseState(
+                initial_response(
+                    request,
+                    response_id=task.response_id,
+                    model=model,
+                    created_at=task.created_at,
+                    background=background,
+                    parsed=parsed,
+                )
             )
-            return ResponseState(response).created()[0](task, seq)
+
+        def first(task: TaskRecord, seq: int) -> NewEvent:
+            return opening(task).created()[0](task, seq)
 
         def waiting(task: TaskRecord, seq: int) -> NewEvent:
-            response = initial_response(
-                request, response_id=task.response_id, model=model, created_at=task.created_at, background=background
-            )
-            return ResponseState(response).queued()(task, seq)
+            return opening(task).queued()(task, seq)
 
         task, replayed = await self.store.create(
             owner=owner,
@@ -150,6 +144,30 @@ class Intake:
         self.wake()
         return task, replayed
 
+    async def _checked(
+        self, owner: str, request: s.ResponseRequest, parsed: Directives
+    ) -> tuple[s.ResponseRequest, bytes]:
+        """The request as it is stored, and encoded: its input resolved and, once checked
+        against its model as it will run, with the model's sampling defaults (the supervisor
+        reads it back as a TaskRequest, a superset)."""
+        turns: list[Item] = []
+        if request.previous_response_id is not None or request.conversation is not None:
+            turns = await history(self.store, owner, request.previous_response_id, request.conversation_id)
+        request = await resolve(request, owner, self.items, self.sealer)
+        encoded = msgspec.json.encode(request)
+        # Checked as it will run: with the reasoning the echo puts back.
+        turns, rendered, _ = await self.echo.restore(owner, turns, request)
+        here = await self._served_here(request.model)
+        if len(encoded) < _INLINE_CHECK_BYTES and not turns and not _has_schemas(request):
+            # Small, and no grammar to compile: cheaper than a thread hop.
+            defaults = self._check(rendered, parsed, turns, here)
+        else:
+            defaults = await asyncio.to_thread(self._check, rendered, parsed, turns, here)
+        if defaults is None:
+            return request, encoded
+        request = s.TaskRequest.of(request, sampling_defaults=defaults)  # a resumed task samples as it began
+        return request, msgspec.json.encode(request)
+
     def _admit(self, request: s.ResponseRequest, background: bool) -> None:
         """The seed's switches: what the store settings disable outright."""
         limits = self.config.responses
@@ -175,12 +193,14 @@ class Intake:
                 return False
             raise
 
-    def _check(self, request: s.ResponseRequest, turns: list[Item], here: bool = True) -> SamplingDefaults | None:
+    def _check(
+        self, request: s.ResponseRequest, parsed: Directives, turns: list[Item], here: bool = True
+    ) -> SamplingDefaults | None:
         """Runs in a worker thread: rendering a large prompt, taking schemas apart and compiling
         grammars (seconds for a large one) must not stall the event loop. Returns the model's
         sampling defaults, what the request samples with where it names nothing (None: known
         only to the node that runs it)."""
-        check_directives(request.directives, self.budget)
+        check_directives(parsed, self.budget)
         if not here:  # the node that claims it checks the prompt against the model as it runs
             request.sampling().validate()
             return None
@@ -197,23 +217,24 @@ class Intake:
             refuse_oversized(model.name, model.path, self.config.engine)
             if check:
                 refuse_by_size(model, user_text_bytes(request))
-            check_request(model, prompt_for(model, request, turns), sampling, check_length=check)
+            check_request(model, prompt_for(model, request, turns, parsed=parsed), sampling, check_length=check)
         return defaults
 
-    async def input_tokens(self, owner: str, request: s.ResponseRequest) -> int:
+    async def input_tokens(self, owner: str, accepted: Accepted[s.ResponseRequest]) -> int:
         """The prompt's length in tokens, for a request create would accept: refused as
         create refuses it (its sampling parameters too), never counted regardless."""
+        request, parsed = accepted.request, accepted.directives
         request.sampling().validate()
         turns = await history(self.store, owner, request.previous_response_id, request.conversation_id)
         request = await resolve(request, owner, self.items, self.sealer)
         turns, request, _ = await self.echo.restore(owner, turns, request)
 
         def count() -> int:
-            check_directives(request.directives, self.budget)
+            check_directives(parsed, self.budget)
             self.registry.check_requested(request.model)
             model = self.registry.resolve(request.model or self.config.default_model)
             refuse_by_size(model, user_text_bytes(request))
-            return count_tokens(model, prompt_for(model, request, turns).text)
+            return count_tokens(model, prompt_for(model, request, turns, parsed=parsed).text)
 
         return await asyncio.to_thread(count)
 

@@ -17,7 +17,8 @@ from typing import Literal
 
 from lmspd.errors import ContextLengthExceededError, LmspdError
 from lmspd.messages.schema import MessagesBody, Translation
-from lmspd.responses.checks import accept
+from lmspd.responses.checks import Accepted, accept
+from lmspd.responses.schema import TaskRequest
 
 _ITEM = re.compile(r"input\[(\d+)\](?:\.(\w+))?(.*)", re.S)
 _TOOL = re.compile(r"tools\[(\d+)\](?:\.(\w+))?(.*)", re.S)
@@ -88,17 +89,20 @@ def _set(exc: LmspdError, message: str, param: str) -> None:
     exc.param = param
 
 
-def translate(body: MessagesBody, hosted_tools: Literal["refuse", "omit"] = "refuse") -> Translation:
-    """``body`` translated and its core request validated: every refusal names the Messages
-    field (what the core checks later, at intake, is renamed with the translation too)."""
+def translate(
+    body: MessagesBody, hosted_tools: Literal["refuse", "omit"] = "refuse"
+) -> tuple[Translation, Accepted[TaskRequest]]:
+    """``body`` translated and its core request accepted (for intake to carry): every refusal
+    names the Messages field (what the core checks later, at intake, is renamed with the
+    translation too)."""
     try:
         translation = body.translate(hosted_tools=hosted_tools)
     except LmspdError as exc:
         name_messages_fields(exc, None)
         raise
     try:
-        accept(translation.request)
+        accepted = accept(translation.request)
     except LmspdError as exc:
         name_messages_fields(exc, translation)
         raise
-    return translation
+    return translation, accepted

@@ -14,6 +14,7 @@ from lmspd.prompting.prompt import Prompt, build_prompt
 from lmspd.responses.enforce import check_lark
 from lmspd.responses.inputs import Item
 from lmspd.responses.schema import ResponseRequest
+from lmspd.responses.tools import Directives
 
 _TOKENIZERS: dict[str, Tokenizer] = {}
 
@@ -82,9 +83,13 @@ def user_text_bytes(request: ResponseRequest) -> int:
 
 
 def prompt_for(
-    model: ResolvedModel, request: ResponseRequest, history: list[Item], after: list[Item] | None = None
+    model: ResolvedModel,
+    request: ResponseRequest,
+    history: list[Item],
+    after: list[Item] | None = None,
+    parsed: Directives | None = None,
 ) -> Prompt:
-    return build_prompt(tokenizer_for(model), request, history, after)
+    return build_prompt(tokenizer_for(model), request, history, after, parsed)
 
 
 def _text(tok: Tokenizer, prompt: Prompt | list[dict[str, Any]], template_kwargs: dict[str, Any] | None) -> str:

@@ -28,8 +28,8 @@ from lmspd.responses.inputs import (
     to_messages,
 )
 from lmspd.responses.parsing.output_parser import OutputParser, infer_tool_format, think_markers
-from lmspd.responses.schema import ResponseRequest
-from lmspd.responses.tools import CustomTool, FunctionTool, ToolOptions, customs, functions
+from lmspd.responses.schema import ResponseRequest, directives_of
+from lmspd.responses.tools import CustomTool, Directives, FunctionTool, ToolOptions, customs, functions
 
 HERMES_FORMAT = "json_tools"
 # How a custom (freeform) tool is called, per family (docs/responses.md, "Custom tools"): in
@@ -175,10 +175,15 @@ def _render(tok: Tokenizer, messages: list[dict[str, Any]], kwargs: dict[str, An
 
 
 def build_prompt(
-    tok: Tokenizer, request: ResponseRequest, history: list[Item], after: list[Item] | None = None
+    tok: Tokenizer,
+    request: ResponseRequest,
+    history: list[Item],
+    after: list[Item] | None = None,
+    parsed: Directives | None = None,
 ) -> Prompt:
-    """``after``: items that follow the request's own (a compaction item made for this turn)."""
-    parsed = request.directives
+    """``after``: items that follow the request's own (a compaction item made for this turn);
+    ``parsed``: the request's directives as intake carries them (None: parsed from it here)."""
+    parsed = parsed or directives_of(request)
     options = parsed.tools
     model = traits(tok)
     think, native, tool_format = model.think, model.native_tools, model.tool_format

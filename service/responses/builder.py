@@ -16,6 +16,7 @@ from lmspd.responses import schema as s
 from lmspd.responses.outputs import EventFactory, OutputItems, Status
 from lmspd.responses.tools import (
     CustomTool,
+    Directives,
     JsonObjectFormat,
     JsonSchemaFormat,
     NamedCustom,
@@ -49,9 +50,16 @@ def _echoed_reasoning(param: ReasoningParam | None) -> s.ReasoningConfig | None:
 
 
 def initial_response(
-    request: s.ResponseRequest, *, response_id: str, model: str, created_at: int, background: bool = True
+    request: s.ResponseRequest,
+    *,
+    response_id: str,
+    model: str,
+    created_at: int,
+    background: bool = True,
+    parsed: Directives | None = None,
 ) -> s.Response:
-    parsed = request.directives
+    """``parsed``: the request's directives as intake carries them (None: parsed from it here)."""
+    parsed = parsed or s.directives_of(request)
     options = parsed.tools
     sampling = request.sampling()
     choice: str | NamedFunction | NamedCustom = options.choice

@@ -7,33 +7,52 @@ reasoning) once. Pure: the request decoded is never changed; what runs is :attr:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Generic, Literal, TypeVar
+from typing import Any, Generic, Literal, TypeVar
+
+import msgspec
 
 from lmspd.engine.protocol import validate_top_logprobs
 from lmspd.errors import InvalidRequestError
 from lmspd.models.tokenizer import TEMPLATE_ARGUMENTS
 from lmspd.responses.inputs import parse_items
 from lmspd.responses.schema import (
+    DIRECTIVE_FIELDS,
     INCLUDES,
     MAX_CLIENT_METADATA_CHARS,
     MAX_CLIENT_METADATA_KEYS,
     MAX_TOKENS,
     ResponseRequest,
-    replace,
+    TaskRequest,
+    directives_of,
 )
 from lmspd.responses.tools import Directives, omit_hosted
 
 R = TypeVar("R", bound=ResponseRequest)
+# An Accepted[TaskRequest] is an Accepted[ResponseRequest]: it is read, never written.
+R_co = TypeVar("R_co", bound=ResponseRequest, covariant=True)
 
 
 @dataclass(frozen=True)
-class Accepted(Generic[R]):
+class Accepted(Generic[R_co]):
     """A request intake accepts: as it runs, its parsed directives, and the hosted tool types
     left out of it (the response names them, docs/responses.md, "Coding agents")."""
 
-    request: R
+    request: R_co
     directives: Directives
     omitted_tools: tuple[str, ...] = ()
+
+    def replace(self, **changes: Any) -> Accepted[R_co]:
+        """The request with ``changes`` to fields the directives are not parsed from (its input
+        resolved, its includes): the directives carried as they are, never parsed again."""
+        if parsed := DIRECTIVE_FIELDS & changes.keys():
+            raise ValueError(f"{sorted(parsed)} would change the directives: accept the new request")
+        return Accepted(msgspec.structs.replace(self.request, **changes), self.directives, self.omitted_tools)
+
+    def task(self, **extra: Any) -> Accepted[TaskRequest]:
+        """As the task request that runs it (:meth:`TaskRequest.of`), ``extra`` its own fields."""
+        if parsed := DIRECTIVE_FIELDS & extra.keys():
+            raise ValueError(f"{sorted(parsed)} would change the directives: accept the new request")
+        return Accepted(TaskRequest.of(self.request, **extra), self.directives, self.omitted_tools)
 
 
 def accept(request: R, *, hosted_tools: Literal["refuse", "omit"] = "refuse") -> Accepted[R]:
@@ -43,9 +62,9 @@ def accept(request: R, *, hosted_tools: Literal["refuse", "omit"] = "refuse") ->
     if hosted_tools == "omit":
         kept, omitted = omit_hosted(request.tools)
         if omitted:
-            request = replace(request, tools=kept)
+            request = msgspec.structs.replace(request, tools=kept)
     _check_values(request)
-    return Accepted(request, request.directives, tuple(omitted))
+    return Accepted(request, directives_of(request), tuple(omitted))
 
 
 def _check_values(request: ResponseRequest) -> None:

@@ -151,7 +151,7 @@ class ReasoningEcho:
             else:
                 raw.insert(index - base, msgspec.json.decode(found[key]))
         if hits[-1][0] >= base:  # some went into the request's own input
-            request = s.replace(request, input=raw)
+            request = msgspec.structs.replace(request, input=raw)
         return history, request, [key for _, key in hits]
 
     def finish_job(self, owner: str, response: s.Response, used: Sequence[str] = ()) -> Callable[[Conn], None] | None:

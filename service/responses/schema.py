@@ -7,8 +7,7 @@ unknown fields are rejected so nothing a client sends is silently ignored.
 
 from __future__ import annotations
 
-import functools
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import msgspec
 
@@ -40,10 +39,10 @@ MAX_COMPACT_THRESHOLD = 100_000_000
 MAX_TOKENS = 2**31 - 1
 
 
-class ResponseRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True, dict=True):
-    """A Responses request. Decoding validates types and rejects unknown fields; the values and
-    the features not served yet are checked by :func:`lmspd.responses.checks.accept`, which
-    parses :attr:`directives` once (``dict=True`` holds them; only the fields are encoded)."""
+class ResponseRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
+    """A Responses request: data. Decoding validates types and rejects unknown fields; the values
+    and the features not served yet are checked by :func:`lmspd.responses.checks.accept`, which
+    parses its directives (:func:`directives_of`) once for intake to carry."""
 
     model: str | None = None
     input: str | list[Any]
@@ -117,19 +116,6 @@ class ResponseRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, 
             threshold = value
         return threshold
 
-    @functools.cached_property
-    def directives(self) -> Directives:
-        """tools, tool_choice, text and reasoning in their typed, checked form: parsed once per
-        request (by :func:`lmspd.responses.checks.accept` at intake), then read by every later stage."""
-        return directives(
-            tools=self.tools,
-            tool_choice=self.tool_choice,
-            parallel_tool_calls=self.parallel_tool_calls,
-            max_tool_calls=self.max_tool_calls,
-            text=self.text,
-            reasoning=self.reasoning,
-        )
-
     def sampling(self, defaults: SamplingDefaults | None = None) -> SamplingParams:
         """The engine's sampling parameters: each one the request names, else the model's
         ``defaults`` (None: lmspd's own, OpenAI's), the one place this is decided
@@ -155,21 +141,22 @@ class ResponseRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, 
         return parse_items(self.input)
 
 
-R = TypeVar("R", bound=ResponseRequest)
-_DIRECTIVE_FIELDS = frozenset({"tools", "tool_choice", "parallel_tool_calls", "max_tool_calls", "text", "reasoning"})
+# The fields :func:`directives_of` reads: a copy that changes none of them has the same directives.
+DIRECTIVE_FIELDS = frozenset({"tools", "tool_choice", "parallel_tool_calls", "max_tool_calls", "text", "reasoning"})
 
 
-def _keep_directives(source: ResponseRequest, copy: R) -> R:
-    if "directives" in source.__dict__:  # parsed already: the copy has the same fields
-        copy.__dict__["directives"] = source.__dict__["directives"]
-    return copy
-
-
-def replace(request: R, **changes: Any) -> R:
-    """``msgspec.structs.replace`` that keeps the parsed :attr:`~ResponseRequest.directives`
-    when none of their fields change (a request is parsed once)."""
-    copy = msgspec.structs.replace(request, **changes)
-    return copy if _DIRECTIVE_FIELDS & set(changes) else _keep_directives(request, copy)
+def directives_of(request: ResponseRequest) -> Directives:
+    """tools, tool_choice, text and reasoning in their typed, checked form (their schemas are
+    checked by ``enforce.check_directives``): intake parses them once (``checks.accept``) and
+    carries them; a stage that reads a stored request back parses them from it."""
+    return directives(
+        tools=request.tools,
+        tool_choice=request.tool_choice,
+        parallel_tool_calls=request.parallel_tool_calls,
+        max_tool_calls=request.max_tool_calls,
+        text=request.text,
+        reasoning=request.reasoning,
+    )
 
 
 class TaskRequest(ResponseRequest, kw_only=True, omit_defaults=True):
@@ -188,9 +175,9 @@ class TaskRequest(ResponseRequest, kw_only=True, omit_defaults=True):
     @classmethod
     def of(cls, request: ResponseRequest, **extra: Any) -> TaskRequest:
         if isinstance(request, TaskRequest):
-            return replace(request, **extra) if extra else request
+            return msgspec.structs.replace(request, **extra) if extra else request
         fields = {f: getattr(request, f) for f in request.__struct_fields__}
-        return _keep_directives(request, cls(**fields, **extra))
+        return cls(**fields, **extra)
 
     def sampling(self, defaults: SamplingDefaults | None = None) -> SamplingParams:
         """As the request's, over its stored :attr:`sampling_defaults` (else ``defaults``);

@@ -157,6 +157,7 @@ async def test_restart_with_the_disk_still_full_waits_and_then_follows_each_poli
     from lmspd.core.supervisor import Supervisor
     from lmspd.engine.process import EngineClient
     from lmspd.models.registry import ModelRegistry
+    from lmspd.responses.checks import accept
     from lmspd.responses.schema import ResponseRequest
     from lmspd.store.task_store import TaskStore
 
@@ -168,7 +169,7 @@ async def test_restart_with_the_disk_still_full_waits_and_then_follows_each_poli
     core = compose(config, store, hub, supervisor, registry, store.metrics)
     request = msgspec.json.decode(b'{"input": "hi", "max_output_tokens": 4}', type=ResponseRequest)
     ids = {
-        policy: (await core.intake.submit("alice", request, kind="task", on_restart=policy))[0].id
+        policy: (await core.intake.submit("alice", accept(request), kind="task", on_restart=policy))[0].id
         for policy in ("fail", "retry", "resume")
     }
 

@@ -363,7 +363,9 @@ def test_prompt_ends_share_the_bound_and_go_least_recently_used_first() -> None:
     with_batch = mx.get_active_memory()
     cache.ends.keep(("m", ""), [5, 6], batch[3])
     del batch
-    assert mx.get_active_memory() <= with_batch - 7 * (4 << 20)
+    # The other seven rows are freed (a view would keep all eight); a row's worth of slack for
+    # what else the process allocates meanwhile (a few KB seen under pytest-xdist).
+    assert mx.get_active_memory() <= with_batch - 6 * (4 << 20)
 
 
 def test_a_disabled_cache_keeps_nothing() -> None:

@@ -281,10 +281,12 @@ async def test_one_unreadable_task_fails_alone(tmp_path: Path, tiny: ResolvedMod
     hub = Hub()
     supervisor = Supervisor(config, store, EngineClient(EngineConfig()), hub, ModelRegistry(config))
     core = compose(config, store, hub, supervisor, ModelRegistry(config), store.metrics)
+    from lmspd.responses.checks import accept
     from lmspd.responses.schema import ResponseRequest
 
     request = msgspec.json.decode(b'{"input": "hi", "max_output_tokens": 4}', type=ResponseRequest)
-    ids = [(await core.intake.submit("alice", request, kind="task", on_restart="retry"))[0].id for _ in range(3)]
+    accepted = accept(request)
+    ids = [(await core.intake.submit("alice", accepted, kind="task", on_restart="retry"))[0].id for _ in range(3)]
     empty, garbled, sound = ids
 
     def damage(conn: Conn) -> None:

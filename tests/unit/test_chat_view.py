@@ -117,7 +117,8 @@ EVERY_FIELD: dict[str, Any] = {
 def test_every_documented_field_decodes_and_translates() -> None:
     req = decode(json.dumps(EVERY_FIELD).encode(), ChatCompletionRequest)
     assert req.include_usage
-    rr, extras = req.to_response_request()
+    accepted, extras = req.to_response_request()
+    rr = accepted.request
     assert rr.model == "m"
     assert rr.input == [{"role": "user", "content": "hi"}]
     assert rr.max_output_tokens == 20  # max_completion_tokens wins over the deprecated max_tokens
@@ -128,7 +129,8 @@ def test_every_documented_field_decodes_and_translates() -> None:
 
 
 def test_defaults_translate_to_a_plain_request() -> None:
-    rr, extras = request(max_tokens=5).to_response_request()
+    accepted, extras = request(max_tokens=5).to_response_request()
+    rr = accepted.request
     assert rr.max_output_tokens == 5 and rr.stream is None and rr.store is False
     assert (extras.stop, extras.seed, extras.logprobs) == ([], None, None)
     assert not request(stream_options={"include_usage": True}).include_usage  # not streaming
@@ -190,7 +192,8 @@ def test_rejections_name_the_field(fields: dict[str, Any], param: str) -> None:
 
 
 def test_sampling_ranges_are_left_to_the_core() -> None:
-    rr, _ = request(temperature=5.0, top_p=0.0).to_response_request()
+    accepted, _ = request(temperature=5.0, top_p=0.0).to_response_request()
+    rr = accepted.request
     assert (rr.temperature, rr.top_p) == (5.0, 0.0)
 
 
@@ -270,7 +273,8 @@ CONVERSATION: list[dict[str, Any]] = [
 
 
 def test_a_multi_turn_conversation_becomes_items_the_core_renders() -> None:
-    rr, _ = request(messages=CONVERSATION).to_response_request()
+    accepted, _ = request(messages=CONVERSATION).to_response_request()
+    rr = accepted.request
     assert rr.input == [
         {"role": "system", "content": "Be brief."},
         {"role": "developer", "content": [{"type": "input_text", "text": "Use metric."}]},
@@ -321,9 +325,10 @@ def test_a_multi_turn_conversation_becomes_items_the_core_renders() -> None:
 
 
 def test_an_empty_assistant_turn_stays_a_message() -> None:
-    rr, _ = request(
+    accepted, _ = request(
         messages=[{"role": "user", "content": "x"}, {"role": "assistant", "content": ""}]
     ).to_response_request()
+    rr = accepted.request
     assert rr.input == [{"role": "user", "content": "x"}, {"role": "assistant", "content": ""}]
 
 

@@ -36,7 +36,7 @@ def request(**fields: Any) -> MessagesRequest:
 
 
 def translated(**fields: Any) -> Translation:
-    return translate(request(**fields))
+    return translate(request(**fields))[0]
 
 
 def refused(**fields: Any) -> InvalidRequestError:

@@ -123,7 +123,7 @@ class Cluster:
                 await supervisor.lease_lost()
             await self._register()
             if supervisor is not None:
-                await supervisor.recover()
+                await supervisor.transitions.recover()
                 supervisor.wake()
         self.store.metrics.observe_cluster(*await self.nodes.counts())
         if supervisor is None:
@@ -134,7 +134,7 @@ class Cluster:
                 self.taken_over += len(taken)
                 self.store.metrics.node_tasks_taken_over.inc(len(taken))
                 log.warning("node %s's lease expired: %d unfinished tasks taken over here", dead, len(taken))
-                await supervisor.recover(taken)
+                await supervisor.transitions.recover(taken)
                 supervisor.wake()
 
     # --- other nodes' changes -------------------------------------------------------------------

@@ -5,7 +5,8 @@ model's at once than the engine decodes (its decode slots: a task reads ``runnin
 only while it is decoded, docs/lmsp.md §7.2), drives the engine, turns token deltas
 into response events, persists them *before* waking any reader, applies
 cancellation, and restarts a dead engine with backoff. Work interrupted by an engine
-crash or a server restart follows the task's ``on_restart`` policy.
+crash or a server restart follows the task's ``on_restart`` policy; every write that moves a
+task, and that settling, is :class:`lmspd.core.transitions.Transitions`'.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from lmspd.core.lifecycle import ModelLifecycle
 from lmspd.core.recycle import Recycler
 from lmspd.core.storage_backoff import StorageBackoff
 from lmspd.core.token_timer import TokenTimer
+from lmspd.core.transitions import Transitions
 from lmspd.engine import protocol as p
 from lmspd.engine.process import EngineClient
 from lmspd.errors import (
@@ -38,7 +40,6 @@ from lmspd.errors import (
     ModelTooLargeError,
     StorageFullError,
     StoreUnavailableError,
-    error_for,
 )
 from lmspd.metrics import Metrics
 from lmspd.models.footprint import refuse_oversized
@@ -52,10 +53,9 @@ from lmspd.responses.inputs import Item
 from lmspd.responses.reasoning_echo import ReasoningEcho
 from lmspd.responses.schema import TaskRequest
 from lmspd.responses.sealing import Sealer
-from lmspd.store.conn import Conn, Job
+from lmspd.store.conn import Conn
 from lmspd.store.items import ItemIndex
-from lmspd.store.status import TERMINAL, TaskStatus
-from lmspd.store.task_store import EventBuilder, TaskRecord, TaskStore
+from lmspd.store.task_store import TaskStore
 
 log = logging.getLogger("lmspd.supervisor")
 
@@ -98,9 +98,11 @@ class Supervisor:
         self.decoding = DecodeSlots(config.engine.max_concurrency)
         self._resolved: dict[str, ResolvedModel] = {}  # requested model name -> what it resolved to
         self.storage = StorageBackoff(config.server.database_path)
+        # Every write that moves a task, and its settling by policy (lmspd.core.transitions).
+        self.transitions = Transitions(store, hub, self.storage, lambda task_id: task_id in self.running)
         self.lifecycle = ModelLifecycle(config, engine, registry, self.metrics)
         self.recycler = Recycler(config.engine, self.metrics, lambda: self.engine, self._serve_on)
-        self.compactor = compactor.TaskCompactor(self._commit, self.metrics)
+        self.compactor = compactor.TaskCompactor(self.transitions.commit, self.metrics)
         # Why the default model can never load (None: it can), decided once by preload from
         # its files and the memory budget, so /readyz reads it without touching the model.
         self.default_refused: str | None = None
@@ -108,7 +110,7 @@ class Supervisor:
     # --- lifecycle ------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        await self.recover()
+        await self.transitions.recover()
         await self.engine.start()
         self.engine.listeners.append(self.lifecycle.heard)
         await self.lifecycle.configure()
@@ -194,7 +196,7 @@ class Supervisor:
                 continue
             if (why := await self.recycler.due()) is not None:
                 self.recycler.start(why)
-            if self.storage.active and not await self._settle_stalled():
+            if self.storage.active and not await self.transitions.settle_stalled():
                 continue
             room = 2 * self.config.engine.max_concurrency - len(self.running)
             if room <= 0:
@@ -224,87 +226,6 @@ class Supervisor:
             self._backoff = min(self._backoff * 2, 30.0)
         self.wake()
 
-    # --- recovery (docs/lmsp.md §7.5) ---------------------------------------------------------
-
-    async def recover(self, task_ids: list[str] | None = None) -> None:
-        """Settle every unfinished task by its policy before new work is accepted (``task_ids``:
-        those taken over from a dead node). A task whose record cannot be read fails alone; with
-        the storage full, the rest wait. On PostgreSQL a node settles only what it holds."""
-        for task_id in await self.store.unfinished_ids() if task_ids is None else task_ids:
-            try:
-                await self._recover_one(task_id)
-            except StorageFullError:
-                self.storage.full(task_id)
-            except Exception as exc:
-                log.error("task %s could not be recovered (%s: %s)", task_id, type(exc).__name__, exc)
-            self.hub.notify(task_id)
-
-    async def _recover_one(self, task_id: str) -> None:
-        task = await self.store.get(task_id)
-        if task.status == "queued":
-            return  # never started: nothing was lost, it runs in turn
-        state = await self._state(task)
-        if state is None:
-            return
-        if task.status == "cancelling":
-            await self._settle_cancel(task_id, state)
-        else:
-            await self._interrupted(task, state, "server_restarted", "the server restarted during generation")
-
-    async def _state(self, task: TaskRecord) -> ResponseState | None:
-        """The task's response as its event log left it; None if the log cannot be read, and
-        then the task has failed with ``task_corrupt`` (one damaged row stops only its task)."""
-        try:
-            return ResponseState.from_events(await self.store.all_events(task.id))
-        except StorageFullError:
-            raise
-        except Exception as exc:
-            cause = f"{type(exc).__name__}: {exc}"
-        log.error("task %s failed: its event log cannot be read back (%s)", task.id, cause)
-        blank = s.Response(id=task.response_id, created_at=task.created_at, status="in_progress", model="")
-        state = ResponseState(blank)
-        await self._fail(task.id, state, "task_corrupt", f"the task's stored events cannot be read back ({cause})")
-        return None
-
-    # --- storage full ---------------------------------------------------------------------------
-
-    async def _settle_stalled(self) -> bool:
-        """Wait out the backoff, then settle the tasks the full storage stopped by their
-        policy. False: still full (nothing is claimed this round)."""
-        if self.storage.wait is not None:
-            await asyncio.sleep(self.storage.wait)
-            self.storage.longer()
-        wrote = False
-        try:
-            for task_id in sorted(self.storage.stalled):
-                if task_id in self.running:
-                    continue  # still winding down: settled on a later round
-                task = await self.store.get(task_id)
-                if task.status not in TERMINAL and task.status != "queued":
-                    if (state := await self._state(task)) is not None:
-                        if task.status == "cancelling":
-                            await self._settle_cancel(task_id, state)
-                        else:
-                            detail = "the server's storage was full during generation"
-                            await self._interrupted(task, state, "storage_full", detail)
-                    wrote = True
-                self.storage.stalled.discard(task_id)
-                self.hub.notify(task_id)
-        except StorageFullError:
-            self.storage.full()
-            return False
-        if wrote:
-            self.storage.ok()
-        return True  # a claim that fails for want of room backs off again
-
-    async def _interrupted(self, task: TaskRecord, state: ResponseState, code: str, detail: str) -> None:
-        if task.on_restart == "retry":
-            await self.store.requeue(task.id, new_attempt=True, events=state.restarted(task.attempt + 1, code))
-        elif task.on_restart == "resume":
-            await self._resume(task.id)
-        else:
-            await self._fail(task.id, state, code, detail)
-
     # --- running one task -----------------------------------------------------------------------
 
     async def cancel(self, task_id: str) -> None:
@@ -332,8 +253,8 @@ class Supervisor:
         except Exception:
             log.exception("task %s failed unexpectedly", task_id)
             with contextlib.suppress(Exception):
-                if (state := await self._state(await self.store.get(task_id))) is not None:
-                    await self._fail(task_id, state, "server_error", "internal error while running the task")
+                if (state := await self.transitions.state(await self.store.get(task_id))) is not None:
+                    await self.transitions.fail(task_id, state, "server_error", "internal error while running the task")
         finally:
             self.running.pop(task_id, None)
             self.decoding.release(task_id)
@@ -343,55 +264,15 @@ class Supervisor:
             self.hub.notify(task_id)
             self.wake()
 
-    async def _commit(self, task_id: str, events: list[EventBuilder]) -> None:
-        await self.store.append_events(task_id, events)
-        self.hub.notify(task_id)
-        self.storage.ok()
-
-    async def _to(
-        self, task_id: str, status: TaskStatus, events: list[EventBuilder], via: TaskStatus | None = None
-    ) -> bool:
-        done = await self.store.transition(task_id, status, events=events, via=via)
-        self.hub.notify(task_id)
-        self.storage.ok()
-        return done is not None
-
-    async def _settle_cancel(self, task_id: str, state: ResponseState) -> None:
-        events = state.cancelled()
-        await self._final(task_id, "cancelled", events, state)
-
-    async def _final(
-        self,
-        task_id: str,
-        status: TaskStatus,
-        events: list[EventBuilder],
-        state: ResponseState,
-        error: bytes | None = None,
-        also: Job | None = None,
-    ) -> bool:
-        """A terminal transition; it keeps the final response object with the task, as the
-        event log is purged after the retention window while the response stays readable.
-        ``also`` is written in the same transaction (the reasoning echo's rows)."""
-        done = await self.store.transition(
-            task_id, status, events=events, response=state.encoded(), error=error, also=also
-        )
-        self.hub.notify(task_id)
-        return done is not None
-
-    async def _fail(self, task_id: str, state: ResponseState, code: str, detail: str) -> None:
-        error = msgspec.json.encode(error_for(code, detail).problem())
-        if not await self._final(task_id, "failed", state.failed(code, detail), state, error):
-            await self._settle_cancel(task_id, state)  # it was cancelling: cancel wins
-
     async def _run_inner(self, task_id: str) -> None:
         task = await self.store.get(task_id)
         # Several nodes (PostgreSQL): claimed first, always, before anything else is read or
         # started, so a node that loses the claim to another has spent one write on it and never
         # starts the generation (a task never runs on two nodes at once).
         clustered = self.store.fence.me is not None
-        if clustered and not await self._to(task_id, "loading", []):
+        if clustered and not await self.transitions.to(task_id, "loading", []):
             return  # another node's (or cancelled) first
-        if (state := await self._state(task)) is None:
+        if (state := await self.transitions.state(task)) is None:
             return
         request = msgspec.json.decode(task.request, type=TaskRequest)
         # The model named at intake (PostgreSQL: the accepting node's default, if it named none).
@@ -416,12 +297,14 @@ class Supervisor:
         known = self._resolved.get(name)
         canonical = known.name if known is not None else name
         if clustered or not self.engine.resident(canonical):
-            return Claim() if clustered or await self._to(task_id, "loading", []) else None
+            return Claim() if clustered or await self.transitions.to(task_id, "loading", []) else None
         # Running means decoding (docs/lmsp.md §7.2): past max_concurrency, a task waits
         # here, queued, rather than in the engine's own queue reading running.
         waited = await self.slots.acquire(task_id, canonical)  # given back when _run ends
         waited = await self.decoding.acquire(task_id, canonical) or waited
-        claim = Claim(asyncio.ensure_future(self._to(task_id, "running", state.in_progress(), via="loading")))
+        claim = Claim(
+            asyncio.ensure_future(self.transitions.to(task_id, "running", state.in_progress(), via="loading"))
+        )
         if waited and not await claim.held():
             return None  # cancelled while it waited: no generation starts for it
         return claim
@@ -439,7 +322,7 @@ class Supervisor:
         except EngineCrashedError as exc:
             ending = functools.partial(self._crashed, run, exc)
         except LmspdError as exc:
-            ending = functools.partial(self._fail, run.id, run.state, exc.code, exc.message)
+            ending = functools.partial(self.transitions.fail, run.id, run.state, exc.code, exc.message)
         else:
             if finished is None:
                 return
@@ -462,7 +345,7 @@ class Supervisor:
                 return None
             compacted = await self.compactor.run(self.engine, run.state, self._job(run, model, history, threshold))
             if compacted is None:
-                await self._settle_cancel(run.id, run.state)
+                await self.transitions.cancelled(run.id, run.state)
                 return None
             after, input_tokens = compacted
             # Generation is capped by the context left after the prompt (length: incomplete).
@@ -491,9 +374,9 @@ class Supervisor:
         await self.slots.acquire(run.id, model.name)  # given back when _run ends
         await self.decoding.acquire(run.id, model.name)
         await self.engine.load(model.name, str(model.path))
-        if await self._to(run.id, "running", run.state.in_progress()):
+        if await self.transitions.to(run.id, "running", run.state.in_progress()):
             return True
-        await self._settle_cancel(run.id, run.state)
+        await self.transitions.cancelled(run.id, run.state)
         return False
 
     async def _history(self, run: Run) -> list[Item]:
@@ -544,25 +427,22 @@ class Supervisor:
         ``cancelled`` if a cancel stopped it or came first."""
         state, task = run.state, run.task
         if finished.reason == "cancelled":
-            return await self._settle_cancel(run.id, state)
+            return await self.transitions.cancelled(run.id, state)
         events = state.finish(finished.reason, finished.prompt_tokens, finished.cached_tokens, finished.stop_sequence)
         jobs = [self.echo.finish_job(task.owner, state.response, run.echoed)]
         if task.kind == "response" and task.stored:  # its items can be referenced (item_reference)
             jobs.append(self.items.job(task.owner, run.id, item_ids(run.request, state.response)))
-        if not await self._final(run.id, "succeeded", events, state, also=_all(jobs)):
-            await self._settle_cancel(run.id, state)
+        if not await self.transitions.final(run.id, "succeeded", events, state, also=_all(jobs)):
+            await self.transitions.cancelled(run.id, state)
 
     async def _crashed(self, run: Run, exc: EngineCrashedError) -> None:
         """The engine died (or was recycled) under the generation."""
         task = await self.store.get(run.id)
         if task.status == "cancelling":
-            return await self._settle_cancel(run.id, run.state)
+            return await self.transitions.cancelled(run.id, run.state)
         if isinstance(exc, EngineRecycledError):  # the server did not restart: resume, whatever the policy
-            return await self._resume(run.id)
-        await self._interrupted(task, run.state, "engine_crashed", exc.message)
-
-    async def _resume(self, task_id: str) -> None:
-        await self.store.requeue(task_id, new_attempt=False)
+            return await self.transitions.resume(run.id)
+        await self.transitions.interrupted(task, run.state, "engine_crashed", exc.message)
 
     async def _generate(self, task_id: str, state: ResponseState, cmd: p.Generate, claim: Claim) -> p.Finished | None:
         """Stream the generation, committing each batch of deltas before it is published;
@@ -599,7 +479,7 @@ class Supervisor:
                 if (text or tokens) and (events := state.delta(text, tokens, logprobs)):
                     if not await claim.held():
                         return None
-                    await self._commit(task_id, events)
+                    await self.transitions.commit(task_id, events)
                     self.metrics.first_token_stages.mark(task_id, "commit")
                 if end is not None:
                     return end

@@ -185,13 +185,13 @@ async def test_restart_with_the_disk_still_full_waits_and_then_follows_each_poli
                     other.execute(add, (f"{task_id}~", i))
     set_limit = "PRAGMA max_page_count = 1"  # no page more than it has now
     await on_thread(db._writer_conn, lambda conn: conn.execute(set_limit))
-    await supervisor.recover()  # does not raise: the start goes on
+    await supervisor.transitions.recover()  # does not raise: the start goes on
     # The failure's event needs room; a resume's requeue (a status change) may fit in place.
     assert ids["fail"] in supervisor.storage.stalled
     assert {(await store.get(i)).status for i in supervisor.storage.stalled} == {"running"}
-    assert not await supervisor._settle_stalled()  # still full: backs off
+    assert not await supervisor.transitions.settle_stalled()  # still full: backs off
     await on_thread(db._writer_conn, lambda conn: conn.execute(f"PRAGMA max_page_count = {2**31 - 2}"))
-    assert await supervisor._settle_stalled()
+    assert await supervisor.transitions.settle_stalled()
     tasks = {policy: await store.get(i) for policy, i in ids.items()}
     assert (tasks["fail"].status, msgspec.json.decode(tasks["fail"].error or b"{}")["code"]) == (
         "failed",

@@ -295,7 +295,7 @@ async def test_one_unreadable_task_fails_alone(tmp_path: Path, tiny: ResolvedMod
         conn.execute("UPDATE events SET data = x'00ff' WHERE task_id = ?", (garbled,))
 
     await db.writer.submit(damage)
-    await supervisor.recover()
+    await supervisor.transitions.recover()
     for task_id in (empty, garbled):
         task = await store.get(task_id)
         assert task.status == "failed"

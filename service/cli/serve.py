@@ -73,7 +73,6 @@ def check_bind(config: Config) -> None:
 async def run(config: Config) -> None:
     # Imported here: check_bind's other callers (lmspd doctor) need neither the app nor Hypercorn.
     from hypercorn.asyncio import serve as hypercorn_serve
-    from hypercorn.config import Config as HypercornConfig
     from hypercorn.utils import LifespanFailureError
 
     from lmspd.api.app import create_app
@@ -81,26 +80,8 @@ async def run(config: Config) -> None:
     check_bind(config)
     stop = asyncio.Event()
     app = create_app(config, shutdown=stop)
-    hc = HypercornConfig()
-    hc.bind = [
-        f"[{config.server.host}]:{config.server.port}"
-        if ":" in config.server.host
-        else f"{config.server.host}:{config.server.port}"
-    ]
-    hc.graceful_timeout = config.server.shutdown_grace_secs
-    # The lifespan's startup recovers unfinished tasks and preloads models, which on a fresh
-    # machine includes compiling lmspd's kernels (about a minute on two cores, docs/engine.md)
-    # and on a real model reading gigabytes: Hypercorn's 60 s default failed such a start. Its
-    # own steps are bounded (engine start, loads); this only must not cut them short.
-    hc.startup_timeout = STARTUP_TIMEOUT_SECS
-    _drop_stalled_readers(hc, 2 * config.server.keepalive_secs)
-    hc.accesslog = None  # the app logs each request (lmspd.api.access_log)
+    hc = hypercorn_config(config)
     sockets = _bind_now(hc, config)
-    # Hypercorn's own lines go through the root handler, in the server's --log-format (given a
-    # target name, Hypercorn would add a handler of its own with its own format).
-    errors = logging.getLogger("hypercorn.error")
-    errors.setLevel(logging.INFO)
-    hc.errorlog = errors
     loop = asyncio.get_running_loop()
     # Under systemd (Type=notify): READY=1 once the server answers /readyz as a client would see it,
     # STOPPING=1 on SIGTERM. Without $NOTIFY_SOCKET neither probe nor message.
@@ -128,6 +109,32 @@ async def run(config: Config) -> None:
             ready.cancel()
         for sock in sockets.insecure_sockets:
             sock.close()
+
+
+def hypercorn_config(config: Config) -> Any:
+    """Hypercorn's Config for ``lmspd serve``: the bind, the grace, the bounds and the logs."""
+    from hypercorn.config import Config as HypercornConfig
+
+    hc = HypercornConfig()
+    hc.bind = [
+        f"[{config.server.host}]:{config.server.port}"
+        if ":" in config.server.host
+        else f"{config.server.host}:{config.server.port}"
+    ]
+    hc.graceful_timeout = config.server.shutdown_grace_secs
+    # The lifespan's startup recovers unfinished tasks and preloads models, which on a fresh
+    # machine includes compiling lmspd's kernels (about a minute on two cores, docs/engine.md)
+    # and on a real model reading gigabytes: Hypercorn's 60 s default failed such a start. Its
+    # own steps are bounded (engine start, loads); this only must not cut them short.
+    hc.startup_timeout = STARTUP_TIMEOUT_SECS
+    _drop_stalled_readers(hc, 2 * config.server.keepalive_secs)
+    hc.accesslog = None  # the app logs each request (lmspd.api.access_log)
+    # Hypercorn's own lines go through the root handler, in the server's --log-format (given a
+    # target name, Hypercorn would add a handler of its own with its own format).
+    errors = logging.getLogger("hypercorn.error")
+    errors.setLevel(logging.INFO)
+    hc.errorlog = errors
+    return hc
 
 
 def _bind_now(hc: Any, config: Config) -> Any:

@@ -67,7 +67,7 @@ class View {
 
 // An activation's elements in row-major order, for the kernels, which read rows. Activations
 // reach the primitives as they come: a Contiguous node per activation per call was 242 of a
-// decode step's 1,340 primitives (docs/benchmarks.md, "Step profile"), and at evaluation they
+// decode step's 1,340 primitives (docs/benchmarks.md, "The passes", the second), and at evaluation they
 // are nearly always row-contiguous already (MLX flags a transposed axis of size 1 so); only
 // otherwise are they copied, here.
 template <typename A, typename Vec>

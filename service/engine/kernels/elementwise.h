@@ -4,11 +4,12 @@
 //
 // MLX's CPU unary ops run its simd functions one element at a time on Linux (Simd<float, 1>),
 // and its exp there costs ~16 ns an element: a decode step's 30 swiglu calls of SmolLM2-135M
-// took 0.9 ms at batch 1 and 10.5 at batch 8 (docs/benchmarks.md, "Step profile": the
-// "elementwise" row), and the logsumexp over a 49,152-token vocabulary 0.8 and 6 ms ("sampling"). This computes each element with the same functions from MLX's headers
-// (unary_ops.h's Sigmoid, simd::exp), each product rounded to float32 as MLX's separate
-// multiplies are; on AVX2 eight elements at a time, by the same IEEE operations (exp8); the
-// elements shared between the MLX stream thread and the Pool's helper.
+// took 0.87 ms at batch 1 and 11.6 at batch 8, and the logsumexp over a 49,152-token vocabulary
+// 1.33 and 9.57 ms (docs/benchmarks.md, "The passes", the second). This computes each element
+// with the same functions from MLX's headers (unary_ops.h's Sigmoid, simd::exp), each product
+// rounded to float32 as MLX's separate multiplies are; on AVX2 eight elements at a time, by the
+// same IEEE operations (exp8); the elements shared between the MLX stream thread and the Pool's
+// helper.
 #pragma once
 
 #include <algorithm>

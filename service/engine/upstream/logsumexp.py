@@ -3,8 +3,8 @@
 ``GenerationBatch._step`` and ``generate_step`` normalize every step's logits as
 ``logits - mx.logsumexp(logits, axis=-1, keepdims=True)``, reaching MLX through
 ``mlx_lm.generate``'s module global ``mx``. MLX's CPU logsumexp runs its exp one element at a
-time on one core (~16 ns an element there: 1.3 ms a step at batch 1 and 9.6 at batch 8 over a
-49,152-token vocabulary; docs/benchmarks.md, "Step profile", the "sampling" row). ``install``
+time on one core (~16 ns an element there: 1.33 ms a step at batch 1 and 9.57 at batch 8 over a
+49,152-token vocabulary; docs/benchmarks.md, "The passes", the second). ``install``
 gives that module an ``mx`` whose ``logsumexp`` takes exactly those calls to the kernel
 (``kernels/elementwise.h``: the same bits, rows on both cores, the exponentials eight at a time)
 and hands every other call, and every other name, to ``mlx.core`` itself.

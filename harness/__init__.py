@@ -19,7 +19,8 @@ Processes, models and clients for the test tiers:
 - ``families``: tokenizers for the tool-calling template families.
 - ``openresponses``: validation against the Open Responses schema (in ``data/``).
 - ``codex``, ``claude``: the captured Codex CLI and Claude Code requests (``data/``) and the
-  pinned binaries; ``codex_capture``, ``claude_capture``: the stand-in servers that captured them.
+  pinned binaries; ``codex_capture``, ``claude_capture``: the stand-in servers that captured them;
+  ``capture``: what those four share (a pinned CLI's lookup, the capture servers' command line).
 - ``browser``, ``clients``, ``disk``: the browser tier's driver, the real clients' presence, a
   small filesystem.
 

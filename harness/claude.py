@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import shutil
 import subprocess
 import threading
 from collections.abc import Callable, Iterator
@@ -24,6 +23,7 @@ from typing import Any
 import httpx
 
 from harness import DATA
+from harness.capture import pinned_binary
 from harness.models import CACHE
 
 CLAUDE_DATA = DATA / "claude"
@@ -34,15 +34,8 @@ CLAUDE_PREFIX = CACHE / "claude" / CLAUDE_VERSION
 
 
 def claude_binary() -> Path | None:
-    """The pinned Claude Code CLI: ``LMSPD_CLAUDE`` if set, else the one .ci/run installs under
-    the test cache, else ``claude`` on PATH; None when there is none."""
-    if env := os.environ.get("LMSPD_CLAUDE"):
-        return Path(env)
-    pinned = CLAUDE_PREFIX / "node_modules" / ".bin" / "claude"
-    if pinned.exists():
-        return pinned
-    found = shutil.which("claude")
-    return Path(found) if found else None
+    """The pinned Claude Code CLI (``LMSPD_CLAUDE``, else the test cache's, else PATH's)."""
+    return pinned_binary("claude", "LMSPD_CLAUDE", CLAUDE_PREFIX)
 
 
 def captured(name: str) -> dict[str, Any]:

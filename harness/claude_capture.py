@@ -18,13 +18,14 @@ made with it: that folder's README.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import re
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
+
+from harness import capture
 
 
 def wants_result(body: dict[str, Any]) -> bool:
@@ -132,9 +133,7 @@ def handler(out_dir: Path) -> type[BaseHTTPRequestHandler]:
                 self.send_header("content-type", "text/event-stream")
                 self.send_header("connection", "close")
                 self.end_headers()
-                for event in events(body, n):
-                    self.wfile.write(f"event: {event['type']}\ndata: {json.dumps(event)}\n\n".encode())
-                self.wfile.flush()
+                capture.write_events(self.wfile, events(body, n))
                 self.close_connection = True
             elif self.command == "POST" and path == "/messages/count_tokens":
                 self.send_json(200, {"input_tokens": 1})
@@ -169,23 +168,7 @@ def scrub(text: str, home: str, workspace: str) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("serve")
-    run.add_argument("out", type=Path)
-    run.add_argument("--port", type=int, default=18998)
-    clean = sub.add_parser("scrub")
-    clean.add_argument("src", type=Path)
-    clean.add_argument("dst", type=Path)
-    clean.add_argument("--home", required=True)
-    clean.add_argument("--workspace", required=True)
-    args = parser.parse_args()
-    if args.command == "scrub":
-        entry = json.loads(scrub(args.src.read_text(), args.home, args.workspace))
-        args.dst.write_text(json.dumps(entry, indent=1, ensure_ascii=False) + "\n")
-        return
-    args.out.mkdir(parents=True, exist_ok=True)
-    ThreadingHTTPServer(("127.0.0.1", args.port), handler(args.out)).serve_forever()
+    capture.main(port=18998, handler=handler, scrub=scrub, home="--home")
 
 
 if __name__ == "__main__":

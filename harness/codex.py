@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,6 +15,7 @@ from typing import Any
 import httpx
 
 from harness import DATA
+from harness.capture import pinned_binary
 from harness.models import CACHE
 
 CODEX_DATA = DATA / "codex"
@@ -91,15 +90,8 @@ def post_stream(url: str, payload: dict[str, Any], extra_headers: dict[str, str]
 
 
 def codex_binary() -> Path | None:
-    """The pinned Codex CLI: ``LMSPD_CODEX`` if set, else the one .ci/run installs under the
-    test cache, else ``codex`` on PATH; None when there is none."""
-    if env := os.environ.get("LMSPD_CODEX"):
-        return Path(env)
-    pinned = CODEX_PREFIX / "node_modules" / ".bin" / "codex"
-    if pinned.exists():
-        return pinned
-    found = shutil.which("codex")
-    return Path(found) if found else None
+    """The pinned Codex CLI (``LMSPD_CODEX``, else the test cache's, else PATH's)."""
+    return pinned_binary("codex", "LMSPD_CODEX", CODEX_PREFIX)
 
 
 def codex_config(base_url: str, model: str, *, web_search: bool = False, agents: bool = True) -> str:

@@ -16,13 +16,14 @@ README.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
+
+from harness import capture
 
 OPAQUE = "gAAAAB-capture-opaque-reasoning-token-0000"
 OUTPUT_TYPES = ("function_call_output", "custom_tool_call_output")
@@ -109,9 +110,7 @@ def handler(out_dir: Path) -> type[BaseHTTPRequestHandler]:
             self.send_response(200)
             self.send_header("content-type", "text/event-stream")
             self.end_headers()
-            for event in events(json.loads(raw), n):
-                self.wfile.write(f"event: {event['type']}\ndata: {json.dumps(event)}\n\n".encode())
-            self.wfile.flush()
+            capture.write_events(self.wfile, events(json.loads(raw), n))
 
         def log_message(self, format: str, *args: Any) -> None:
             pass
@@ -132,23 +131,10 @@ def scrub(text: str, codex_home: Path, workspace: str) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("serve")
-    run.add_argument("out", type=Path)
-    run.add_argument("--port", type=int, default=18999)
-    clean = sub.add_parser("scrub")
-    clean.add_argument("src", type=Path)
-    clean.add_argument("dst", type=Path)
-    clean.add_argument("--codex-home", type=Path, required=True)
-    clean.add_argument("--workspace", required=True)
-    args = parser.parse_args()
-    if args.command == "scrub":
-        body = json.loads(scrub(args.src.read_text(), args.codex_home, args.workspace))
-        args.dst.write_text(json.dumps(body, indent=1, ensure_ascii=False) + "\n")
-        return
-    args.out.mkdir(parents=True, exist_ok=True)
-    ThreadingHTTPServer(("127.0.0.1", args.port), handler(args.out)).serve_forever()
+    def scrub_text(text: str, home: str, workspace: str) -> str:
+        return scrub(text, Path(home), workspace)
+
+    capture.main(port=18999, handler=handler, scrub=scrub_text, home="--codex-home")
 
 
 if __name__ == "__main__":

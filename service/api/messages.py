@@ -19,7 +19,7 @@ from starlette.responses import Response
 from lmspd import errors as e
 from lmspd.api.chat import failed_error
 from lmspd.api.events import Cut, event_stream, openai_stream, while_connected
-from lmspd.api.responses import OMITTED_TOOLS_HEADER
+from lmspd.api.responses import said_omitted
 from lmspd.api.routing import AUTH, GENERATE, INTAKE, Op, Operation, header, query
 from lmspd.api.state import AppState, state_of
 from lmspd.api.wire import decode, read_body
@@ -52,10 +52,7 @@ async def _translated(request: Request, app: AppState, kind: type[B]) -> tuple[B
 
 
 def _said(response: Response, translation: Translation) -> Response:
-    """The response says what intake left out of the request (as /v1/responses does)."""
-    if translation.omitted:
-        response.headers[OMITTED_TOOLS_HEADER] = ", ".join(translation.omitted)
-    return response
+    return said_omitted(response, translation.omitted)
 
 
 async def create_message(request: Request) -> Response:

@@ -60,24 +60,18 @@ def openai_body(exc: LmspdError) -> OpenAIError:
     )
 
 
-def openai_response(exc: LmspdError) -> Response:
-    status = exc.openai_http_status
+def _envelope(body: object, status: int) -> Response:
     return Response(
-        msgspec.json.encode(openai_body(exc)),
-        status_code=status,
-        media_type="application/json",
-        headers=_headers(status),
+        msgspec.json.encode(body), status_code=status, media_type="application/json", headers=_headers(status)
     )
+
+
+def openai_response(exc: LmspdError) -> Response:
+    return _envelope(openai_body(exc), exc.openai_http_status)
 
 
 def anthropic_response(exc: LmspdError) -> Response:
-    status = exc.anthropic_http_status
-    return Response(
-        msgspec.json.encode(error_body(exc)),
-        status_code=status,
-        media_type="application/json",
-        headers=_headers(status),
-    )
+    return _envelope(error_body(exc), exc.anthropic_http_status)
 
 
 def error_response(path: str, exc: LmspdError) -> Response:

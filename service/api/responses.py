@@ -8,6 +8,7 @@ background one is polled; a foreground client that goes away abandons its task.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import TypeVar
 
 import msgspec
@@ -56,11 +57,16 @@ async def _decode_request(request: Request) -> tuple[bytes, Accepted[s.ResponseR
     return body, accepted
 
 
-def _said(response: Response, accepted: Accepted[s.ResponseRequest]) -> Response:
-    """The response says what intake left out of the request (docs/responses.md, "Coding agents")."""
-    if accepted.omitted_tools:
-        response.headers[OMITTED_TOOLS_HEADER] = ", ".join(accepted.omitted_tools)
+def said_omitted(response: Response, omitted: Sequence[str]) -> Response:
+    """The response says which hosted tools intake left out of the request (docs/responses.md,
+    "Coding agents"; the Messages view's server tools too)."""
+    if omitted:
+        response.headers[OMITTED_TOOLS_HEADER] = ", ".join(omitted)
     return response
+
+
+def _said(response: Response, accepted: Accepted[s.ResponseRequest]) -> Response:
+    return said_omitted(response, accepted.omitted_tools)
 
 
 async def create_response(request: Request) -> Response:

@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 from starlette.testclient import TestClient
 
-from harness.engine_host import Host
+from harness.engine_host import Host, tiny_config
 from lmspd.api.app import ROUTES
 from lmspd.api.openapi import documented
 from lmspd.api.problems import is_anthropic_path
-from lmspd.config import Config, EngineConfig, ModelEntry, ServerConfig
+from lmspd.config import EngineConfig
 from lmspd.models.registry import ResolvedModel
 
 ENGINE = EngineConfig(weight_dtype="quantized")
@@ -59,16 +59,9 @@ def _assert_refused(r: Any, path: str, status: int, code: str, param: str) -> No
 def client(
     host: Host, tmp_path_factory: pytest.TempPathFactory, model_cache: Path, tiny: ResolvedModel
 ) -> Iterator[TestClient]:
-    config = Config(
-        default_model="tiny",
-        cache_dir=str(model_cache),
-        models={"tiny": ModelEntry(path=str(tiny.path))},
-        engine=ENGINE,
-        server=ServerConfig(
-            data_dir=str(tmp_path_factory.mktemp("guard")),
-            allowed_hosts=["lmspd.example", ".lan.example"],
-            allowed_origins=[APP],
-        ),
+    data = tmp_path_factory.mktemp("guard")
+    config = tiny_config(
+        tiny, model_cache, data, ENGINE, allowed_hosts=["lmspd.example", ".lan.example"], allowed_origins=[APP]
     )
     with host.serve(config) as c:
         yield c

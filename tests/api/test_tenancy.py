@@ -25,12 +25,12 @@ import pytest
 import ulid
 from starlette.testclient import TestClient
 
-from harness.engine_host import Host
+from harness.engine_host import Host, tiny_config
 from harness.wait import wait_until
 from lmspd.api import console
 from lmspd.api.app import ROUTES
 from lmspd.api.openapi import documented
-from lmspd.config import Config, EngineConfig, ModelEntry, ServerConfig
+from lmspd.config import EngineConfig
 from lmspd.models.registry import ResolvedModel
 
 ENGINE = EngineConfig(weight_dtype="quantized")
@@ -142,13 +142,7 @@ def calls(path: str, method: str, alice: Alice) -> list[Call]:
 def client(
     host: Host, tmp_path_factory: pytest.TempPathFactory, model_cache: Path, tiny: ResolvedModel
 ) -> Iterator[TestClient]:
-    config = Config(
-        default_model="tiny",
-        cache_dir=str(model_cache),
-        models={"tiny": ModelEntry(path=str(tiny.path))},
-        engine=ENGINE,
-        server=ServerConfig(data_dir=str(tmp_path_factory.mktemp("tenancy")), tokens=TOKENS),
-    )
+    config = tiny_config(tiny, model_cache, tmp_path_factory.mktemp("tenancy"), ENGINE, tokens=TOKENS)
     with host.serve(config) as c:
         yield c
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ast
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 SOURCE = Path(__file__).resolve().parents[2] / "service"
@@ -124,32 +124,25 @@ def unassigned_attributes(tree: ast.AST) -> Iterator[tuple[str, str]]:
         yield from ((cls.name, name) for name in declared if name not in assigned)
 
 
+def findings(root: Path, check: Callable[[ast.Module], Iterable[object]]) -> list[str]:
+    """What ``check`` finds in each module under ``root``, each named by its file."""
+    return [f"{where(path, root)}: {found}" for path in sorted(root.rglob("*.py")) for found in check(parse(path))]
+
+
 def test_no_not_implemented_stubs_outside_a_protocol() -> None:
-    found = [
-        f"{where(path, SOURCE)}:{line}"
-        for path in sorted(SOURCE.rglob("*.py"))
-        for line in not_implemented_raises(parse(path))
-    ]
+    found = findings(SOURCE, lambda tree: (f"line {line}" for line in not_implemented_raises(tree)))
     assert not found, (
         "raise NotImplementedError outside a Protocol (make the interface a Protocol or an ABC): " + ", ".join(found)
     )
 
 
 def test_functions_are_short() -> None:
-    found = [
-        f"{where(path, SOURCE)}: {name} has {lines} lines"
-        for path in sorted(SOURCE.rglob("*.py"))
-        for name, lines in long_functions(parse(path))
-    ]
+    found = findings(SOURCE, lambda tree: (f"{name} has {lines} lines" for name, lines in long_functions(tree)))
     assert not found, f"over {MAX_FUNCTION_LINES} lines: " + ", ".join(found)
 
 
 def test_classes_are_narrow() -> None:
-    found = [
-        f"{where(path, SOURCE)}: {name} has {count} public methods"
-        for path in sorted(SOURCE.rglob("*.py"))
-        for name, count in wide_classes(parse(path))
-    ]
+    found = findings(SOURCE, lambda tree: (f"{name} has {n} public methods" for name, n in wide_classes(tree)))
     assert not found, f"over {MAX_PUBLIC_METHODS} public methods: " + ", ".join(found)
 
 

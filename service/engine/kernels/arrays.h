@@ -65,6 +65,15 @@ class View {
   std::array<int64_t, kMaxDims> strides_{};
 };
 
+// A primitive's command encoder with its inputs and its output declared to it, as MLX's own CPU
+// primitives declare theirs before they dispatch.
+inline mx::cpu::CommandEncoder& encoder_for(mx::Stream s, const std::vector<mx::array>& inputs, mx::array& out) {
+  auto& enc = mx::cpu::get_command_encoder(s);
+  for (const auto& a : inputs) enc.set_input_array(a);
+  enc.set_output_array(out);
+  return enc;
+}
+
 // An activation's elements in row-major order, for the kernels, which read rows. Activations
 // reach the primitives as they come: a Contiguous node per activation per call was 242 of a
 // decode step's 1,340 primitives (docs/benchmarks.md, "The passes", the second), and at evaluation they

@@ -82,9 +82,7 @@ class CacheWrite : public mx::UnaryPrimitive {
       out.copy_shared_buffer(cache);
     else
       out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    for (const auto& a : inputs) enc.set_input_array(a);
-    enc.set_output_array(out);
+    auto& enc = encoder_for(stream(), inputs, out);
     std::vector<View> weak(inputs.begin(), inputs.end());
     weak.emplace_back(out);
     enc.dispatch([weak = std::move(weak), taken, at = at_, rope = rope_, dims = dims_, trad = traditional_]() mutable {

@@ -94,9 +94,7 @@ class SwiGLU : public mx::UnaryPrimitive {
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    for (const auto& a : inputs) enc.set_input_array(a);
-    enc.set_output_array(out);
+    auto& enc = encoder_for(stream(), inputs, out);
     enc.dispatch([g = View(inputs[0]), x = View(inputs[1]), out = View(out)]() mutable {
       std::vector<float> g_copy, x_copy;
       const float *gp = rows_of(g, g_copy), *xp = rows_of(x, x_copy);

@@ -52,9 +52,7 @@ class RmsNorm : public mx::UnaryPrimitive {
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     const auto& x = inputs[0];
     out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    for (const auto& a : inputs) enc.set_input_array(a);
-    enc.set_output_array(out);
+    auto& enc = encoder_for(stream(), inputs, out);
     const int D = x.shape(-1);
     enc.dispatch([x = View(x), w = View(inputs[1]), out = View(out), D, eps = eps_]() mutable {
       std::vector<float> copy;

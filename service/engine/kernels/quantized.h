@@ -211,9 +211,7 @@ class QuantizedMatvec : public mx::UnaryPrimitive {
     const auto& sc = inputs[2];
     const auto& bi = inputs[3];
     out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    for (const auto& a : inputs) enc.set_input_array(a);
-    enc.set_output_array(out);
+    auto& enc = encoder_for(stream(), inputs, out);
     const int K = x.shape(-1);
     const int M = static_cast<int>(x.size() / K);
     const int N = out.shape(-1);
@@ -333,9 +331,7 @@ class Dequantize : public mx::UnaryPrimitive {
     const auto& sc = inputs[1];
     const auto& bi = inputs[2];
     out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    for (const auto& a : inputs) enc.set_input_array(a);
-    enc.set_output_array(out);
+    auto& enc = encoder_for(stream(), inputs, out);
     const int N = out.shape(0);
     const int K = out.shape(1);
     Dequantizer dq = dequantizer_for(bits_, group_size_, sc.dtype());

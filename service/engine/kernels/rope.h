@@ -63,9 +63,7 @@ class TableRope : public mx::UnaryPrimitive {
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     const auto& x = inputs[0];
     out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    for (const auto& a : inputs) enc.set_input_array(a);
-    enc.set_output_array(out);
+    auto& enc = encoder_for(stream(), inputs, out);
     const int D = x.shape(-1), T = x.shape(-2), H = x.shape(-3), B = static_cast<int>(x.size() / (D * T * H));
     const int P = inputs[1].shape(0), n_offsets = static_cast<int>(inputs[3].size());
     enc.dispatch([x = View(x), c = View(inputs[1]), s = View(inputs[2]), off = View(inputs[3]), out = View(out), B,

@@ -1,5 +1,6 @@
 """Validate objects against the Open Responses OpenAPI schema (a copy in harness/data, so
-tests need nothing outside the project)."""
+tests need nothing outside the project), and the official SDKs' models parsed from ours
+(``assert_no_extras``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from functools import cache
 from typing import Any
 
 import jsonschema
+import pydantic
 
 from harness import DATA
 
@@ -173,3 +175,14 @@ def validate_event(event: dict[str, Any]) -> None:
         assert all(isinstance(event[k], int) and event[k] >= 0 for k in VENDOR_EVENTS[etype])
     else:
         raise AssertionError(f"unexpected event type {etype}")
+
+
+def assert_no_extras(model: Any) -> None:
+    """The SDKs' models accept unknown keys silently; a key they do not know is a shape bug."""
+    if isinstance(model, list):
+        for value in model:
+            assert_no_extras(value)
+    elif isinstance(model, pydantic.BaseModel):
+        assert not model.model_extra, f"{type(model).__name__} has unknown keys {model.model_extra}"
+        for name in type(model).model_fields:
+            assert_no_extras(getattr(model, name))

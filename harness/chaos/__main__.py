@@ -40,7 +40,7 @@ import httpx
 from . import nodes as nodes_db
 from .checks import INVARIANTS, NODES_ONLY, SQLITE_ONLY, Report, check, read_db, resumed_mid_generation, snapshot_of
 from .ledger import Ledger, Snapshot
-from .load import Load
+from .load import Load, drain
 from .nodes import Spread
 from .server import Server, write_config
 
@@ -138,12 +138,6 @@ async def final_run(args: argparse.Namespace, server: Server, load: Load) -> int
     return server.stop()
 
 
-async def drain(server: Server, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while await asyncio.to_thread(server.count) and time.monotonic() < deadline:
-        await asyncio.sleep(0.2)
-
-
 def table(args: argparse.Namespace, ledger: Ledger, report: Report, seconds: float, stop_code: int) -> str:
     acks = list(ledger.acks.values())
     tasks = [a for a in acks if a.kind == "task"]
@@ -217,11 +211,18 @@ async def main_nodes(args: argparse.Namespace) -> int:
             holders.stop()
             cluster.kill_all()
         report = check(cluster.read(), ledger)
-    print(table(args, ledger, report, time.monotonic() - start, stop_code))
+    return verdict(args, ledger, report, time.monotonic() - start, stop_code, data, "node logs")
+
+
+def verdict(
+    args: argparse.Namespace, ledger: Ledger, report: Report, secs: float, stop_code: int, data: Path, logs: str
+) -> int:
+    """The run's table printed; its data removed if it passed (unless --keep); its exit code."""
+    print(table(args, ledger, report, secs, stop_code))
     if report.ok and stop_code == 0 and not args.keep:
         shutil.rmtree(data, ignore_errors=True)
     else:
-        print(f"data directory and node logs kept: {data} (reproduce: --seed {args.seed})")
+        print(f"data directory and {logs} kept: {data} (reproduce: --seed {args.seed})")
     return 0 if report.ok and stop_code == 0 else 1
 
 
@@ -241,12 +242,7 @@ async def main(args: argparse.Namespace) -> int:
         if server.proc is not None and server.proc.poll() is None:
             server.kill9()
     report = check(read_db(server.db), ledger)
-    print(table(args, ledger, report, time.monotonic() - start, stop_code))
-    if report.ok and stop_code == 0 and not args.keep:
-        shutil.rmtree(data, ignore_errors=True)
-    else:
-        print(f"data directory and server log kept: {data} (reproduce: --seed {args.seed})")
-    return 0 if report.ok and stop_code == 0 else 1
+    return verdict(args, ledger, report, time.monotonic() - start, stop_code, data, "server log")
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:

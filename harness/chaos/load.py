@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, Protocol
 
@@ -26,6 +27,13 @@ class Counts(Protocol):
     """Where the submitters read how many tasks are unfinished (one server's file, or the nodes' database)."""
 
     def count(self) -> int: ...
+
+
+async def drain(tasks: Counts, timeout: float) -> None:
+    """Until no task is unfinished, or ``timeout`` has passed (the checks then say what is left)."""
+    deadline = time.monotonic() + timeout
+    while await asyncio.to_thread(tasks.count) and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
 
 
 PROMPTS = (

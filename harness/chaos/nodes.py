@@ -39,6 +39,7 @@ from .checks import (
     state_of,
 )
 from .ledger import Ledger, Snapshot, TaskState
+from .load import drain
 from .server import ACTIVE, Server, tiny_model, write_config
 
 HEARTBEAT_SECS, LEASE_SECS = 0.5, 3.0
@@ -252,9 +253,3 @@ async def node_final_run(args: Any, nodes: Nodes, load: Any, say: Any) -> int:
     await load.verify(nodes.any_url())
     say(f"final run: drained in {time.monotonic() - began:.1f}s")
     return nodes.stop_all()
-
-
-async def drain(nodes: Nodes, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while await asyncio.to_thread(nodes.count) and time.monotonic() < deadline:
-        await asyncio.sleep(0.2)

@@ -11,11 +11,11 @@ import json
 from typing import Any, Literal
 
 import msgspec
-import pydantic
 import pytest
 from openai.types.chat import ChatCompletion as SdkCompletion
 from openai.types.chat import ChatCompletionChunk as SdkChunk
 
+from harness.openresponses import assert_no_extras
 from lmspd.api.wire import decode
 from lmspd.chat.schema import ChatCompletionRequest
 from lmspd.chat.view import ChunkStream, completion, done
@@ -36,17 +36,6 @@ def rejected(**fields: Any) -> str | None:
     with pytest.raises(InvalidRequestError) as info:
         request(**fields).to_response_request()
     return info.value.param
-
-
-def assert_no_extras(model: Any) -> None:
-    """The SDK models accept unknown keys silently; a key they do not know is a shape bug."""
-    if isinstance(model, list):
-        for value in model:
-            assert_no_extras(value)
-    elif isinstance(model, pydantic.BaseModel):
-        assert not model.model_extra, f"{type(model).__name__} has unknown keys {model.model_extra}"
-        for name in type(model).model_fields:
-            assert_no_extras(getattr(model, name))
 
 
 def sdk_completion(obj: msgspec.Struct) -> SdkCompletion:

@@ -17,6 +17,7 @@ import pytest
 from anthropic.types import Message as SdkMessage
 from anthropic.types import RawMessageStreamEvent
 
+from harness.openresponses import assert_no_extras
 from lmspd.api.wire import decode
 from lmspd.errors import ContextLengthExceededError, InvalidRequestError, QueueFullError, UnauthorizedError
 from lmspd.messages.params import name_messages_fields, translate
@@ -43,17 +44,6 @@ def refused(**fields: Any) -> InvalidRequestError:
     with pytest.raises(InvalidRequestError) as info:
         translated(**fields)
     return info.value
-
-
-def assert_no_extras(model: Any) -> None:
-    """The SDK's models accept unknown keys silently; a key they do not know is a shape bug."""
-    if isinstance(model, list):
-        for value in model:
-            assert_no_extras(value)
-    elif isinstance(model, pydantic.BaseModel):
-        assert not model.model_extra, f"{type(model).__name__} has unknown keys {model.model_extra}"
-        for name in type(model).model_fields:
-            assert_no_extras(getattr(model, name))
 
 
 # --- requests -------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from harness.models import ROOT
         "bench.peers",
         "bench.agents",
         "bench.agent_session",
+        "bench.quality",
     ],
 )
 def test_help_exits_cleanly(module: str) -> None:

@@ -32,15 +32,13 @@ async def create_chat_completion(request: Request) -> Response:
             accepted = accepted.replace(include=[s.LOGPROBS], top_logprobs=extras.logprobs)
         task_request = accepted.task(stop=extras.stop or None, seed=extras.seed)
         task, _ = await app.core.intake.submit(owner, task_request, kind="response")
-        req = accepted.request
     except LmspdError as exc:  # checked as the Responses request it runs as: named as Chat's fields
         name_chat_fields(exc, chat)
         raise
     completion_id = f"chatcmpl-{task.response_id.removeprefix('resp_')}"
     if chat.stream:
-        chunks = ChunkStream(
-            completion_id, req.model or app.config.default_model, task.created_at, include_usage=chat.include_usage
-        )
+        model = accepted.request.model or app.config.default_model
+        chunks = ChunkStream(completion_id, model, task.created_at, include_usage=chat.include_usage)
 
         def end(cut: Cut) -> bytes:
             return chunks.cut(cut.code, cut.message)

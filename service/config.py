@@ -17,6 +17,7 @@ import msgspec
 from lmspd.errors import ConfigError
 
 WeightDtype = Literal["auto", "quantized", "quantized_float32", "float32", "float16", "bfloat16"]
+NumericsSetting = Literal["auto", "exact", "fast"]
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
@@ -24,6 +25,10 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_concurrency: int = 8
     max_loaded_models: int = 1
     weight_dtype: WeightDtype = "auto"
+    # lmspd's kernels' products (docs/numerics.md): "exact" computes MLX's own bits; "fast" takes
+    # 8-bit activations for 4-bit weights, judged by bench.quality; "auto" is exact for now
+    # (docs/numerics.md, "Why auto is exact"; env LMSPD_NUMERICS).
+    numerics: NumericsSetting = "auto"
     prefill_step_size: int = 512
     # While other requests are decoding, a prefill step is sized to take about this long, so
     # their tokens keep coming while a long prompt is admitted (0: always prefill_step_size).
@@ -311,6 +316,7 @@ ENV_VARS = {
     "LMSPD_MAX_CONCURRENCY": "engine.max_concurrency",
     "LMSPD_MAX_LOADED_MODELS": "engine.max_loaded_models",
     "LMSPD_WEIGHT_DTYPE": "engine.weight_dtype",
+    "LMSPD_NUMERICS": "engine.numerics",
     "LMSPD_BLAS": "engine.blas",
     "LMSPD_KERNEL_DIR": "engine.kernel_dir",
     "LMSPD_PREFILL_INTERLEAVE_MS": "engine.prefill_interleave_ms",

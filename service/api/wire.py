@@ -89,6 +89,7 @@ STATE_FIELDS = (
     "loaded",
     "resident_bytes",
     "weight_dtype",
+    "numerics",
     "running",
     "last_used_at",
     "unload_at",
@@ -107,6 +108,7 @@ class LmspModel(msgspec.Struct, kw_only=True):
     loaded: bool = False
     resident_bytes: int = 0  # its weights as the engine holds them (per weight_dtype)
     weight_dtype: str | None = None
+    numerics: str | None = None  # its products': "exact" or "fast" (docs/numerics.md)
     running: int = 0  # requests generating on it
     last_used_at: int | None = None  # unix seconds its last request ended (now while in use)
     unload_at: int | None = None  # unix seconds it is unloaded if still idle (None: not due)
@@ -131,6 +133,7 @@ class Model(msgspec.Struct, kw_only=True):
     loaded: bool = False
     resident_bytes: int = 0
     weight_dtype: str | None = None
+    numerics: str | None = None
     running: int = 0
     last_used_at: int | None = None
     unload_at: int | None = None

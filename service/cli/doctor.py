@@ -260,6 +260,23 @@ def _kernels(config: Config) -> Finding:
     return Finding("ok", "kernels", f"built on the first model load (about 10 s) into {root}")
 
 
+def _numerics(config: Config) -> Finding:
+    """Which products the models run (docs/numerics.md): the exact path or the fast one."""
+    from lmspd.engine import kernels
+    from lmspd.engine.weights import resolve_numerics
+
+    setting, dtype = config.engine.numerics, config.engine.weight_dtype
+    if dtype not in ("auto", "quantized_float32"):
+        return Finding("ok", "numerics", f"exact: MLX's own products (weight_dtype {dtype})")
+    path = kernels.built(kernels.cache_root(config.engine.kernel_dir))
+    if path is None:
+        return Finding("ok", "numerics", f"{setting}: settled when the kernels are built (the first model load)")
+    fast_simd = kernels.load_path(path).q8_simd()
+    if resolve_numerics(setting, fast_simd) == "fast":
+        return Finding("ok", "numerics", f"fast: 8-bit activations in 4-bit weights' products ({fast_simd})")
+    return Finding("ok", "numerics", f"exact: MLX's own bits (numerics {setting}; fast path's kernel {fast_simd})")
+
+
 def run(config: Config, out: TextIO | None = None) -> int:
     """Print every finding (to stdout by default); 1 when any failed, else 0."""
     out = out or sys.stdout
@@ -268,6 +285,7 @@ def run(config: Config, out: TextIO | None = None) -> int:
         lambda _: _mlx(),
         _blas,
         _kernels,
+        _numerics,
         _data_dir,
         _database,
         _models,

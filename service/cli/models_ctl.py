@@ -61,6 +61,7 @@ def row(m: dict[str, Any]) -> str:
             state,
             _size(int(m.get("resident_bytes") or 0)),
             m.get("weight_dtype") or "-",
+            m.get("numerics") or "-",
             str(m.get("running", 0)),
             _at(m.get("last_used_at")),
             unload,
@@ -74,7 +75,7 @@ def cmd_ps(args: argparse.Namespace) -> int:
         if args.json:
             _print_json(listed)
             return 0
-        print("MODEL\tSTATE\tRESIDENT\tDTYPE\tRUNNING\tLAST USED\tUNLOAD AT")
+        print("MODEL\tSTATE\tRESIDENT\tDTYPE\tNUMERICS\tRUNNING\tLAST USED\tUNLOAD AT")
         for m in listed:
             print(row(m))
         return 0

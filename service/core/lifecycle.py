@@ -39,6 +39,7 @@ class ModelView(msgspec.Struct, kw_only=True):
     loaded: bool = False
     resident_bytes: int = 0  # its weights as the engine holds them (per weight_dtype)
     weight_dtype: str | None = None
+    numerics: str | None = None  # its products': "exact" or "fast" (docs/numerics.md)
     running: int = 0  # requests generating on it now
     last_used_at: int | None = None  # unix seconds its last request ended (now while in use)
     unload_at: int | None = None  # unix seconds it will be unloaded if still idle (None: not due)
@@ -150,6 +151,7 @@ class ModelLifecycle:
             loaded=True,
             resident_bytes=state.resident_bytes,
             weight_dtype=state.weight_dtype,
+            numerics=state.numerics,
             running=state.running,
             last_used_at=int(now - (state.idle_secs or 0.0)),
             unload_at=None if state.unload_in_secs is None else int(now + state.unload_in_secs),

@@ -66,6 +66,7 @@ class LoadedModel:
     context_length: int
     vocab_size: int
     weight_dtype: str
+    numerics: str  # "exact" or "fast" (docs/numerics.md)
     fingerprint: str  # the prompt cache's namespace for these weights
     pacer: PrefillPacer
     resident_bytes: int = 0

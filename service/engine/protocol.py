@@ -142,6 +142,7 @@ class ModelEvicted(msgspec.Struct, tag=True, frozen=True):
 class ModelLoaded(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     model: str
     weight_dtype: str
+    numerics: str = "exact"  # its products' (docs/numerics.md)
     seconds: float
     resident_bytes: int = 0  # its weights as held in memory
 
@@ -153,6 +154,7 @@ class ModelState(msgspec.Struct, frozen=True, kw_only=True):
     loaded: bool
     resident_bytes: int = 0
     weight_dtype: str = ""
+    numerics: str = ""
     running: int = 0  # requests in its batch
     idle_secs: float | None = None  # since its last request ended (None: busy, or not loaded)
     unload_in_secs: float | None = None  # None: not loaded, busy, pinned or keep-alive 0

@@ -41,6 +41,7 @@ class Residency:
         self.max_concurrency = config.max_concurrency
         self.max_loaded_models = config.max_loaded_models
         self.weight_dtype = config.weight_dtype
+        self.numerics = config.numerics
         self.kernel_dir = config.kernel_dir
         self.buffer_cache = BUFFER_CACHE_BYTES
         self.prefill_step_size = config.prefill_step_size
@@ -64,7 +65,11 @@ class Residency:
             self.lifecycle.touch(lm.name)  # loaded for a request on its way: not idle now
             self.send(
                 p.ModelLoaded(
-                    model=cmd.model, weight_dtype=lm.weight_dtype, seconds=0.0, resident_bytes=lm.resident_bytes
+                    model=cmd.model,
+                    weight_dtype=lm.weight_dtype,
+                    numerics=lm.numerics,
+                    seconds=0.0,
+                    resident_bytes=lm.resident_bytes,
                 )
             )
 
@@ -105,7 +110,7 @@ class Residency:
 
         from lmspd.engine.packed import packed_matrix_bytes
         from lmspd.engine.prompt_cache import model_fingerprint
-        from lmspd.engine.weights import apply_weight_dtype
+        from lmspd.engine.weights import apply_numerics, apply_weight_dtype
 
         if (refused := self.budget.refusal(name, path)) is not None:
             raise refused
@@ -114,6 +119,7 @@ class Residency:
         start = time.perf_counter()
         model, config = load_model(Path(path))
         dtype = apply_weight_dtype(model, self.weight_dtype, self.kernel_dir)
+        numerics = apply_numerics(model, dtype, self.numerics, self.kernel_dir)
         self.buffer_cache = max(self.buffer_cache, 2 * packed_matrix_bytes(model))
         bound_buffer_cache(self.buffer_cache)
         mx.eval(model.parameters())
@@ -127,14 +133,20 @@ class Residency:
         vocab = int(config.get("vocab_size") or model.model.embed_tokens.weight.shape[0])
         fingerprint = model_fingerprint(Path(path))
         pacer = PrefillPacer(self.prefill_step_size, self.prefill_interleave_s)
-        lm = LoadedModel(name, path, model, Tokenizer(Path(path)), batch, ctx, vocab, dtype, fingerprint, pacer)
+        lm = LoadedModel(
+            name, path, model, Tokenizer(Path(path)), batch, ctx, vocab, dtype, numerics, fingerprint, pacer
+        )
         lm.resident_bytes = resident_bytes(model)
         self.models[name] = lm
         self.lifecycle.touch(name)
         self._fit_memory(name)  # its real size may differ from the estimate (auto's choice)
         self.prompt_cache.load(fingerprint)
         seconds = time.perf_counter() - start
-        self.send(p.ModelLoaded(model=name, weight_dtype=dtype, seconds=seconds, resident_bytes=lm.resident_bytes))
+        self.send(
+            p.ModelLoaded(
+                model=name, weight_dtype=dtype, numerics=numerics, seconds=seconds, resident_bytes=lm.resident_bytes
+            )
+        )
         return lm
 
     def _evict_for_one(self, path: str = "") -> None:
@@ -220,6 +232,7 @@ class Residency:
                     loaded=True,
                     resident_bytes=lm.resident_bytes,
                     weight_dtype=lm.weight_dtype,
+                    numerics=lm.numerics,
                     running=len(lm.requests),
                     idle_secs=idle,
                     unload_in_secs=due,

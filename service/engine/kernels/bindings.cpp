@@ -3,6 +3,7 @@
 // unit that includes them all, so the engine's build (kernels/__init__.py) compiles one file.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
 #include "attention.h"
@@ -20,6 +21,13 @@ NB_MODULE(quantized_ext, m) {
         nb::arg("group_size"), nb::arg("bits"), nb::arg("split") = true, nb::arg("simd") = true,
         nb::arg("up").none() = nb::none(), nb::arg("residual").none() = nb::none());
   m.def("simd", &simd_name);  // the matvec's instruction set in this build: avx2, neon or portable
+  m.def("q8_simd", &q8_simd_name);  // the fast path's: avx2 or portable
+  // The process's numerics (docs/numerics.md): "exact" or "fast", read by every product after.
+  m.def("set_numerics", [](const std::string& numerics) {
+    if (numerics != "exact" && numerics != "fast") throw std::invalid_argument("numerics must be exact or fast");
+    fast_numerics().store(numerics == "fast");
+  });
+  m.def("numerics", []() { return fast_numerics().load() ? "fast" : "exact"; });
   m.def("read_seconds", &read_seconds, nb::arg("a"));
   m.def("quantized_matvecs", &quantized_matvecs, nb::arg("x"), nb::arg("w"), nb::arg("scales"), nb::arg("biases"),
         nb::arg("group_size"), nb::arg("bits"), nb::arg("widths"), nb::arg("split") = true,

@@ -11,7 +11,8 @@
 //
 // Both take each weight as the exact affine value scale * q + bias, evaluated in float32 from
 // the stored scales and biases (float32, float16 or bfloat16, read as they are): the product
-// is exact, the sum rounded once. With float32 scales that is mx.dequantize's output bit for
+// is exact, the sum rounded once. That is the exact path; with numerics = "fast" the products
+// of 4-bit weights take 8-bit activations instead (q8.h, docs/numerics.md), chosen per process. With float32 scales that is mx.dequantize's output bit for
 // bit (no fused multiply-add); with 16-bit scales mx.dequantize rounds the product and the sum
 // again to 16 bits, which these kernels do not (the values differ by at most half a 16-bit
 // ulp, and doing that rounding per weight halves the decode speed).
@@ -46,6 +47,7 @@
 #include "norms.h"  // rms_norm_rows
 #include "pool.h"
 #include "portable.h"
+#include "q8.h"
 #include "simd.h"
 
 namespace lmspd {
@@ -84,8 +86,22 @@ LMSPD_NO_CONTRACT_ATTR void dequantize_range(const uint32_t* w, const S* scales,
 
 // The kernels with the scales' type erased, chosen at run time by bits, group size and dtype.
 using Dequantizer = void (*)(const uint32_t*, const void*, const void*, float*, int, int, int);
-using Kernel = void (*)(const float*, const float*, const uint32_t*, const void*, const void*, float*, int, int, int,
-                        int, int);
+using ExactKernel = void (*)(const float*, const float*, const uint32_t*, const void*, const void*, float*, int, int,
+                             int, int, int);
+using Q8Kernel = void (*)(const int8_t*, const float*, const float*, const uint32_t*, const void*, const void*, float*,
+                          int, int, int, int, int);
+// A product's kernel: the exact one, and where the process runs numerics = "fast" and the
+// weights have 4 bits, the 8-bit activations' one, which then computes the product.
+struct Kernel {
+  ExactKernel exact = nullptr;
+  Q8Kernel q8 = nullptr;
+};
+
+// The process's numerics, set once by the engine before its first product (docs/numerics.md).
+inline std::atomic<bool>& fast_numerics() {
+  static std::atomic<bool> fast{false};
+  return fast;
+}
 
 template <int BITS, int GS, typename S>
 void dequantize_erased(const uint32_t* w, const void* s, const void* b, float* out, int K, int n0, int n1) {
@@ -105,6 +121,26 @@ void qmv_simd_erased(const float* x, const float* xsum, const uint32_t* w, const
   lmspd::qmv_simd<BITS, GS, S>(x, xsum, w, static_cast<const S*>(s), static_cast<const S*>(b), out, M, N, K, n0, n1);
 }
 #endif
+template <int GS, typename S>
+void q8_erased(const int8_t* xq, const float* xd, const float* xsum, const uint32_t* w, const void* s, const void* b,
+               float* out, int M, int N, int K, int n0, int n1) {
+  q8_portable<GS, S>(xq, xd, xsum, w, static_cast<const S*>(s), static_cast<const S*>(b), out, M, N, K, n0, n1);
+}
+#if defined(LMSPD_Q8_SIMD)
+template <int GS, typename S>
+void q8_simd_erased(const int8_t* xq, const float* xd, const float* xsum, const uint32_t* w, const void* s,
+                    const void* b, float* out, int M, int N, int K, int n0, int n1) {
+  q8_simd<GS, S>(xq, xd, xsum, w, static_cast<const S*>(s), static_cast<const S*>(b), out, M, N, K, n0, n1);
+}
+#endif
+// The fast path's instruction set in this build: avx2, or portable (the same bits, slower).
+inline const char* q8_simd_name() {
+#if defined(LMSPD_Q8_SIMD)
+  return kQ8Simd;
+#else
+  return "portable";
+#endif
+}
 inline const char* simd_name() {
 #if defined(LMSPD_SIMD)
   return lmspd::kSimd;
@@ -130,8 +166,25 @@ inline Dequantizer dequantizer_for(int bits, int group_size, mx::Dtype dtype) {
   return nullptr;
 }
 
+inline Q8Kernel q8_kernel_for(int group_size, mx::Dtype dtype, bool simd) {
+#if defined(LMSPD_Q8_SIMD)
+  if (simd) {
+#define LMSPD_CASE(B, G, S) \
+  if (B == 4 && group_size == G) return &q8_simd_erased<G, S>;
+    LMSPD_DTYPES
+#undef LMSPD_CASE
+  }
+#endif
+  (void)simd;
+#define LMSPD_CASE(B, G, S) \
+  if (B == 4 && group_size == G) return &q8_erased<G, S>;
+  LMSPD_DTYPES
+#undef LMSPD_CASE
+  return nullptr;
+}
+
 // simd: the SIMD kernel where the build has one (else the portable one, the same bits).
-inline Kernel kernel_for(int bits, int group_size, mx::Dtype dtype, bool simd = true) {
+inline ExactKernel exact_kernel_for(int bits, int group_size, mx::Dtype dtype, bool simd) {
 #if defined(LMSPD_SIMD)
   if (simd) {
 #define LMSPD_CASE(B, G, S) \
@@ -150,17 +203,38 @@ inline Kernel kernel_for(int bits, int group_size, mx::Dtype dtype, bool simd = 
 #undef LMSPD_DTYPES
 #undef LMSPD_CASES
 
+inline Kernel kernel_for(int bits, int group_size, mx::Dtype dtype, bool simd = true) {
+  const bool q8 = bits == 4 && fast_numerics().load(std::memory_order_relaxed);
+  return Kernel{exact_kernel_for(bits, group_size, dtype, simd), q8 ? q8_kernel_for(group_size, dtype, simd) : nullptr};
+}
+
+// x made ready for a product's kernel once, for both threads: its group sums, and its 8-bit
+// rows where the kernel takes them.
+struct Operands {
+  const float* x;
+  lmspd::Floats xsum;
+  Q8Rows q8;
+  Operands(const float* xp, int M, int K, int GS, const Kernel& kernel)
+      : x(xp), xsum(group_sums(xp, M, K, GS)), q8(kernel.q8 ? quantize_rows(xp, M, K) : Q8Rows{}) {}
+  void run(const Kernel& k, const uint32_t* w, const void* s, const void* b, float* out, int M, int N, int K, int n0,
+           int n1) const {
+    if (k.q8)
+      k.q8(q8.q.data(), q8.d.data(), xsum.data(), w, s, b, out, M, N, K, n0, n1);
+    else
+      k.exact(x, xsum.data(), w, s, b, out, M, N, K, n0, n1);
+  }
+};
+
 // The products' arithmetic, shared by the primitives below and decode_block.h's DecodeTail.
 // xp: M rows of K (on a cache line: aligned_rows_of), times the N columns of w into op, the
 // columns in chunks across both cores when split.
 inline void product_rows(const float* xp, int M, int K, int GS, const uint32_t* wp, const void* sp, const void* bp,
                          float* op, int N, Kernel kernel, bool split) {
-  const lmspd::Floats xsum = group_sums(xp, M, K, GS);  // once, for both threads
-  const float* xs = xsum.data();
+  const Operands x(xp, M, K, GS, kernel);  // once, for both threads
   if (!split)
-    kernel(xp, xs, wp, sp, bp, op, M, N, K, 0, N);
+    x.run(kernel, wp, sp, bp, op, M, N, K, 0, N);
   else
-    pool().parallel_for(N, grain_for(K, M, 4), [=](int n0, int n1) { kernel(xp, xs, wp, sp, bp, op, M, N, K, n0, n1); });
+    pool().parallel_for(N, grain_for(K, M, 4), [&](int n0, int n1) { x.run(kernel, wp, sp, bp, op, M, N, K, n0, n1); });
 }
 
 // Stacked siblings' products of one xp: outs[j] gets the next widths[j] rows of w, the columns
@@ -169,8 +243,7 @@ inline void sibling_rows(const float* xp, int M, int K, int GS, int bits, const 
                          const uint8_t* bp, size_t item, const std::vector<int>& widths, float* const* outs, Kernel kernel,
                          bool split) {
   const int W = K * bits / 32, G = K / GS;
-  const lmspd::Floats xsum = group_sums(xp, M, K, GS);
-  const float* xs = xsum.data();
+  const Operands x(xp, M, K, GS, kernel);
   int total = 0;
   for (int w : widths) total += w;
   pool().parallel_for(total, split ? grain_for(K, M, 4) : total, [&](int c0, int c1) {
@@ -178,8 +251,8 @@ inline void sibling_rows(const float* xp, int M, int K, int GS, int bits, const 
     for (size_t j = 0; j < widths.size(); start += widths[j], ++j) {
       const int lo = c0 > start ? c0 : start, hi = c1 < start + widths[j] ? c1 : start + widths[j];
       if (lo >= hi) continue;
-      kernel(xp, xs, wp + size_t(start) * W, sp + size_t(start) * G * item, bp + size_t(start) * G * item, outs[j], M,
-             widths[j], K, lo - start, hi - start);
+      x.run(kernel, wp + size_t(start) * W, sp + size_t(start) * G * item, bp + size_t(start) * G * item, outs[j], M,
+            widths[j], K, lo - start, hi - start);
     }
   });
 }
@@ -357,8 +430,9 @@ class Dequantize : public mx::UnaryPrimitive {
 };
 
 inline void check(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits) {
-  if (kernel_for(bits, group_size, mx::float32) == nullptr) throw std::invalid_argument("unsupported bits/group_size");
-  if (kernel_for(bits, group_size, scales.dtype()) == nullptr || biases.dtype() != scales.dtype())
+  if (exact_kernel_for(bits, group_size, mx::float32, true) == nullptr)
+    throw std::invalid_argument("unsupported bits/group_size");
+  if (exact_kernel_for(bits, group_size, scales.dtype(), true) == nullptr || biases.dtype() != scales.dtype())
     throw std::invalid_argument("scales and biases must be float32, float16 or bfloat16, the same");
   if (w.dtype() != mx::uint32 || w.ndim() != 2) throw std::invalid_argument("w must be a 2-D uint32 array");
   if (scales.ndim() != 2 || scales.shape(0) != w.shape(0) || scales.shape(1) * group_size != w.shape(1) * 32 / bits ||

@@ -272,7 +272,7 @@ def _numerics(config: Config) -> Finding:
     if path is None:
         return Finding("ok", "numerics", f"{setting}: settled when the kernels are built (the first model load)")
     fast_simd = kernels.load_path(path).q8_simd()
-    if resolve_numerics(setting, fast_simd) == "fast":
+    if resolve_numerics(setting) == "fast":
         return Finding("ok", "numerics", f"fast: 8-bit activations in 4-bit weights' products ({fast_simd})")
     return Finding("ok", "numerics", f"exact: MLX's own bits (numerics {setting}; fast path's kernel {fast_simd})")
 

@@ -197,11 +197,10 @@ def apply_weight_dtype(model: nn.Module, setting: str, kernel_dir: str = "") -> 
     return choice
 
 
-def resolve_numerics(setting: str, fast_simd: str) -> str:
+def resolve_numerics(setting: str) -> str:
     """``[engine] numerics`` as it runs. ``auto`` stays exact until the fast path's greedy
     resume equality is measured on the real model (docs/numerics.md, "Why auto is exact");
     ``fast`` without its SIMD kernel is honoured (the portable kernel computes the same bits)."""
-    del fast_simd  # what auto will weigh once fast is the default
     if setting == "auto":
         return "exact"
     return setting
@@ -213,7 +212,7 @@ def apply_numerics(model: nn.Module, dtype: str, setting: str, kernel_dir: str =
     if dtype != "quantized_float32":
         return "exact"  # MLX's own products
     ext = kernels.load(kernels.cache_root(kernel_dir))
-    chosen = resolve_numerics(setting, ext.q8_simd())
+    chosen = resolve_numerics(setting)
     ext.set_numerics(chosen)  # the process's: every model the engine loads runs the same setting
     four_bit = any(getattr(m, "bits", 0) == 4 for _, m in model.named_modules() if isinstance(m, packed.PackedLinear))
     return chosen if four_bit else "exact"

@@ -11,9 +11,9 @@
 //
 // Both take each weight as the exact affine value scale * q + bias, evaluated in float32 from
 // the stored scales and biases (float32, float16 or bfloat16, read as they are): the product
-// is exact, the sum rounded once. That is the exact path; with numerics = "fast" the products
-// of 4-bit weights take 8-bit activations instead (q8.h, docs/numerics.md), chosen per process. With float32 scales that is mx.dequantize's output bit for
-// bit (no fused multiply-add); with 16-bit scales mx.dequantize rounds the product and the sum
+// is exact, the sum rounded once: the exact path (numerics = "fast" gives 4-bit weights' products
+// 8-bit activations instead: q8.h, docs/numerics.md). With float32 scales that is
+// mx.dequantize's output bit for bit (no fused multiply-add); with 16-bit scales mx.dequantize rounds the product and the sum
 // again to 16 bits, which these kernels do not (the values differ by at most half a 16-bit
 // ulp, and doing that rounding per weight halves the decode speed).
 //

@@ -19,6 +19,8 @@ from lmspd.errors import ConfigError
 WeightDtype = Literal["auto", "quantized", "quantized_float32", "float32", "float16", "bfloat16"]
 NumericsSetting = Literal["auto", "exact", "fast"]
 DEFAULT_MODEL = "smollm2-135m-instruct"
+# A draft and the input before it in one pass of at most packed.KERNEL_ROWS (32) rows.
+MAX_SPECULATIVE_TOKENS = 31
 
 
 class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -29,6 +31,10 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # 8-bit activations for 4-bit weights, judged by bench.quality; "auto" is exact for now
     # (docs/numerics.md, "Why auto is exact"; env LMSPD_NUMERICS).
     numerics: NumericsSetting = "auto"
+    # A lone greedy request verifies prompt-lookup drafts of up to this many tokens in one pass
+    # and keeps those the model itself picks: the same tokens, fewer passes where the answer
+    # repeats its prompt (docs/speculation.md; 0: off; env LMSPD_SPECULATIVE_TOKENS).
+    speculative_tokens: int = 16
     prefill_step_size: int = 512
     # While other requests are decoding, a prefill step is sized to take about this long, so
     # their tokens keep coming while a long prompt is admitted (0: always prefill_step_size).
@@ -75,6 +81,12 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         _positive("engine.max_concurrency", self.max_concurrency)
         _positive("engine.max_loaded_models", self.max_loaded_models)
         _positive("engine.prefill_step_size", self.prefill_step_size)
+        if not 0 <= self.speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            # A pass of more rows than the decode kernels take would not carry decoding's bits.
+            raise ConfigError(
+                f"engine.speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}], got {self.speculative_tokens}",
+                param="engine.speculative_tokens",
+            )
         if self.prefill_interleave_ms < 0:
             raise ConfigError("engine.prefill_interleave_ms must be >= 0", param="engine.prefill_interleave_ms")
 
@@ -317,6 +329,7 @@ ENV_VARS = {
     "LMSPD_MAX_LOADED_MODELS": "engine.max_loaded_models",
     "LMSPD_WEIGHT_DTYPE": "engine.weight_dtype",
     "LMSPD_NUMERICS": "engine.numerics",
+    "LMSPD_SPECULATIVE_TOKENS": "engine.speculative_tokens",
     "LMSPD_BLAS": "engine.blas",
     "LMSPD_KERNEL_DIR": "engine.kernel_dir",
     "LMSPD_PREFILL_INTERLEAVE_MS": "engine.prefill_interleave_ms",

@@ -151,7 +151,8 @@ class PackedEmbedding(PackedLinear):
 
 
 class TableRoPE(nn.Module):  # type: ignore[misc]  # mlx is untyped
-    """nn.RoPE, bit for bit, for one new position per row (a decode step) in one primitive.
+    """nn.RoPE, bit for bit, for one new position per row (a decode step), or a chunk of a few
+    (up to ``KERNEL_ROWS``: rows then carry a decode step's bits), in one primitive.
 
     The tables are what mx.fast.rope's CPU fallback computes for each position (the same MLX
     ops, on all positions at once); a prompt's many positions, and anything else, go to
@@ -167,10 +168,11 @@ class TableRoPE(nn.Module):  # type: ignore[misc]  # mlx is untyped
         self._ext = ext
 
     def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
-        if x.ndim >= 3 and x.shape[-2] == 1 and x.dtype == mx.float32:
+        rows = x.shape[-2] if x.ndim >= 3 else 0
+        if 0 < rows <= KERNEL_ROWS and x.dtype == mx.float32:
             at: mx.array | None = None
             if isinstance(offset, int):
-                at = mx.array(offset, dtype=mx.int32) if 0 <= offset < self._cos.shape[0] else None
+                at = mx.array(offset, dtype=mx.int32) if offset >= 0 and offset + rows <= self._cos.shape[0] else None
             elif offset.dtype == mx.int32 and offset.ndim <= 1:  # a batch's, one per row, each < its context
                 at = offset
             if at is not None:
@@ -226,7 +228,10 @@ class Attention:
             and not hasattr(cache, "bits")
             and (m is None or (isinstance(m, mx.array) and m.dtype in (mx.bool_, mx.float32) and m.ndim <= 4))
         ):
-            out: mx.array = self._ext.attention(queries, keys, values, m, scale, causal)
+            # A chunk of a few rows (a verified draft, a resumed suffix, a short prompt) takes
+            # each row as a decode step computes it: the same bits as decoding those tokens.
+            each_row = queries.shape[2] <= KERNEL_ROWS
+            out: mx.array = self._ext.attention(queries, keys, values, m, scale, causal, each_row)
             return out
         result: mx.array = self.original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
         return result
@@ -341,3 +346,7 @@ def pack(model: nn.Module, ext: ModuleType) -> None:
     for layers in Siblings.find(model):
         Siblings(layers, ext)
     use_module_kernels(model, ext)
+    # A pass of up to this many rows computes each with a decode step's bits when every product
+    # is a kernel's (a dense layer's BLAS product is not row for row): a verified draft and a
+    # resumed suffix rely on it (upstream/stepping.py, docs/numerics.md). 0: no such promise.
+    model._decode_rows = 0 if _leaves(model, nn.Linear) else KERNEL_ROWS

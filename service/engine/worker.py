@@ -165,7 +165,9 @@ def main(
     from lmspd.engine.upstream import batch_cache, prompt_batch
     from lmspd.engine.upstream.stepping import install as step_now
 
-    step_now()  # each token out as soon as its pass is done (upstream/stepping.py)
+    # Each token out as soon as its pass is done, a lone greedy request's drafts verified
+    # (upstream/stepping.py).
+    step_now(config.speculative_tokens)
     batch_cache.install()  # a merged batch's cache has room for its next position
     prompt_batch.install()  # prefilled prompts move to generation without a copy of their cache
     Engine(conn, config, Path(cache_dir) if cache_dir else None, blas).run()

@@ -167,6 +167,44 @@ inline void attend_rows(const float* qp, int B, int H, int L, int D, const Keys&
   }
 }
 
+// The attention of L query rows, each as one decoding step computes it: row i of a sequence
+// sees the first Lk - L + i + 1 keys, and attend's arithmetic runs over exactly those (one
+// BLAS row, the softmax over that many scores): a chunk's rows then carry the bits the same
+// tokens decoded one at a time would, so a verified draft (engine/upstream/speculation.py) or a
+// resumed suffix continues exactly as decoding would (docs/numerics.md). Rows as attend_rows'.
+inline void attend_each_row(const float* qp, int B, int H, int L, int D, const Keys& kv, MaskKind mask, const bool* mb,
+                            const float* ma, const std::array<int64_t, 4>& ms, float scale, float* op) {
+  const int rep = H / kv.kvH, Dv = kv.Dv, offset = kv.Lk - L;
+  auto rows = [&](int r0, int r1) {
+    thread_local std::vector<float> qs, scores, scratch;
+    qs.resize(D);
+    scores.resize(kv.Lk);
+    for (int r = r0; r < r1; ++r) {
+      const int u = r / L, i = r % L, b = u / H, h = u % H, g = h / rep, Lk = offset + i + 1;
+      const float* qr = qp + size_t(r) * D;
+      for (int d = 0; d < D; ++d) qs[d] = scale * qr[d];
+      row_times(qs.data(), D, kv.k + b * kv.ks[0] + g * kv.ks[1], kv.ks[3], kv.ks[2], Lk, scores.data(), scratch);
+      if (mask == MaskKind::kBool || mask == MaskKind::kAdd)
+        mask_row(scores.data(), Lk, mb, ma, b * ms[0] + h * ms[1] + i * ms[2], ms[3]);
+      softmax_row(scores.data(), Lk);
+      row_times(scores.data(), Lk, kv.v + b * kv.vs[0] + g * kv.vs[1], kv.vs[2], kv.vs[3], Dv, op + size_t(r) * Dv,
+                scratch);
+    }
+  };
+  pool().parallel_for(B * H * L, std::max(1, 1024 / std::max(1, kv.Lk)), rows);
+}
+
+// Whether a boolean mask hides from each query row every key after its own position (a causal
+// mask, with a batch's left padding): then attend_each_row computes what the mask asks.
+inline bool masks_the_future(const bool* mb, const std::array<int64_t, 4>& ms, int B, int H, int L, int Lk) {
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < (ms[1] == 0 ? 1 : H); ++h)
+      for (int i = 0; i < L; ++i)
+        for (int j = Lk - L + i + 1; j < Lk; ++j)
+          if (mb[b * ms[0] + h * ms[1] + i * ms[2] + j * ms[3]]) return false;
+  return true;
+}
+
 template <typename A>
 std::array<int64_t, 4> strides4(const A& a) {
   return {a.strides()[0], a.strides()[1], a.strides()[2], a.strides()[3]};
@@ -177,11 +215,12 @@ class Attention : public mx::UnaryPrimitive {
   using Mask = MaskKind;
   static constexpr Mask kNone = MaskKind::kNone, kBool = MaskKind::kBool, kAdd = MaskKind::kAdd,
                         kCausal = MaskKind::kCausal;
-  Attention(mx::Stream s, float scale, Mask mask) : mx::UnaryPrimitive(s), scale_(scale), mask_(mask) {}
+  Attention(mx::Stream s, float scale, Mask mask, bool each_row)
+      : mx::UnaryPrimitive(s), scale_(scale), mask_(mask), each_row_(each_row) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     auto& enc = mx::cpu::get_command_encoder(stream());
-    enc.dispatch([weak = task_arrays(inputs, out, enc), scale = scale_, mask = mask_]() mutable {
+    enc.dispatch([weak = task_arrays(inputs, out, enc), scale = scale_, mask = mask_, each_row = each_row_]() mutable {
       const View &q = weak[0], &k = weak[1], &v = weak[2];
       std::vector<float> q_copy;
       const float* qp = rows_of(q, q_copy);
@@ -191,8 +230,11 @@ class Attention : public mx::UnaryPrimitive {
       const bool arr = mask == kBool || mask == kAdd;
       const std::array<int64_t, 4> ms = arr ? broadcast_strides(weak[3]) : std::array<int64_t, 4>{};
       float* op = weak.back().data<float>();
-      if (q.shape(2) == 1)  // one row: the causal mask masks nothing
-        attend(qp, q.shape(0), q.shape(1), q.shape(3), kv, arr ? mask : kNone, mb, ma, ms, scale, op);
+      const int B = q.shape(0), H = q.shape(1), L = q.shape(2), D = q.shape(3);
+      if (L == 1)  // one row: the causal mask masks nothing
+        attend(qp, B, H, D, kv, arr ? mask : kNone, mb, ma, ms, scale, op);
+      else if (each_row && (mask == kCausal || (mask == kBool && masks_the_future(mb, ms, B, H, L, kv.Lk))))
+        attend_each_row(qp, B, H, L, D, kv, mask, mb, ma, ms, scale, op);
       else
         attend_rows(qp, q.shape(0), q.shape(1), q.shape(2), q.shape(3), kv, mask, mb, ma, ms, scale, op);
     });
@@ -203,19 +245,22 @@ class Attention : public mx::UnaryPrimitive {
   const char* name() const override { return "LmspdAttention"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const Attention&>(other);
-    return scale_ == o.scale_ && mask_ == o.mask_;
+    return scale_ == o.scale_ && mask_ == o.mask_ && each_row_ == o.each_row_;
   }
 
  private:
   float scale_;
   Mask mask_;
+  bool each_row_;
 };
 
 // mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask): q (B, H, L, D), k (B,
 // kvH, Lk, D), v (B, kvH, Lk, Dv), float32; mask None, bool or float32, broadcastable to (B, H,
-// L, Lk), or (causal) the fallback's causal mask.
+// L, Lk), or (causal) the fallback's causal mask. each_row: a causal call's rows (or a boolean
+// mask's that hides every row's future) each as a decoding step computes it (attend_each_row),
+// where the fallback computes them all in one BLAS call, with other bits.
 inline mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v,
-                           const std::optional<mx::array>& mask, float scale, bool causal) {
+                           const std::optional<mx::array>& mask, float scale, bool causal, bool each_row) {
   const bool f32 = q.dtype() == mx::float32 && k.dtype() == mx::float32 && v.dtype() == mx::float32;
   if (!f32 || q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4 || q.shape(2) == 0)
     throw std::invalid_argument("q, k and v must be 4-D float32, with query rows");
@@ -238,7 +283,7 @@ inline mx::array attention(const mx::array& q, const mx::array& k, const mx::arr
     inputs.push_back(m);
   }
   return mx::array({q.shape(0), q.shape(1), q.shape(2), v.shape(3)}, mx::float32,
-                   std::make_shared<Attention>(s, scale, kind), inputs);
+                   std::make_shared<Attention>(s, scale, kind, each_row), inputs);
 }
 
 }  // namespace lmspd

@@ -36,7 +36,7 @@ NB_MODULE(quantized_ext, m) {
   m.def("rope", &rope, nb::arg("x"), nb::arg("cos"), nb::arg("sin"), nb::arg("offset"), nb::arg("dims"),
         nb::arg("traditional"));
   m.def("attention", &attention, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("mask").none(), nb::arg("scale"),
-        nb::arg("causal") = false);
+        nb::arg("causal") = false, nb::arg("each_row") = false);
   m.def("cache_write", &cache_write, nb::arg("new"), nb::arg("cache"), nb::arg("at"), nb::arg("cos").none() = nb::none(),
         nb::arg("sin").none() = nb::none(), nb::arg("offset").none() = nb::none(), nb::arg("dims") = 0,
         nb::arg("traditional") = false);

@@ -27,6 +27,14 @@ meets a joining request: ``BatchGenerator._next`` says before its generation ste
 prompt is waiting (``steady``), and a batch ahead finishes the pass in flight and hands it out
 (``_drain``) before anything joins.
 
+A batch of one greedy request without logits processors *speculates* instead of running ahead
+(``lookup``, speculation.py): its next input and a prompt-lookup draft go through one pass of a
+few rows, whose rows carry a decode step's bits (kernels/attention.h, ``attend_each_row``); the
+drafted tokens the model itself picks are kept and handed out one a step without a pass, the
+rest trimmed off the cache. The tokens are the ones decoding gives, bit for bit
+(``tests/engine/test_speculation.py``); a request joining while kept tokens wait gets the batch
+back as it would be had they been decoded one at a time.
+
 It relies on ``GenerationBatch``'s private state (``_step``, ``_next_tokens``,
 ``_next_logprobs``, ``_num_tokens``, ``__init__`` calling ``_step`` once) and on
 ``BatchGenerator._next``, ``_unprocessed_sequences``, ``_prompt_batch`` and
@@ -39,6 +47,9 @@ import importlib
 from typing import Any
 
 import mlx.core as mx
+from mlx_lm.sample_utils import greedy_sampler
+
+from lmspd.engine.upstream.speculation import Ngrams, PromptLookup
 
 # By path: ``mlx_lm.generate`` as an attribute is the package's generate() function.
 generate: Any = importlib.import_module("mlx_lm.generate")
@@ -49,13 +60,28 @@ _upstream_next: Any = generate.BatchGenerator._next
 
 class StepNow(_Upstream):  # type: ignore[misc]
     """``GenerationBatch`` whose step returns the tokens its own pass computed, or, once the
-    batch has settled, the tokens of the pass in flight."""
+    batch has settled, the tokens of the pass in flight; a lone greedy request's, from a
+    verified draft when it has one."""
+
+    # The longest draft (install's; 0: no speculation).
+    max_draft: int = 0
+    # Upstream's state (untyped there): the tokens the next pass feeds, and their logprobs.
+    _next_tokens: Any
+    _next_logprobs: Any
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._deferred = True  # __init__'s own _step: no pass yet (the next step runs it)
         self._ahead = False  # a pass over the tokens handed out last is in flight, unread
         self._settled = False  # a step has run since the last request joined
         self.steady = False  # no prompt waits to join (BatchGenerator._next says, each step)
+        # Speculation, for a batch of one: the tokens a verified draft kept, each with its
+        # logprobs, not yet handed out; the last one handed out; each uid's n-grams and policy.
+        self._kept: list[tuple[int, Any]] = []
+        self._handed: tuple[int, Any] | None = None
+        self._ngrams: dict[int, Ngrams] = {}
+        self._lookups: dict[int, PromptLookup] = {}
+        self.drafted = 0  # tokens drafted and tokens kept, over the batch's life (the bench's)
+        self.accepted = 0
         super().__init__(*args, **kwargs)
         self._deferred = False
         # Rows not yet stepped: placeholders, so filter() and extend() index as upstream does.
@@ -64,6 +90,11 @@ class StepNow(_Upstream):  # type: ignore[misc]
     def _step(self) -> tuple[list[int], list[Any]]:
         if self._deferred:
             return [], []
+        if self._kept:  # a verified draft's next token: no pass
+            self._handed = self._kept.pop(0)
+            return [self._handed[0]], [self._handed[1]]
+        if not self._ahead and (draft := self._draft()):
+            return self._verify(draft)
         if self._ahead:
             if not self._may_run_ahead():
                 return self._drain()
@@ -88,7 +119,79 @@ class StepNow(_Upstream):  # type: ignore[misc]
             self.steady
             and not any(self.logits_processors)
             and all(n + 1 < m for n, m in zip(self._num_tokens, self.max_tokens, strict=True))
+            and not self._speculates()
         )
+
+    def _speculates(self) -> bool:
+        """Whether the batch drafts: one greedy request, no logits processors, nothing joining."""
+        return (
+            self.max_draft > 0
+            and getattr(self.model, "_decode_rows", 0) > self.max_draft
+            and len(self.uids) == 1
+            and self.steady
+            and not any(self.logits_processors)
+            and (self.samplers[0] if self.samplers else self.fallback_sampler) is greedy_sampler
+        )
+
+    def _draft(self) -> list[int]:
+        """The lone request's draft behind its next input (``_next_tokens``), [] for none."""
+        if not self._speculates() or self._next_tokens is None:
+            return []
+        uid = self.uids[0]
+        context = self.tokens[0]
+        ngrams = self._ngrams.get(uid)
+        known = 0 if ngrams is None else len(ngrams.tokens) - 1  # its last is an input, not in context
+        if ngrams is None or known > len(context) or (known > 0 and ngrams.tokens[known - 1] != context[known - 1]):
+            ngrams, known = Ngrams(), 0
+            self._ngrams[uid] = ngrams
+        ngrams.truncate(known)
+        ngrams.extend(context[known:])
+        ngrams.extend(self._next_tokens.tolist())
+        lookup = self._lookups.setdefault(uid, PromptLookup(self.max_draft))
+        # Never past the request's last token, and the pass within a decode step's rows.
+        room = self.max_tokens[0] - self._num_tokens[0] - 1
+        return ngrams.draft(min(lookup.length(), room))
+
+    def _verify(self, draft: list[int]) -> tuple[list[int], list[Any]]:
+        """The next input and ``draft`` in one pass; the drafted tokens the model picks kept
+        (the first handed out now), the others trimmed off the cache."""
+        x = self._next_tokens
+        inputs = mx.concatenate([x, mx.array(draft, dtype=x.dtype)])[None]
+        logits = self.model(inputs, cache=self.prompt_cache)[0]
+        # As _step normalizes and samples each row: the same logsumexp, greedy's argmax.
+        logprobs = logits - generate.mx.logsumexp(logits, axis=-1, keepdims=True)
+        picks = greedy_sampler(logprobs)
+        mx.eval(picks, logprobs)
+        picked: list[int] = picks.tolist()
+        accepted = 0
+        while accepted < len(draft) and picked[accepted] == draft[accepted]:
+            accepted += 1
+        if accepted < len(draft):
+            for c in self.prompt_cache:
+                c.trim(len(draft) - accepted)
+        self.tokens[0].extend([*x.tolist(), *draft[:accepted]])
+        self._lookups[self.uids[0]].kept(len(draft), accepted)
+        self.drafted += len(draft)
+        self.accepted += accepted
+        rows = [(picked[i], logprobs[i]) for i in range(accepted + 1)]
+        self._handed, self._kept = rows[0], rows[1:]
+        self._next_tokens = mx.array([picked[accepted]], dtype=x.dtype)
+        self._next_logprobs = [rows[-1][1]]
+        self._settled = True
+        return [rows[0][0]], [rows[0][1]]
+
+    def _unkeep(self) -> None:
+        """Kept tokens not yet handed out taken back: the cache and the next input as though
+        the tokens handed out had been decoded one at a time."""
+        if not self._kept or self._handed is None:
+            return
+        back = len(self._kept)
+        for c in self.prompt_cache:
+            c.trim(back)
+        del self.tokens[0][-back:]
+        self._next_tokens = mx.array([self._handed[0]], dtype=self._next_tokens.dtype)
+        self._next_logprobs = [self._handed[1]]
+        self._kept = []
 
     def _drain(self) -> tuple[list[int], list[Any]]:
         """The pass in flight, finished and handed out; nothing started after it."""
@@ -100,11 +203,17 @@ class StepNow(_Upstream):  # type: ignore[misc]
     def extend(self, batch: Any) -> None:
         if self._ahead:  # its rows' next tokens are unread outputs, the new rows' are inputs
             raise RuntimeError("a request joined a batch running a pass ahead")
+        self._unkeep()
         super().extend(batch)
         self._settled = False
 
     def filter(self, keep: list[int]) -> None:
+        if 0 not in keep:  # the lone row speculating left: its kept tokens with it
+            self._kept = []
         super().filter(keep)
+        for uid in set(self._ngrams) - set(self.uids):
+            del self._ngrams[uid]
+            self._lookups.pop(uid, None)
         if not keep:
             self._ahead = False
 
@@ -117,10 +226,12 @@ def _next(self: Any) -> Any:
     return _upstream_next(self)
 
 
-def install() -> bool:
-    """On the CPU backend, mlx-lm's batches step with ``StepNow`` (True when installed)."""
+def install(max_draft: int = 0) -> bool:
+    """On the CPU backend, mlx-lm's batches step with ``StepNow`` (True when installed), a lone
+    greedy request verifying prompt-lookup drafts of up to ``max_draft`` tokens (0: none)."""
     if mx.metal.is_available():
         return False
+    StepNow.max_draft = max_draft
     generate.GenerationBatch = StepNow
     generate.BatchGenerator._next = _next
     return True

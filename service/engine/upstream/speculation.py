@@ -1,0 +1,99 @@
+"""Prompt-lookup drafts: the tokens that followed the last time a sequence's latest few tokens
+appeared in it, proposed as its next ones (docs/speculation.md).
+
+An agent's edit repeats long stretches of its prompt (the file it changes), a summary quotes it,
+a list repeats its own phrases: there the continuation of an earlier occurrence is often the
+model's own. ``StepNow`` (stepping.py) feeds such a draft behind the sequence's next input in
+one pass of a few rows and keeps the drafted tokens the model itself picks, so greedy output is
+the same token for token (the rows of a pass of up to ``packed.KERNEL_ROWS`` carry a decode
+step's bits, kernels/attention.h's ``attend_each_row``); what it saves is a pass per kept token.
+
+This module is only the lookup: plain Python over token ids, no MLX.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# The longest n-gram looked up first: a longer match is likelier to go on as before.
+NGRAM_MAX = 4
+# A single repeated token proposes too much: its continuation is the model's own only by chance.
+NGRAM_MIN = 2
+# The longest run of steps without a draft after drafts the model kept none of.
+MAX_PAUSE = 16
+
+
+@dataclass
+class Ngrams:
+    """One sequence's tokens and where each of their n-grams last started (before the newest
+    token's), so a lookup costs a dictionary probe per n, not a scan of the sequence."""
+
+    tokens: list[int] = field(default_factory=list)
+    last: dict[tuple[int, ...], int] = field(default_factory=dict)
+    indexed: int = 0  # the n-grams ending before this index are in ``last``
+
+    def extend(self, tokens: list[int]) -> None:
+        self.tokens.extend(tokens)
+
+    def truncate(self, length: int) -> None:
+        """The sequence cut back to ``length`` tokens (drafts not kept)."""
+        del self.tokens[length:]
+        self.indexed = min(self.indexed, length)
+
+    def draft(self, limit: int) -> list[int]:
+        """Up to ``limit`` tokens that followed the latest earlier occurrence of the sequence's
+        last ``NGRAM_MAX`` .. ``NGRAM_MIN`` tokens (the longest that occurred); [] if none did."""
+        tokens = self.tokens
+        # Index every n-gram that ends before the newest token: the newest one's own n-grams
+        # would match themselves.
+        for end in range(max(self.indexed, NGRAM_MIN), len(tokens)):
+            for n in range(NGRAM_MIN, NGRAM_MAX + 1):
+                if end >= n:
+                    self.last[tuple(tokens[end - n : end])] = end - n
+        self.indexed = len(tokens)
+        if limit < 1:
+            return []
+        for n in range(NGRAM_MAX, NGRAM_MIN - 1, -1):
+            if len(tokens) <= n:
+                continue
+            start = self.last.get(tuple(tokens[-n:]))
+            # An entry from before a truncation may point past what is left, or no longer match.
+            if start is None or start + n >= len(tokens) or tokens[start : start + n] != tokens[-n:]:
+                continue
+            return tokens[start + n : start + n + limit]
+        return []
+
+
+@dataclass
+class PromptLookup:
+    """The engine's drafting policy for one sequence: at most ``max_draft`` tokens a pass; the
+    draft grows while the model keeps all of it and shrinks to what it kept otherwise; a draft
+    the model keeps none of pauses drafting for a while, longer each time, so prose that
+    rarely repeats pays for few rows it throws away (a pass's rows cost a fraction of a pass
+    each: docs/speculation.md)."""
+
+    max_draft: int
+    window: int = 0  # the next draft's length (0: not yet set)
+    pause: int = 0  # steps left without a draft
+    backoff: int = 0  # the next pause's length
+
+    def length(self) -> int:
+        """The next draft's length; 0 while paused (each call a step)."""
+        if self.pause > 0:
+            self.pause -= 1
+            return 0
+        if self.window == 0:
+            self.window = min(4, self.max_draft)
+        return self.window
+
+    def kept(self, drafted: int, accepted: int) -> None:
+        """How much of a draft the model kept: the next one's length follows."""
+        if accepted == 0:
+            self.backoff = min(MAX_PAUSE, 2 * self.backoff or 1)
+            self.pause = self.backoff
+        else:
+            self.backoff = 0
+        if accepted == drafted:
+            self.window = min(self.max_draft, 2 * max(drafted, 1))
+        else:
+            self.window = max(1, min(self.max_draft, accepted + 1))

@@ -33,6 +33,16 @@ async def rss(engine: EngineClient) -> int:
     return (await engine.status()).rss_bytes
 
 
+def anon(engine: EngineClient) -> int:
+    """The engine's anonymous resident memory (RssAnon: heap, arrays, stacks), without the
+    code pages of its libraries (RssFile: clean, shared, dropped by the kernel at need)."""
+    assert engine.process is not None and engine.process.pid is not None
+    for line in Path(f"/proc/{engine.process.pid}/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
 async def answer(engine: EngineClient, model_dir: Path, n: int, tokens: int, logprobs: bool, grammar: bool) -> None:
     tok = Tokenizer(model_dir)
     for i in range(n):
@@ -63,19 +73,20 @@ async def run(args: argparse.Namespace) -> None:
     engine = EngineClient(config)
     await engine.start()
     try:
-        print(f"engine RSS at start (nothing loaded): {await rss(engine) / MIB:.1f} MiB")
-        head = f"{'before MiB':>11}{'loaded MiB':>11}{'unloaded MiB':>13}{'returned':>10}{'after/before':>13}"
-        print(f"{'round':<7}{head}")
+        print(f"engine RSS at start (nothing loaded): {await rss(engine) / MIB:.1f} MiB; RSS in MiB:")
+        head = f"{'before':>8}{'loaded':>8}{'answered':>10}{'unloaded':>10}{'returned':>10}{'after/before':>14}"
+        print(f"{'round':<7}{head}{'anon after/before':>19}")
         for r in range(args.rounds):
-            before = await rss(engine)
+            before, anon_before = await rss(engine), anon(engine)
             await engine.load("bench", str(model_dir))
-            await answer(engine, model_dir, args.requests, args.tokens, args.logprobs, args.grammar)
             loaded = await rss(engine)
+            await answer(engine, model_dir, args.requests, args.tokens, args.logprobs, args.grammar)
+            answered = await rss(engine)
             after = (await engine.unload("bench", force=True)).rss_bytes
-            returned = (loaded - after) / max(1, loaded - before)
+            returned = (answered - after) / max(1, answered - before)
             print(
-                f"{r + 1:<7}{before / MIB:>11.1f}{loaded / MIB:>11.1f}{after / MIB:>13.1f}"
-                f"{returned:>10.0%}{after / before:>13.3f}"
+                f"{r + 1:<7}{before / MIB:>8.1f}{loaded / MIB:>8.1f}{answered / MIB:>10.1f}{after / MIB:>10.1f}"
+                f"{returned:>10.0%}{after / before:>14.3f}{anon(engine) / anon_before:>19.3f}"
             )
     finally:
         await engine.close()

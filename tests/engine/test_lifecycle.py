@@ -4,6 +4,7 @@ and pin; the engine reports what it holds."""
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import AsyncIterator
 
 import pytest
@@ -135,6 +136,37 @@ async def test_an_operator_unload_leaves_none_of_the_model_in_mlx(
     assert after.mlx_cache_bytes == 0
     # What stays is MLX's own (a random key's few bytes), not a layer of the model's.
     assert after.mlx_active_bytes - before.mlx_active_bytes < (1 << 20) < loaded.resident_bytes
+
+
+def test_memory_is_released_where_nothing_holds_the_model(tiny: ResolvedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Residency.release_freed (which the engine's loop calls between commands) gives memory
+    back after a load (its transients) and after an operator's or an idle unload, each once,
+    and only once the model itself is gone: released while a caller still held it, its arrays
+    were freed after the trim, into MLX's cache and glibc's heap."""
+    from lmspd.engine import residency
+    from lmspd.engine.prompt_cache import PromptCache
+    from lmspd.engine.requests import Requests
+
+    model: list[weakref.ref[object]] = []
+    model_alive_at_release: list[bool] = []
+    monkeypatch.setattr(residency, "release_memory", lambda: model_alive_at_release.append(model[-1]() is not None))
+    cache = PromptCache(0)
+    sent: list[p.Reply] = []
+    res = residency.Residency(IDLE, sent.append, cache, Requests(sent.append, cache))
+    for unload in ("operator", "idle"):
+        res.load_command(p.LoadModel(tiny.name, str(tiny.path)))
+        model.append(weakref.ref(res.models[tiny.name].model))
+        res.release_freed()  # the load's transients: the model is meant to be alive
+        if unload == "operator":
+            res.unload(tiny.name, force=False)
+        else:
+            res.lifecycle.touch(tiny.name, now=0.0)  # last used long ago: its keep-alive has passed
+            res.unload_idle()
+        assert res.release_due and tiny.name not in res.models
+        res.release_freed()
+        res.release_freed()  # nothing more is due
+    assert model_alive_at_release == [True, False, True, False]
+    assert [type(r).__name__ for r in sent].count("ModelEvicted") == 2
 
 
 def budget_for(*models: ResolvedModel, streams: int = 2, slack: int = 4096) -> int:

@@ -11,7 +11,8 @@ round loads the model, runs ``--requests`` requests of ``--tokens`` tokens (with
 grammar if asked, so the tokenizers those build are loaded too), unloads it, and reads the
 engine's RSS (``EngineStatus.rss_bytes``, /proc/self/statm) at each point. The goal (issue 44):
 RSS after the unload within 10% of RSS before the load. The first round also pays what the
-engine does once, on its first load (libraries' pages, modules imported): docs/memory.md.
+engine does once, on its first load (libraries' pages, modules imported, threads started):
+each round's last lines name the mappings that grew over it (docs/memory.md).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+from collections import Counter
 from pathlib import Path
 
 from lmspd.config import EngineConfig
@@ -41,6 +43,29 @@ def anon(engine: EngineClient) -> int:
         if line.startswith("RssAnon:"):
             return int(line.split()[1]) * 1024
     return 0
+
+
+def mappings(engine: EngineClient) -> Counter[str]:
+    """The engine's resident bytes by mapping (/proc/PID/smaps): each library by its file's
+    name, ``[heap]`` (glibc's main arena), ``[anon]`` (mmap'd blocks, other threads' arenas,
+    stacks)."""
+    assert engine.process is not None and engine.process.pid is not None
+    found: Counter[str] = Counter()
+    name = "[anon]"
+    for line in Path(f"/proc/{engine.process.pid}/smaps").read_text().splitlines():
+        fields = line.split()
+        if fields and "-" in fields[0] and not fields[0].endswith(":"):  # a mapping's header
+            name = Path(fields[5]).name if len(fields) > 5 and fields[5].startswith("/") else "[anon]"
+            name = fields[5] if len(fields) > 5 and fields[5].startswith("[") else name
+        elif fields and fields[0] == "Rss:":
+            found[name] += int(fields[1]) * 1024
+    return found
+
+
+def kept(before: Counter[str], after: Counter[str]) -> str:
+    """The mappings that grew by half a MiB or more: what a round left behind."""
+    grown = {k: after[k] - before[k] for k in after if after[k] - before[k] >= MIB // 2}
+    return ", ".join(f"{k} +{v / MIB:.1f}" for k, v in sorted(grown.items(), key=lambda kv: -kv[1])) or "none"
 
 
 async def answer(engine: EngineClient, model_dir: Path, n: int, tokens: int, logprobs: bool, grammar: bool) -> None:
@@ -76,8 +101,9 @@ async def run(args: argparse.Namespace) -> None:
         print(f"engine RSS at start (nothing loaded): {await rss(engine) / MIB:.1f} MiB; RSS in MiB:")
         head = f"{'before':>8}{'loaded':>8}{'answered':>10}{'unloaded':>10}{'returned':>10}{'after/before':>14}"
         print(f"{'round':<7}{head}{'anon after/before':>19}")
+        left: list[str] = []
         for r in range(args.rounds):
-            before, anon_before = await rss(engine), anon(engine)
+            before, anon_before, maps = await rss(engine), anon(engine), mappings(engine)
             await engine.load("bench", str(model_dir))
             loaded = await rss(engine)
             await answer(engine, model_dir, args.requests, args.tokens, args.logprobs, args.grammar)
@@ -88,6 +114,8 @@ async def run(args: argparse.Namespace) -> None:
                 f"{r + 1:<7}{before / MIB:>8.1f}{loaded / MIB:>8.1f}{answered / MIB:>10.1f}{after / MIB:>10.1f}"
                 f"{returned:>10.0%}{after / before:>14.3f}{anon(engine) / anon_before:>19.3f}"
             )
+            left.append(f"round {r + 1} left (MiB): {kept(maps, mappings(engine))}")
+        print("\n".join(left))
     finally:
         await engine.close()
 

@@ -76,7 +76,7 @@ class LoadedModel:
 
     def token_pieces(self) -> TokenPieces:
         if self.pieces is None:
-            self.pieces = TokenPieces(Path(self.path))
+            self.pieces = TokenPieces(self.tokenizer)
         return self.pieces
 
     def score(self, wanted: list[tuple[int, int, Any, int]]) -> dict[int, p.TokenLogprob]:

@@ -4,8 +4,10 @@ and each token's raw bytes and text (engine process only: it imports MLX lazily)
 from __future__ import annotations
 
 import re
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lmspd.models.tokenizer import Tokenizer
 
 # A logprob of -inf (a token no sampler could pick) travels as this, as OpenAI reports it.
 LOGPROB_FLOOR = -9999.0
@@ -63,13 +65,15 @@ def _finite(logprob: float) -> float:
 
 
 class TokenPieces:
-    """Each token id's raw bytes and its text as logprobs report them (cached per id)."""
+    """Each token id's raw bytes and its text as logprobs report them (cached per id).
 
-    def __init__(self, model_dir: Path) -> None:
-        from tokenizers import Tokenizer as HFTokenizer
+    Spelled by the model's own tokenizer, the one the engine already holds to detokenize:
+    a second copy loaded from tokenizer.json held another 10 MB per model (docs/memory.md)."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
         from tokenizers import decoders
 
-        self._tok = HFTokenizer.from_file(str(model_dir / "tokenizer.json"))
+        self._tok = tokenizer.backend
         self._byte_level = isinstance(self._tok.decoder, decoders.ByteLevel)
         # Added (special) tokens are stored as plain text, not in the byte alphabet.
         self._added = {i: t.content for i, t in self._tok.get_added_tokens_decoder().items()}

@@ -167,6 +167,10 @@ class EngineStatus(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     rss_bytes: int  # the engine process's resident set
     models: list[ModelState]
     prompt_cache_bytes: int = 0
+    # MLX's own accounting: bytes its live arrays hold, and freed buffers it keeps for reuse
+    # (its buffer cache, bounded on the CPU: engine/loaded.py).
+    mlx_active_bytes: int = 0
+    mlx_cache_bytes: int = 0
 
 
 class TopLogprob(msgspec.Struct, array_like=True, frozen=True):

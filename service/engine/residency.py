@@ -50,6 +50,8 @@ class Residency:
         self.pending_loads: deque[p.LoadModel] = deque()  # loads waiting for a busy model's room
         self.lifecycle = Lifecycle(config.keep_alive_secs)
         self.budget = MemoryBudget(config)
+        # Memory freed (a model gone, a load's transients) not yet given back (release_freed).
+        self.release_due = False
 
     # --- commands -----------------------------------------------------------------------------
 
@@ -141,6 +143,9 @@ class Residency:
         self.lifecycle.touch(name)
         self._fit_memory(name)  # its real size may differ from the estimate (auto's choice)
         self.prompt_cache.load(fingerprint)
+        # The load's transients (the file's bytes as read, the layers as converted) are freed
+        # into glibc's heap, which keeps them: given back, the bundled model holds 18 MB less.
+        self.release_due = True
         seconds = time.perf_counter() - start
         self.send(
             p.ModelLoaded(
@@ -156,10 +161,11 @@ class Residency:
         need = self.budget.estimate(path).total if path else 0
         self._fit_cache(need)
         while idle and (len(self.models) >= self.max_loaded_models or self._held() + need > self.budget.limit):
-            lm = self.models.pop(idle.pop(0))
-            lm.batch.close()
-            log.info("evicted model %s", lm.name)
-            self.send(p.ModelEvicted(lm.name, "budget"))
+            name = idle.pop(0)
+            self.models.pop(name).batch.close()
+            self.release_due = True
+            log.info("evicted model %s", name)
+            self.send(p.ModelEvicted(name, "budget"))
         self._fit_cache(need)
         import mlx.core as mx
 
@@ -177,6 +183,7 @@ class Residency:
         idle = [n for n in self.idle() if n != loaded]
         while idle and self._held() > self.budget.limit:
             self.models.pop(idle[0]).batch.close()
+            self.release_due = True
             self.send(p.ModelEvicted(idle.pop(0), "budget"))
         self._fit_cache()
 
@@ -200,13 +207,25 @@ class Residency:
         return self.lifecycle.wait(self.idle(), now)
 
     def _drop_model(self, name: str, reason: p.UnloadReason) -> None:
-        lm = self.models.pop(name)
-        lm.batch.close()
-        del lm
-        release_memory()
-        log.info("unloaded model %s (%s); engine RSS now %d bytes", name, reason, rss_bytes())
+        self.models.pop(name).batch.close()
+        self.release_due = True
+        log.info("unloaded model %s (%s)", name, reason)
         self._fit_cache()  # the prompt cache may take the room back, up to its own bound
         self.send(p.ModelEvicted(name, reason))
+
+    def release_freed(self) -> None:
+        """Give the memory of the models that went, and a load's transients, back to the system
+        (release_memory: MLX's buffer cache cleared, glibc's free pages trimmed). The engine's
+        loop calls this between commands and steps, where no frame holds a model any more:
+        released where a model was dropped, the caller's own reference (``unload``'s ``lm``, a
+        loop variable) kept its arrays alive until after the trim, and they were freed into
+        MLX's buffer cache and glibc's heap instead, so an unloaded 98 MB model gave back 27 MB
+        (docs/memory.md)."""
+        if not self.release_due:
+            return
+        self.release_due = False
+        release_memory()
+        log.info("freed memory released; engine RSS now %d bytes", rss_bytes())
 
     def unload(self, name: str, force: bool) -> None:
         lm = self.models.get(name)
@@ -242,8 +261,15 @@ class Residency:
             )
         for name in sorted((self.lifecycle.pinned | set(self.lifecycle.keep_alive)) - set(self.models)):
             states.append(self.lifecycle.unloaded(name))
+        import mlx.core as mx
+
         return p.EngineStatus(
-            query=query, rss_bytes=rss_bytes(), models=states, prompt_cache_bytes=self.prompt_cache.nbytes
+            query=query,
+            rss_bytes=rss_bytes(),
+            models=states,
+            prompt_cache_bytes=self.prompt_cache.nbytes,
+            mlx_active_bytes=mx.get_active_memory(),
+            mlx_cache_bytes=mx.get_cache_memory(),
         )
 
     def refusal(self, name: str, path: str) -> LmspdError | None:
@@ -255,6 +281,7 @@ class Residency:
         if self.models.pop(lm.name, None) is not None:
             self.send(p.ModelEvicted(lm.name, "failed"))
         lm.batch.close()
+        self.release_due = True
 
     def can_load(self, name: str, path: str) -> bool:
         """Loaded, or loadable once idle models are evicted (busy ones are waited for)."""

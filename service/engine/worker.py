@@ -83,6 +83,7 @@ class Engine:
                 break
             self.admission.admit_compiled()
             self.residency.unload_idle()
+            self.residency.release_freed()
             self.residency.retry_loads()
             self.admission.admit_waiting()
             self.requests.send_early()
@@ -122,6 +123,9 @@ class Engine:
             if isinstance(cmd, p.Generate):
                 self.requests.forget(cmd.request_id)
                 self.requests.fail(cmd, "server_error", f"generation could not start: {exc}")
+        # Out here, where no frame of the command's holds a model it unloaded or evicted
+        # (Residency.release_freed); before the next command, so a Status reports the result.
+        self.residency.release_freed()
 
     def handle(self, cmd: p.Command) -> None:
         if isinstance(cmd, p.Generate):

@@ -10,9 +10,12 @@ import json
 from collections.abc import Sequence
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lmspd.errors import InvalidRequestError, LmspdError, ModelError
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer as HFTokenizer
 
 # Special tokens that carry structure the server parses (reasoning blocks, tool calls):
 # detokenized text keeps them, while other special tokens (turn ends, padding) are hidden.
@@ -81,6 +84,12 @@ class Tokenizer:
                 if isinstance(i, int) and i not in ids:
                     ids.append(i)
         return ids
+
+    @property
+    def backend(self) -> HFTokenizer:
+        """The ``tokenizers.Tokenizer`` itself, for a reader that needs more of it than this
+        class offers (the engine's logprobs spell tokens with it: engine/logprobs.py)."""
+        return self._tok
 
     @property
     def vocab_size(self) -> int:

@@ -92,8 +92,8 @@ def test_validate_top_logprobs_accepts_the_range(k: int | None) -> None:
 
 
 def test_token_pieces_are_exact_bytes_with_escaped_partial_characters(tiny: ResolvedModel) -> None:
-    pieces = TokenPieces(tiny.path)
     tok = tokenizer_for(tiny)
+    pieces = TokenPieces(tok)
     text = "héllo 😊 © 2+2"
     ids = tok.encode(text)
     assert b"".join(bytes(pieces.piece(i)[1]) for i in ids) == text.encode()

@@ -1,5 +1,5 @@
-"""What each process loads: the engine imports mlx-lm without transformers and keeps no freed
-buffers on the CPU; the server process loads neither MLX nor NumPy."""
+"""What each process loads: the engine imports mlx-lm without transformers or huggingface_hub
+and keeps no freed buffers on the CPU; the server process loads neither MLX nor NumPy."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import sys
 from lmspd.engine.upstream.lean import import_mlx_lm
 assert import_mlx_lm() is True
 assert "transformers" not in sys.modules, "transformers was imported"
+assert "huggingface_hub" not in sys.modules, "huggingface_hub was imported"
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.utils import load_model
 import mlx.core as mx
@@ -24,9 +25,11 @@ produced = 0
 while produced < 6:
     produced += len(batch.next()[1])
 batch.close()
-assert "transformers" not in sys.modules
+assert "transformers" not in sys.modules and "huggingface_hub" not in sys.modules
 import transformers  # the placeholders are gone: this is the real package
 assert hasattr(transformers, "PreTrainedTokenizerFast") and transformers.__file__
+import huggingface_hub
+assert hasattr(huggingface_hub, "HfApi") and huggingface_hub.__file__
 print("ok")
 """
 
@@ -45,6 +48,17 @@ def test_the_engine_imports_mlx_lm_without_transformers(tiny: ResolvedModel) -> 
 def test_a_process_that_has_transformers_imports_as_usual() -> None:
     script = (
         "import transformers\nfrom lmspd.engine.upstream.lean import import_mlx_lm\nassert import_mlx_lm() is False\n"
+    )
+    run_python(script)
+
+
+def test_a_process_that_has_huggingface_hub_keeps_it() -> None:
+    script = (
+        "import huggingface_hub, sys\n"
+        "from lmspd.engine.upstream.lean import import_mlx_lm\n"
+        "assert import_mlx_lm() is True\n"
+        "import mlx_lm.utils\n"
+        "assert mlx_lm.utils.snapshot_download is huggingface_hub.snapshot_download\n"
     )
     run_python(script)
 

@@ -4,6 +4,7 @@ and pin; the engine reports what it holds."""
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import AsyncIterator
 
 import pytest
@@ -65,8 +66,10 @@ async def test_an_idle_model_is_unloaded_and_its_memory_returned(
     await idle_engine.pin(tiny.name, False)
     assert await asyncio.wait_for(heard.get(), 30) == (tiny.name, "idle")  # the engine's own message
     assert not idle_engine.resident(tiny.name)
-    after = (await idle_engine.status()).rss_bytes
+    gone = await idle_engine.status()
+    after = gone.rss_bytes
     assert held - after >= loaded.resident_bytes // 2, (before, held, after, loaded.resident_bytes)
+    assert gone.mlx_cache_bytes == 0  # its arrays freed before the cache was cleared
     # The next request loads it again, and generates the same.
     again, _, _ = await collect(idle_engine, request(tiny, PROMPTS[0], max_tokens=8))
     assert again == ids and idle_engine.resident(tiny.name)
@@ -114,6 +117,56 @@ async def test_an_operator_unload_cancels_running_requests_when_forced(
     assert [e.reason for e in ends] == ["cancelled"]
     assert await asyncio.wait_for(heard.get(), 30) == (tiny_long.name, "operator")
     assert not state_of(status, tiny_long.name).loaded
+
+
+async def test_an_operator_unload_leaves_none_of_the_model_in_mlx(
+    idle_engine: EngineClient, tiny: ResolvedModel
+) -> None:
+    """The model's arrays are freed before MLX's buffer cache is cleared and glibc's heap is
+    trimmed (Residency.release_freed): freed after, they stayed in the cache and the heap,
+    and the bundled model's unload gave back 27 of its 98 MB (docs/memory.md)."""
+    await idle_engine.pin(tiny.name, True)  # not idle-unloaded meanwhile
+    before = await idle_engine.status()
+    loaded = await idle_engine.load(tiny.name, str(tiny.path))
+    await collect(idle_engine, request(tiny, PROMPTS[0], max_tokens=8, logprobs=2))
+    held = await idle_engine.status()
+    assert held.mlx_active_bytes >= loaded.resident_bytes
+    after = await idle_engine.unload(tiny.name)
+    assert not state_of(after, tiny.name).loaded
+    assert after.mlx_cache_bytes == 0
+    # What stays is MLX's own (a random key's few bytes), not a layer of the model's.
+    assert after.mlx_active_bytes - before.mlx_active_bytes < (1 << 20) < loaded.resident_bytes
+
+
+def test_memory_is_released_where_nothing_holds_the_model(tiny: ResolvedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Residency.release_freed (which the engine's loop calls between commands) gives memory
+    back after a load (its transients) and after an operator's or an idle unload, each once,
+    and only once the model itself is gone: released while a caller still held it, its arrays
+    were freed after the trim, into MLX's cache and glibc's heap."""
+    from lmspd.engine import residency
+    from lmspd.engine.prompt_cache import PromptCache
+    from lmspd.engine.requests import Requests
+
+    model: list[weakref.ref[object]] = []
+    model_alive_at_release: list[bool] = []
+    monkeypatch.setattr(residency, "release_memory", lambda: model_alive_at_release.append(model[-1]() is not None))
+    cache = PromptCache(0)
+    sent: list[p.Reply] = []
+    res = residency.Residency(IDLE, sent.append, cache, Requests(sent.append, cache))
+    for unload in ("operator", "idle"):
+        res.load_command(p.LoadModel(tiny.name, str(tiny.path)))
+        model.append(weakref.ref(res.models[tiny.name].model))
+        res.release_freed()  # the load's transients: the model is meant to be alive
+        if unload == "operator":
+            res.unload(tiny.name, force=False)
+        else:
+            res.lifecycle.touch(tiny.name, now=0.0)  # last used long ago: its keep-alive has passed
+            res.unload_idle()
+        assert res.release_due and tiny.name not in res.models
+        res.release_freed()
+        res.release_freed()  # nothing more is due
+    assert model_alive_at_release == [True, False, True, False]
+    assert [type(r).__name__ for r in sent].count("ModelEvicted") == 2
 
 
 def budget_for(*models: ResolvedModel, streams: int = 2, slack: int = 4096) -> int:

@@ -1,13 +1,15 @@
-"""mlx-lm without transformers, for the engine process.
+"""mlx-lm without transformers or huggingface_hub, for the engine process.
 
 The engine uses mlx-lm's models, ``BatchGenerator``, caches and samplers, never its
-tokenizer wrapper (lmspd tokenizes with ``tokenizers`` itself). But importing any of them
-runs ``mlx_lm/__init__``, whose tokenizer module imports transformers: about 1.4 s and tens
-of MB of an engine that starts on every server start and after every crash. So the modules
-are imported with placeholder classes standing in for the handful of transformers names
-mlx-lm binds at import time (type hints, a subclass, a registration), and the placeholders
-are withdrawn straight after: a later ``import transformers`` in this process gets the
-real package.
+tokenizer wrapper (lmspd tokenizes with ``tokenizers`` itself) nor its downloads (the server
+resolves every model to a local directory first). But importing any of them runs
+``mlx_lm/__init__``, whose tokenizer module imports transformers (about 1.4 s and tens of MB
+of an engine that starts on every server start and after every crash) and whose utils bind
+huggingface_hub's ``snapshot_download`` (23 MB and 349 modules: httpx, yaml, filelock...;
+docs/memory.md). So the modules are imported with placeholders standing in for the handful of
+names mlx-lm binds at import time (type hints, a subclass, a registration, a function), and
+the placeholders are withdrawn straight after: a later ``import transformers`` or
+``import huggingface_hub`` in this process gets the real package.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ _BOUND = {
     "transformers": ("AutoTokenizer", "PreTrainedTokenizer", "PreTrainedTokenizerFast"),
     "transformers.tokenization_utils_base": ("PreTrainedTokenizerBase",),
 }
+# The huggingface_hub functions mlx-lm binds at import (``mlx_lm.utils``): stood in for only
+# where the real package is not loaded already.
+_BOUND_FUNCTIONS = {"huggingface_hub": ("snapshot_download",)}
 
 
 class Placeholder:
@@ -38,6 +43,12 @@ class Placeholder:
         raise RuntimeError("transformers is not loaded in the engine process")
 
 
+def _not_loaded(*args: object, **kwargs: object) -> None:
+    """Stands in for a huggingface_hub function in mlx-lm's module globals; never called by
+    the engine, which loads local directories only."""
+    raise RuntimeError("huggingface_hub is not loaded in the engine process")
+
+
 @contextmanager
 def _placeholders() -> Iterator[None]:
     added = []
@@ -50,6 +61,14 @@ def _placeholders() -> Iterator[None]:
     sys.modules["transformers"].tokenization_utils_base = sys.modules[  # type: ignore[attr-defined]
         "transformers.tokenization_utils_base"
     ]
+    for name, functions in _BOUND_FUNCTIONS.items():
+        if name in sys.modules:  # the real package: mlx-lm binds its functions
+            continue
+        module = types.ModuleType(name)
+        for function in functions:
+            setattr(module, function, _not_loaded)
+        sys.modules[name] = module
+        added.append(name)
     try:
         yield
     finally:
@@ -58,8 +77,9 @@ def _placeholders() -> Iterator[None]:
 
 
 def import_mlx_lm() -> bool:
-    """Import the engine's mlx-lm modules; True if transformers was kept out. A process that
-    already has transformers (or already imported mlx-lm) imports them as usual."""
+    """Import the engine's mlx-lm modules; True if transformers (and huggingface_hub, unless
+    already loaded) were kept out. A process that already has transformers (or already
+    imported mlx-lm) imports them as usual."""
     import importlib
 
     if "transformers" in sys.modules or "mlx_lm" in sys.modules:

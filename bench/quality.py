@@ -3,7 +3,8 @@ judged by (docs/benchmarks.md, "Accuracy", says the budget and today's figures).
 
     python -m bench.quality [--model-dir DIR] [--paths quantized_float32,fast,quantized,float32]
                             [--llama-server PATH [--gguf FILE]] [--prompts N] [--tokens 64]
-                            [--text-tokens 10240] [--window 512] [--rows 32] [--json OUT]
+                            [--text-tokens 10240] [--window 512] [--rows 32] [--resume-cuts 5,20,40]
+                            [--json OUT]
 
 A path is an ``[engine] weight_dtype`` the engine can run the model in, loaded as the engine
 loads it (``lmspd.engine.weights``): ``quantized_float32`` is lmspd's packed kernels, the exact
@@ -26,6 +27,10 @@ fewer: the decode kernels, whose rows are computed as one decoding token's; ``--
 the whole text one token a step): at every position, the KL divergence of the path's
 next-token distribution from the exact path's, whether its most likely token is the exact
 path's, and the perplexity of the text under each path.
+
+**Resume** (``--resume-cuts``): each of lmspd's paths' own answers cut after those many tokens
+and resumed, as a task resumed after a restart is (``resumes``), against the uninterrupted
+answer: how many differ (SPEC §16: on any path a greedy ``resume`` equals the uninterrupted run).
 """
 
 from __future__ import annotations
@@ -160,6 +165,51 @@ class Numerics:
         return out
 
 
+@dataclass
+class Resumes:
+    """A path's greedy answers resumed after a cut against its own uninterrupted ones."""
+
+    cuts: list[int]
+    checked: int = 0
+    differ: list[tuple[int, int, str]] = field(default_factory=list)  # (prompt, cut, how)
+
+
+def resumes(
+    path: Numerics, prompts: list[list[int]], answers: list[list[int]], cuts: list[int], ends: set[int]
+) -> Resumes:
+    """Each answer cut after ``cuts`` tokens and resumed as the engine resumes it, greedy to the
+    same length: the prompt's KV as its own prefill left it (the prompt cache's copy) and the
+    tokens generated so far prefilled after it in one pass ("suffix": up to 32 rows, a decode
+    step's bits; more, the prefill's products), and the whole prompt and suffix prefilled at
+    once ("whole", a cold resume without the prompt cache)."""
+    import mlx.core as mx
+    import numpy as np
+
+    found = Resumes(cuts)
+    for i, (prompt, answer) in enumerate(zip(prompts, answers, strict=True)):
+        for cut in cuts:
+            if cut >= len(answer):
+                continue
+            for how in ("suffix", "whole"):
+                path.start()
+                if how == "suffix":
+                    path.logprobs(prompt[:-1])
+                    logprobs = path.logprobs([prompt[-1], *answer[:cut]])
+                else:
+                    logprobs = path.logprobs(prompt + answer[:cut])
+                out = answer[:cut]
+                while len(out) < len(answer):
+                    token = int(np.asarray(mx.argmax(logprobs)))
+                    if token in ends:
+                        break
+                    out.append(token)
+                    logprobs = path.logprobs([token])
+                found.checked += 1
+                if out != answer:
+                    found.differ.append((i, cut, how))
+    return found
+
+
 def rendered_prompts(model_dir: Path, count: int) -> tuple[list[list[int]], set[int]]:
     """The shipped prompts as the engine renders them (their token ids), and the end tokens."""
     from lmspd.engine.protocol import SamplingParams
@@ -288,6 +338,7 @@ def main() -> None:
         "--window", type=int, default=512, help="tokens a fresh cache takes (1: the whole text, one token a step)"
     )
     parser.add_argument("--rows", type=int, default=0, help="tokens a forward pass (0: the window; 32: decode's)")
+    parser.add_argument("--resume-cuts", default="", help="e.g. 5,20,40: resume checks after these tokens")
     parser.add_argument("--json", type=Path, default=None, help="write the figures here too")
     args = parser.parse_args()
     from lmspd.engine.upstream.blas import load as load_blas
@@ -308,11 +359,19 @@ def main() -> None:
     print(f"model {model_dir}: paths {', '.join(f'{p.name} (runs {p.runs})' for p in paths)}", flush=True)
     prompts, ends = rendered_prompts(model_dir, args.prompts)
     exact = [paths[0].greedy(prompt, args.tokens, ends) for prompt in prompts]
-    agreement = {p.name: agreed(exact, [p.greedy(q, args.tokens, ends) for q in prompts]) for p in paths[1:]}
+    answers = {paths[0].name: exact} | {p.name: [p.greedy(q, args.tokens, ends) for q in prompts] for p in paths[1:]}
+    agreement = {p.name: agreed(exact, answers[p.name]) for p in paths[1:]}
     if args.llama_server is not None:
         gguf = bundled_gguf(args.gguf) if args.gguf == GGUF else args.gguf
         agreement["llama-server"] = agreed(exact, llama_answers(args.llama_server, gguf, prompts, args.tokens, ends))
     print(f"agreement measured in {time.monotonic() - began:.0f}s", flush=True)
+    resumed: dict[str, Resumes] = {}
+    if args.resume_cuts:
+        cuts = [int(c) for c in args.resume_cuts.split(",")]
+        # Against the path's own uninterrupted answer: SPEC §16's determinism, per path.
+        resumed = {p.name: resumes(p, prompts, answers[p.name], cuts, ends) for p in paths if p.runs == EXACT}
+        for name, r in resumed.items():
+            print(f"resume on {name}: {len(r.differ)} of {r.checked} differ {r.differ}", flush=True)
     diverged: dict[str, Divergence] = {}
     if args.text_tokens:
         text = AutoTokenizer.from_pretrained(model_dir).encode(TEXT.read_text())[: args.text_tokens + 1]
@@ -326,6 +385,7 @@ def main() -> None:
                 k: {**asdict(v), "kl_mean": v.kl_mean, "top1": v.top1, "perplexity": v.perplexity}
                 for k, v in diverged.items()
             },
+            "resume": {k: asdict(v) for k, v in resumed.items()},
         }
         args.json.write_text(json.dumps(figures, indent=1) + "\n")
 

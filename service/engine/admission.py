@@ -32,6 +32,23 @@ log = logging.getLogger("lmspd.engine")
 ANSWERED_AT_ONCE = -1
 
 
+# A pass of up to this many rows carries a decode step's bits (packed.KERNEL_ROWS; this module
+# imports nothing of MLX's, which the server process never loads).
+DECODE_ROWS = 32
+
+
+def resumed_segments(tokens: list[int], cached: int, prompt: int) -> list[list[int]]:
+    """A request's tokens after the ``cached`` ones as its prompt segments for the batch (each
+    prefilled as passes of its own): the prompt's (but its last token) as one, then the prompt's
+    last token and the tokens generated before a resume in pieces of up to ``DECODE_ROWS``. The
+    uninterrupted run decoded those one a step; a pass of so few rows computes each as a decode
+    step does, so their keys and values, and the answer that goes on from them, are the
+    uninterrupted run's bit for bit, on either numerics path (docs/numerics.md)."""
+    start = max(cached, prompt - 1)
+    head, tail = tokens[cached:start], tokens[start:]
+    return ([head] if head else []) + [tail[i : i + DECODE_ROWS] for i in range(0, len(tail), DECODE_ROWS)]
+
+
 class Admission:
     """From a ``Generate`` command to a request in the batch (or its answer, or its failure)."""
 
@@ -161,8 +178,8 @@ class Admission:
         elif first in cmd.stop_token_ids or remaining == 1:
             return self._answer_at_once(lm, cmd, hit, first)
         # The first token is the batch's to run next, as a resumed request's last one.
-        run = [first] if first is not None else tokens[hit.cached :]
-        (uid,) = lm.batch.insert(
+        run = [[first]] if first is not None else resumed_segments(tokens, hit.cached, len(cmd.prompt))
+        (uid,) = lm.batch.insert_segments(
             [run],
             max_tokens=[remaining - (first is not None)],
             caches=[hit.cache] if hit.cache is not None else None,

@@ -256,3 +256,21 @@ def test_a_model_without_the_row_promise_never_drafts(smol_dir: Path, speculatin
     model = load_model(smol_dir)[0]  # MLX's own quantized products: a pass's rows are not decode steps
     _, drafted, _ = decode(model, [tokenize(smol_dir, REPEAT)], 16, 40)
     assert drafted == 0
+
+
+# --- a resumed request's tokens, in decode-sized pieces ---------------------------------------
+
+
+def test_a_resumed_requests_generated_tokens_go_in_pieces_of_decode_rows() -> None:
+    from lmspd.engine.admission import DECODE_ROWS, resumed_segments
+
+    tokens = list(range(100))  # a prompt of 10, then 90 generated
+    segments = resumed_segments(tokens, 0, 10)
+    assert segments[0] == tokens[:9] and [len(s) for s in segments[1:]] == [32, 32, 27]
+    assert [t for s in segments for t in s] == tokens
+    assert resumed_segments(tokens, 9, 10)[0] == tokens[9:41]  # the prompt cached but its last token
+    assert resumed_segments(tokens, 60, 10) == [tokens[60:92], tokens[92:]]  # generated tokens cached too
+    assert resumed_segments(tokens[:10], 0, 10) == [tokens[:9], [9]]  # nothing generated: as before
+    from lmspd.engine.packed import KERNEL_ROWS
+
+    assert DECODE_ROWS == KERNEL_ROWS  # the admission cannot import packed (MLX): the two agree

@@ -10,7 +10,7 @@ import pytest
 
 from harness.generation import PROMPTS, collect, deltas_of, request
 from harness.wait import wait_until_async
-from lmspd.config import EngineConfig
+from lmspd.config import EngineConfig, NumericsSetting
 from lmspd.engine import protocol as p
 from lmspd.engine.process import EARLY_CANCELS_KEPT, EngineClient
 from lmspd.errors import (
@@ -136,7 +136,9 @@ async def test_resume_from_snapshot_equals_uninterrupted(engine: EngineClient, t
 
 
 @pytest.mark.parametrize("numerics", ["exact", "fast"])
-async def test_a_long_resume_equals_uninterrupted_on_either_path(tiny_long: ResolvedModel, numerics: str) -> None:
+async def test_a_long_resume_equals_uninterrupted_on_either_path(
+    tiny_long: ResolvedModel, numerics: NumericsSetting
+) -> None:
     """Cut after more tokens than one pass of decode rows: the generated tokens are prefilled
     in pieces that carry decode steps' bits (admission.resumed_segments), so even the fast
     path's 8-bit activations continue exactly as the uninterrupted run."""

@@ -150,12 +150,16 @@ class Numerics:
         return self.logprobs_rows(tokens)[-1]
 
     def greedy(self, prompt: list[int], tokens: int, ends: set[int]) -> list[int]:
+        """As the engine answers: the prompt but its last token prefilled, then decoding from
+        that token on, one row a step."""
         import mlx.core as mx
         import numpy as np
 
         self.start()
+        if len(prompt) > 1:
+            self.logprobs_rows(prompt[:-1])
         out: list[int] = []
-        step = prompt
+        step = prompt[-1:]
         while len(out) < tokens:
             token = int(np.asarray(mx.argmax(self.logprobs(step))))
             if token in ends:
@@ -177,11 +181,11 @@ class Resumes:
 def resumes(
     path: Numerics, prompts: list[list[int]], answers: list[list[int]], cuts: list[int], ends: set[int]
 ) -> Resumes:
-    """Each answer cut after ``cuts`` tokens and resumed as the engine resumes it, greedy to the
-    same length: the prompt's KV as its own prefill left it (the prompt cache's copy) and the
-    tokens generated so far prefilled after it in one pass ("suffix": up to 32 rows, a decode
-    step's bits; more, the prefill's products), and the whole prompt and suffix prefilled at
-    once ("whole", a cold resume without the prompt cache)."""
+    """Each answer cut after ``cuts`` tokens and resumed, greedy to the same length: as the
+    engine resumes it ("pieces": the prompt but its last token prefilled as before, then that
+    token and the tokens generated so far in passes of up to 32 rows, engine/admission.py's
+    ``resumed_segments``), and, for comparison, the prompt and those tokens prefilled in one
+    pass ("one pass", the prefill's products for all of them)."""
     import mlx.core as mx
     import numpy as np
 
@@ -190,11 +194,14 @@ def resumes(
         for cut in cuts:
             if cut >= len(answer):
                 continue
-            for how in ("suffix", "whole"):
+            for how in ("pieces", "one pass"):
                 path.start()
-                if how == "suffix":
-                    path.logprobs(prompt[:-1])
-                    logprobs = path.logprobs([prompt[-1], *answer[:cut]])
+                if how == "pieces":
+                    if len(prompt) > 1:
+                        path.logprobs_rows(prompt[:-1])
+                    rest = [prompt[-1], *answer[:cut]]
+                    for at in range(0, len(rest), 32):
+                        logprobs = path.logprobs(rest[at : at + 32])
                 else:
                     logprobs = path.logprobs(prompt + answer[:cut])
                 out = answer[:cut]

@@ -33,7 +33,8 @@ def _quantized(rows: int, cols: int, group: int, bits: int, dtype: mx.Dtype) -> 
 
 def _reference(x: mx.array, q: mx.array, s: mx.array, b: mx.array, group: int) -> np.ndarray:
     """docs/numerics.md's definition, summed in float64: x per block of 32 as round(x / d) with
-    d = max|x| / 127, times the 4-bit weights, scaled; the biases' share from x's own sums."""
+    d = max|x| / 127, times the 4-bit weights, scaled; the biases' share from the quantized x's
+    sums (so the whole is W times the quantized x)."""
     xs = np.asarray(x, dtype=np.float32)
     rows, cols = xs.shape
     blocks = xs.reshape(rows, cols // 32, 32)
@@ -46,7 +47,7 @@ def _reference(x: mx.array, q: mx.array, s: mx.array, b: mx.array, group: int) -
     scale = np.repeat(np.asarray(s.astype(mx.float32), dtype=np.float64), group // 32, axis=1)  # per block of 32
     per_block = np.einsum("mbi,nbi->mnb", xq, wq.reshape(-1, cols // 32, 32)) * d[:, None, :, 0]
     products = (per_block * scale[None]).sum(axis=-1)
-    xsum = xs.astype(np.float64).reshape(rows, cols // group, group).sum(axis=-1)
+    xsum = (xq.sum(axis=-1) * d[..., 0]).reshape(rows, cols // group, group // 32).sum(axis=-1)
     out: np.ndarray = products + xsum @ np.asarray(b.astype(mx.float32), dtype=np.float64).T
     return out
 

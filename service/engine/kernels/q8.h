@@ -5,8 +5,8 @@
 // is quantized once per product to 8-bit integers, per block of 32 elements (d = max|x| / 127,
 // q = round(x / d)), and a 4-bit group's products are integer dot products: 32 weights times 32
 // activations in four instructions (vpmaddubsw, vpmaddwd, a conversion and a fused multiply-add
-// by scale * d), which is how llama.cpp's CPU products run. The biases' share stays exact:
-// bias * sum(x of the group), the float32 sums the exact path uses.
+// by scale * d), which is how llama.cpp's CPU products run. The biases' share is bias * the
+// group's sum of the quantized x (q8_group_sums: why not x's own).
 //
 // The arithmetic, which portable and AVX2 compute bit for bit alike (the tests hold them to it):
 // x's block j of a row is stored with its even elements first, then its odd ones, the order in
@@ -48,8 +48,12 @@ inline Q8Rows quantize_rows(const float* x, int M, int K) {
       const float* xb = x + size_t(m) * K + b * Q8_BLOCK;
       int8_t* qb = r.q.data() + size_t(m) * K + b * Q8_BLOCK;
       float amax = 0.f;
-      for (int i = 0; i < Q8_BLOCK; ++i) amax = std::fmax(amax, std::fabs(xb[i]));
-      if (!std::isfinite(amax)) {  // a NaN or an infinity in x: the products say NaN, never a number
+      bool finite = true;  // fmax passes over a NaN: each element is looked at
+      for (int i = 0; i < Q8_BLOCK; ++i) {
+        amax = std::fmax(amax, std::fabs(xb[i]));
+        finite = finite && std::isfinite(xb[i]);
+      }
+      if (!finite) {  // a NaN or an infinity in x: the products say NaN, never a number
         std::memset(qb, 0, Q8_BLOCK);
         r.d[size_t(m) * B + b] = NAN;
         continue;
@@ -64,7 +68,34 @@ inline Q8Rows quantize_rows(const float* x, int M, int K) {
   return r;
 }
 
-// xs: the rows' group sums as group_sums lays them out ([block of 8 rows][group][row]).
+// Each group's sum of the quantized x, per row (the sum over its blocks j of d_j times the
+// integer sum of q), laid out as group_sums lays x's own ([block of 8 rows][group][row]). The
+// biases' share of a product multiplies this sum, so both shares see the same x, x_q, and the
+// product is W x_q: the rounding of x moves it as much as W moves that rounding. With x's own
+// float32 sums (this path's first form) the biases' share, large against the result (an affine
+// group's bias is its minimum), kept x's exact sum while the scales' share carried x's rounding
+// uncancelled: the products moved 2.6% where W x_q moves 0.7%, and the model's next-token
+// distributions 0.023 nats (docs/benchmarks.md, "Accuracy"). llama.cpp's q8_1 keeps this sum too.
+LMSPD_NO_CONTRACT_ATTR inline Floats q8_group_sums(const Q8Rows& r, int M, int K, int GS) {
+  LMSPD_NO_CONTRACT
+  const int G = K / GS, B = K / Q8_BLOCK, BPG = GS / Q8_BLOCK;
+  Floats xsum(size_t((M + 7) / 8) * G * 8, 0.f);
+  for (int m = 0; m < M; ++m)
+    for (int g = 0; g < G; ++g) {
+      float sum = 0.f;
+      for (int jb = 0; jb < BPG; ++jb) {
+        const int j = g * BPG + jb;
+        const int8_t* qb = r.q.data() + size_t(m) * K + j * Q8_BLOCK;
+        int32_t isum = 0;
+        for (int i = 0; i < Q8_BLOCK; ++i) isum += qb[i];
+        sum = __builtin_fmaf(static_cast<float>(isum), r.d[size_t(m) * B + j], sum);
+      }
+      xsum[(size_t(m / 8) * G + g) * 8 + m % 8] = sum;
+    }
+  return xsum;
+}
+
+// xs: the rows' group sums as q8_group_sums lays them out ([block of 8 rows][group][row]).
 inline float q8_xsum(const float* xsum, int G, int m, int g) { return xsum[(size_t(m / 8) * G + g) * 8 + m % 8]; }
 
 // The definition, one output at a time: what the AVX2 kernel computes.

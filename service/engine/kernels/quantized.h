@@ -208,14 +208,16 @@ inline Kernel kernel_for(int bits, int group_size, mx::Dtype dtype, bool simd = 
   return Kernel{exact_kernel_for(bits, group_size, dtype, simd), q8 ? q8_kernel_for(group_size, dtype, simd) : nullptr};
 }
 
-// x made ready for a product's kernel once, for both threads: its group sums, and its 8-bit
-// rows where the kernel takes them.
+// x made ready for a product's kernel once, for both threads: its 8-bit rows where the kernel
+// takes them, and its group sums (theirs, for the 8-bit kernel: q8.h, q8_group_sums).
 struct Operands {
   const float* x;
-  lmspd::Floats xsum;
   Q8Rows q8;
+  lmspd::Floats xsum;
   Operands(const float* xp, int M, int K, int GS, const Kernel& kernel)
-      : x(xp), xsum(group_sums(xp, M, K, GS)), q8(kernel.q8 ? quantize_rows(xp, M, K) : Q8Rows{}) {}
+      : x(xp),
+        q8(kernel.q8 ? quantize_rows(xp, M, K) : Q8Rows{}),
+        xsum(kernel.q8 ? q8_group_sums(q8, M, K, GS) : group_sums(xp, M, K, GS)) {}
   void run(const Kernel& k, const uint32_t* w, const void* s, const void* b, float* out, int M, int N, int K, int n0,
            int n1) const {
     if (k.q8)

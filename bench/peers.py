@@ -26,7 +26,7 @@ per CPU, the GGUF's own chat template (``--jinja``). ``--no-mlx-lm`` leaves mlx_
 ``--big`` puts every server on the memory-bound model instead of the bundled one: a
 random-weight Llama of 1.07B parameters (harness/big_model.py), a Q4_1 GGUF for llama-server and
 lmspd's own conversion of that file for lmspd, mlx_lm.server and raw BatchGenerator, both built
-once into the test cache (about a minute and a half). The bundled model's table beside it is
+once into the test cache (under a minute). The bundled model's table beside it is
 the same command without ``--big``.
 """
 

@@ -14,8 +14,8 @@ file; its answers are gibberish, its speed a 1B model's.
     python -m harness.big_model OUT.gguf        # write the GGUF file there
     python -m harness.big_model --tiny OUT.gguf # the same code at a few MB (the tests' size)
 
-Building takes about a minute and a half on two cores (random numbers and numpy quantization),
-converting to lmspd's MLX directory about half a minute; both stay in the test cache.
+Writing the file and converting it to lmspd's MLX directory took 46 s together on two busy
+cores (mostly random numbers and numpy quantization); both stay in the test cache.
 ``python -m bench.peers --big`` serves it.
 """
 

@@ -22,6 +22,12 @@ converted from (``--gguf``; default the test cache's SmolLM2 file): ``--parallel
 ``--kv-unified`` (so each slot has the whole context, as each lmspd stream does), one thread
 per CPU, the GGUF's own chat template (``--jinja``). ``--no-mlx-lm`` leaves mlx_lm.server out
 (its 2,000-token admission alone takes minutes).
+
+``--big`` puts every server on the memory-bound model instead of the bundled one: a
+random-weight Llama of 1.07B parameters (harness/big_model.py), a Q4_1 GGUF for llama-server and
+lmspd's own conversion of that file for lmspd, mlx_lm.server and raw BatchGenerator, both built
+once into the test cache (under a minute). The bundled model's table beside it is
+the same command without ``--big``.
 """
 
 from __future__ import annotations
@@ -297,6 +303,18 @@ def bundled_gguf(out: Path) -> Path:
     return out
 
 
+def big_model(args: Any) -> None:
+    """``--big``: the 1B model's GGUF and its lmspd conversion, built into the test cache when not
+    there yet (the bundled GGUF first: the big model copies its tokenizer), unless ``--gguf`` or
+    ``--model-dir`` names others."""
+    from harness.big_model import SMOL_GGUF, cached_gguf, cached_model_dir
+
+    tokenizer_from = bundled_gguf(SMOL_GGUF)
+    if args.gguf == GGUF:
+        args.gguf = cached_gguf(tokenizer_from=tokenizer_from)
+    args.model_dir = args.model_dir or cached_model_dir(tokenizer_from=tokenizer_from)
+
+
 def server_command(name: str, port: int, data: Path, model_dir: Path, round_no: int, args: Any) -> Server:
     if name == "lmspd":
         cmd = [sys.executable, "-m", "lmspd.cli", "serve", "--config", str(data / "lmspd.toml")]
@@ -327,7 +345,10 @@ def main() -> None:
     parser.add_argument("--gguf", type=Path, default=GGUF, help="the GGUF file llama-server serves")
     parser.add_argument("--llama-threads", type=int, default=0, help="llama-server's -t (default: one per CPU)")
     parser.add_argument("--no-mlx-lm", action="store_true", help="leave mlx_lm.server out")
+    parser.add_argument("--big", action="store_true", help="the random-weight 1B Llama (harness.big_model) instead")
     args = parser.parse_args()
+    if args.big:
+        big_model(args)
     config = load_config()
     model_dir = (args.model_dir or ModelRegistry(config).resolve(config.default_model).path).resolve()
     notes = long_prompt(model_dir, args.long_prompt) if args.long_prompt else ""

@@ -166,12 +166,13 @@ def main(
     from lmspd.engine.upstream.lean import import_mlx_lm
 
     import_mlx_lm()
+    from lmspd.engine.speculation import Drafter
     from lmspd.engine.upstream import batch_cache, prompt_batch
     from lmspd.engine.upstream.stepping import install as step_now
 
     # Each token out as soon as its pass is done, a lone greedy request's drafts verified
     # (upstream/stepping.py).
-    step_now(config.speculative_tokens)
+    step_now(config.speculative_tokens, Drafter)
     batch_cache.install()  # a merged batch's cache has room for its next position
     prompt_batch.install()  # prefilled prompts move to generation without a copy of their cache
     Engine(conn, config, Path(cache_dir) if cache_dir else None, blas).run()

@@ -1,4 +1,4 @@
-"""Speculation (engine/upstream/speculation.py, stepping.py's ``StepNow``): the drafts a
+"""Speculation (engine/speculation.py, upstream/stepping.py's ``StepNow``): the drafts a
 sequence's own n-grams give, and, on the bundled model packed as the engine packs it, that a
 pass of a few rows computes each row with a decode step's bits and that a lone greedy request
 verifying drafts hands out exactly the tokens and logprobs plain decoding does, on both
@@ -18,8 +18,8 @@ from mlx_lm.models import cache as caches
 from mlx_lm.utils import load_model
 
 from lmspd.engine import kernels
+from lmspd.engine.speculation import MAX_PAUSE, Drafter, Ngrams, PromptLookup
 from lmspd.engine.upstream import stepping
-from lmspd.engine.upstream.speculation import MAX_PAUSE, Ngrams, PromptLookup
 from lmspd.engine.weights import apply_numerics, apply_weight_dtype
 
 generate = importlib.import_module("mlx_lm.generate")
@@ -186,7 +186,7 @@ def decode(
 ) -> tuple[list[list[tuple[int, mx.array]]], int, int]:
     """Each prompt's tokens and logprobs (the second inserted at the start, or, with
     ``join_when_kept``, once verified tokens wait), and the drafted and kept counts."""
-    stepping.StepNow.max_draft = max_draft
+    stepping.StepNow.max_draft, stepping.StepNow.drafter = max_draft, Drafter
     gen = generate.BatchGenerator(model, completion_batch_size=8, prefill_batch_size=8)
     out: dict[int, list[tuple[int, mx.array]]] = {}
     samplers = None if sampler is None else [sampler]
@@ -206,7 +206,7 @@ def decode(
             if len(uids) == len(prompts) and all(len(out.get(u, [])) == max_tokens for u in uids):
                 break
     finally:
-        stepping.StepNow.max_draft = 0
+        stepping.StepNow.max_draft, stepping.StepNow.drafter = 0, None
         gen.close()
     return [out[u] for u in uids], drafted, accepted
 

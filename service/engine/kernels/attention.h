@@ -170,7 +170,7 @@ inline void attend_rows(const float* qp, int B, int H, int L, int D, const Keys&
 // The attention of L query rows, each as one decoding step computes it: row i of a sequence
 // sees the first Lk - L + i + 1 keys, and attend's arithmetic runs over exactly those (one
 // BLAS row, the softmax over that many scores): a chunk's rows then carry the bits the same
-// tokens decoded one at a time would, so a verified draft (engine/upstream/speculation.py) or a
+// tokens decoded one at a time would, so a verified draft (engine/speculation.py) or a
 // resumed suffix continues exactly as decoding would (docs/numerics.md). Rows as attend_rows'.
 inline void attend_each_row(const float* qp, int B, int H, int L, int D, const Keys& kv, MaskKind mask, const bool* mb,
                             const float* ma, const std::array<int64_t, 4>& ms, float scale, float* op) {

@@ -28,12 +28,12 @@ prompt is waiting (``steady``), and a batch ahead finishes the pass in flight an
 (``_drain``) before anything joins.
 
 A batch of one greedy request without logits processors *speculates* instead of running ahead
-(``lookup``, speculation.py): its next input and a prompt-lookup draft go through one pass of a
-few rows, whose rows carry a decode step's bits (kernels/attention.h, ``attend_each_row``); the
-drafted tokens the model itself picks are kept and handed out one a step without a pass, the
-rest trimmed off the cache. The tokens are the ones decoding gives, bit for bit
-(``tests/engine/test_speculation.py``); a request joining while kept tokens wait gets the batch
-back as it would be had they been decoded one at a time.
+(a ``drafter`` per request, engine/speculation.py's, handed to ``install``): its next input and
+a prompt-lookup draft go through one pass of a few rows, whose rows carry a decode step's bits
+(kernels/attention.h, ``attend_each_row``); the drafted tokens the model itself picks are kept
+and handed out one a step without a pass, the rest trimmed off the cache. The tokens are the
+ones decoding gives, bit for bit (``tests/engine/test_speculation.py``); a request joining
+while kept tokens wait gets the batch back as it would be had they been decoded one at a time.
 
 It relies on ``GenerationBatch``'s private state (``_step``, ``_next_tokens``,
 ``_next_logprobs``, ``_num_tokens``, ``__init__`` calling ``_step`` once) and on
@@ -44,12 +44,11 @@ It relies on ``GenerationBatch``'s private state (``_step``, ``_next_tokens``,
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.sample_utils import greedy_sampler
-
-from lmspd.engine.upstream.speculation import Ngrams, PromptLookup
 
 # By path: ``mlx_lm.generate`` as an attribute is the package's generate() function.
 generate: Any = importlib.import_module("mlx_lm.generate")
@@ -63,8 +62,9 @@ class StepNow(_Upstream):  # type: ignore[misc]
     batch has settled, the tokens of the pass in flight; a lone greedy request's, from a
     verified draft when it has one."""
 
-    # The longest draft (install's; 0: no speculation).
+    # The longest draft, and how a request's drafter is made (install's; 0, None: no drafts).
     max_draft: int = 0
+    drafter: Callable[[int], Any] | None = None
     # Upstream's state (untyped there): the tokens the next pass feeds, and their logprobs.
     _next_tokens: Any
     _next_logprobs: Any
@@ -75,11 +75,10 @@ class StepNow(_Upstream):  # type: ignore[misc]
         self._settled = False  # a step has run since the last request joined
         self.steady = False  # no prompt waits to join (BatchGenerator._next says, each step)
         # Speculation, for a batch of one: the tokens a verified draft kept, each with its
-        # logprobs, not yet handed out; the last one handed out; each uid's n-grams and policy.
+        # logprobs, not yet handed out; the last one handed out; each uid's drafter.
         self._kept: list[tuple[int, Any]] = []
         self._handed: tuple[int, Any] | None = None
-        self._ngrams: dict[int, Ngrams] = {}
-        self._lookups: dict[int, PromptLookup] = {}
+        self._drafters: dict[int, Any] = {}
         self.drafted = 0  # tokens drafted and tokens kept, over the batch's life (the bench's)
         self.accepted = 0
         super().__init__(*args, **kwargs)
@@ -125,8 +124,8 @@ class StepNow(_Upstream):  # type: ignore[misc]
     def _speculates(self) -> bool:
         """Whether the batch drafts: one greedy request, no logits processors, nothing joining."""
         return (
-            self.max_draft > 0
-            and getattr(self.model, "_decode_rows", 0) > self.max_draft
+            self.drafter is not None
+            and 0 < self.max_draft < getattr(self.model, "_decode_rows", 0)
             and len(self.uids) == 1
             and self.steady
             and not any(self.logits_processors)
@@ -137,20 +136,14 @@ class StepNow(_Upstream):  # type: ignore[misc]
         """The lone request's draft behind its next input (``_next_tokens``), [] for none."""
         if not self._speculates() or self._next_tokens is None:
             return []
-        uid = self.uids[0]
-        context = self.tokens[0]
-        ngrams = self._ngrams.get(uid)
-        known = 0 if ngrams is None else len(ngrams.tokens) - 1  # its last is an input, not in context
-        if ngrams is None or known > len(context) or (known > 0 and ngrams.tokens[known - 1] != context[known - 1]):
-            ngrams, known = Ngrams(), 0
-            self._ngrams[uid] = ngrams
-        ngrams.truncate(known)
-        ngrams.extend(context[known:])
-        ngrams.extend(self._next_tokens.tolist())
-        lookup = self._lookups.setdefault(uid, PromptLookup(self.max_draft))
-        # Never past the request's last token, and the pass within a decode step's rows.
+        assert self.drafter is not None  # _speculates
+        drafter = self._drafters.get(self.uids[0])
+        if drafter is None:
+            drafter = self._drafters[self.uids[0]] = self.drafter(self.max_draft)
+        # Never past the request's last token.
         room = self.max_tokens[0] - self._num_tokens[0] - 1
-        return ngrams.draft(min(lookup.length(), room))
+        draft: list[int] = drafter.propose(self.tokens[0], self._next_tokens.tolist(), room)
+        return draft
 
     def _verify(self, draft: list[int]) -> tuple[list[int], list[Any]]:
         """The next input and ``draft`` in one pass; the drafted tokens the model picks kept
@@ -170,7 +163,7 @@ class StepNow(_Upstream):  # type: ignore[misc]
             for c in self.prompt_cache:
                 c.trim(len(draft) - accepted)
         self.tokens[0].extend([*x.tolist(), *draft[:accepted]])
-        self._lookups[self.uids[0]].kept(len(draft), accepted)
+        self._drafters[self.uids[0]].kept(len(draft), accepted)
         self.drafted += len(draft)
         self.accepted += accepted
         rows = [(picked[i], logprobs[i]) for i in range(accepted + 1)]
@@ -211,9 +204,8 @@ class StepNow(_Upstream):  # type: ignore[misc]
         if 0 not in keep:  # the lone row speculating left: its kept tokens with it
             self._kept = []
         super().filter(keep)
-        for uid in set(self._ngrams) - set(self.uids):
-            del self._ngrams[uid]
-            self._lookups.pop(uid, None)
+        for uid in set(self._drafters) - set(self.uids):
+            del self._drafters[uid]
         if not keep:
             self._ahead = False
 
@@ -226,12 +218,13 @@ def _next(self: Any) -> Any:
     return _upstream_next(self)
 
 
-def install(max_draft: int = 0) -> bool:
+def install(max_draft: int = 0, drafter: Callable[[int], Any] | None = None) -> bool:
     """On the CPU backend, mlx-lm's batches step with ``StepNow`` (True when installed), a lone
-    greedy request verifying prompt-lookup drafts of up to ``max_draft`` tokens (0: none)."""
+    greedy request verifying drafts of up to ``max_draft`` tokens from a ``drafter(max_draft)``
+    of its own (engine/speculation.py's Drafter; 0 or None: none)."""
     if mx.metal.is_available():
         return False
-    StepNow.max_draft = max_draft
+    StepNow.max_draft, StepNow.drafter = max_draft, drafter
     generate.GenerationBatch = StepNow
     generate.BatchGenerator._next = _next
     return True

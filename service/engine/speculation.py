@@ -3,12 +3,14 @@ appeared in it, proposed as its next ones (docs/speculation.md).
 
 An agent's edit repeats long stretches of its prompt (the file it changes), a summary quotes it,
 a list repeats its own phrases: there the continuation of an earlier occurrence is often the
-model's own. ``StepNow`` (stepping.py) feeds such a draft behind the sequence's next input in
-one pass of a few rows and keeps the drafted tokens the model itself picks, so greedy output is
-the same token for token (the rows of a pass of up to ``packed.KERNEL_ROWS`` carry a decode
-step's bits, kernels/attention.h's ``attend_each_row``); what it saves is a pass per kept token.
+model's own. ``StepNow`` (upstream/stepping.py) feeds such a draft behind the sequence's next
+input in one pass of a few rows and keeps the drafted tokens the model itself picks, so greedy
+output is the same token for token (the rows of a pass of up to ``packed.KERNEL_ROWS`` carry a
+decode step's bits, kernels/attention.h's ``attend_each_row``); what it saves is a pass per
+kept token. ``Drafter`` is what StepNow asks, one per request (worker.main hands
+``upstream.stepping.install`` the way to make one: upstream/ imports nothing of lmspd's).
 
-This module is only the lookup: plain Python over token ids, no MLX.
+This module is only the lookup and its policy: plain Python over token ids, no MLX.
 """
 
 from __future__ import annotations
@@ -97,3 +99,28 @@ class PromptLookup:
             self.window = min(self.max_draft, 2 * max(drafted, 1))
         else:
             self.window = max(1, min(self.max_draft, accepted + 1))
+
+
+class Drafter:
+    """One request's drafts: its n-grams, kept in step with the tokens its cache holds, and
+    the policy."""
+
+    def __init__(self, max_draft: int) -> None:
+        self.ngrams = Ngrams()
+        self.policy = PromptLookup(max_draft)
+
+    def propose(self, context: list[int], inputs: list[int], room: int) -> list[int]:
+        """The draft behind ``inputs`` (the next pass's input), ``context`` being the tokens the
+        cache holds: at most ``room`` tokens, [] for none."""
+        ngrams = self.ngrams
+        known = len(ngrams.tokens) - len(inputs)  # what the last call saw of context
+        if known < 0 or known > len(context) or (known > 0 and ngrams.tokens[known - 1] != context[known - 1]):
+            self.ngrams = ngrams = Ngrams()  # the context is not the one indexed: start over
+            known = 0
+        ngrams.truncate(known)
+        ngrams.extend(context[known:])
+        ngrams.extend(inputs)
+        return ngrams.draft(min(self.policy.length(), room))
+
+    def kept(self, drafted: int, accepted: int) -> None:
+        self.policy.kept(drafted, accepted)

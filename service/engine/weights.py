@@ -198,9 +198,10 @@ def apply_weight_dtype(model: nn.Module, setting: str, kernel_dir: str = "") -> 
 
 
 def resolve_numerics(setting: str) -> str:
-    """``[engine] numerics`` as it runs. ``auto`` stays exact until the fast path's greedy
-    resume equality is measured on the real model (docs/numerics.md, "Why auto is exact");
-    ``fast`` without its SIMD kernel is honoured (the portable kernel computes the same bits)."""
+    """``[engine] numerics`` as it runs. ``auto`` stays exact: the fast path meets the
+    agreement budget and resumes exactly, but misses the divergence budget (docs/numerics.md,
+    "Why auto is exact"); ``fast`` without its SIMD kernel is honoured (the portable kernel
+    computes the same bits)."""
     if setting == "auto":
         return "exact"
     return setting

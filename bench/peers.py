@@ -137,20 +137,24 @@ def stream(
     stop: threading.Event | None = None,
     times: list[float] | None = None,
     usage: dict[str, int] | None = None,
+    pieces: list[str] | None = None,
+    system: str | None = SYSTEM,
 ) -> tuple[float, float, int]:
     """(time to first token, seconds from first to last token, tokens) of one streamed answer;
-    ``times`` collects when each piece of text arrived, ``usage`` the answer's usage, and
-    ``stop`` hangs up early.
+    ``times`` collects when each piece of text arrived, ``pieces`` the pieces, ``usage`` the
+    answer's usage, and ``stop`` hangs up early; ``system``: the system message, if any.
 
     A request the server closed its kept-alive connection under, before answering, is sent once
     more: llama-server (cpp-httplib) closes a connection after a few requests, and the pool may
     have picked it just then."""
     try:
-        return _stream(port, model, prompt, tokens, stop, times, usage)
+        return _stream(port, model, prompt, tokens, stop, times, usage, pieces, system)
     except httpx.RemoteProtocolError as exc:
         if "without sending a response" not in str(exc):
             raise
-        return _stream(port, model, prompt, tokens, stop, times, usage)
+        if pieces is not None:
+            pieces.clear()
+        return _stream(port, model, prompt, tokens, stop, times, usage, pieces, system)
 
 
 def _stream(
@@ -161,10 +165,13 @@ def _stream(
     stop: threading.Event | None,
     times: list[float] | None,
     usage: dict[str, int] | None = None,
+    pieces: list[str] | None = None,
+    system: str | None = SYSTEM,
 ) -> tuple[float, float, int]:
+    messages = [{"role": "system", "content": system}] if system is not None else []
     body = {
         "model": model,
-        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}],
+        "messages": [*messages, {"role": "user", "content": prompt}],
         "max_tokens": tokens,
         "temperature": 0,
         "stream": True,
@@ -172,7 +179,7 @@ def _stream(
     }
     start = time.perf_counter()
     first = last = 0.0
-    count = pieces = 0
+    count = seen = 0
     with CLIENT.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=body) as r:
         r.raise_for_status()
         for line in r.iter_lines():
@@ -180,8 +187,10 @@ def _stream(
                 continue
             chunk = json.loads(line[6:])
             for choice in chunk.get("choices") or []:
-                if (choice.get("delta") or {}).get("content"):
-                    pieces += 1
+                if content := (choice.get("delta") or {}).get("content"):
+                    seen += 1
+                    if pieces is not None:
+                        pieces.append(content)
                     last = time.perf_counter()
                     first = first or last
                     if times is not None:
@@ -195,7 +204,7 @@ def _stream(
                     details = chunk["usage"].get("prompt_tokens_details") or {}
                     if isinstance(details.get("cached_tokens"), int):
                         usage["cached_tokens"] = details["cached_tokens"]
-    return first - start, last - first, count or pieces  # a server without usage: a piece a token
+    return first - start, last - first, count or seen  # a server without usage: a piece a token
 
 
 def concurrent(port: int, model: str, n: int, tokens: int, offset: int) -> float:

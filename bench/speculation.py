@@ -18,18 +18,14 @@ checked to be the same text.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-
-from bench.peers import CLIENT, GGUF, Server, bundled_gguf
+from bench.peers import GGUF, Server, bundled_gguf, stream
 from harness.server import free_port
 from lmspd.config import load_config
 from lmspd.models.registry import ModelRegistry
@@ -100,44 +96,10 @@ SERVERS = ("lmspd", "lmspd, no drafts", "llama-server", "llama-server, ngram-sim
 
 
 def edit(port: int, tokens: int) -> tuple[float, float, int, str]:
-    """(decode tok/s, the answer's seconds, tokens, text) of one streamed greedy answer; sent
-    once more when the server closed its kept-alive connection before answering (llama-server
-    does after a few requests: bench.peers.stream)."""
-    try:
-        return _edit(port, tokens)
-    except httpx.RemoteProtocolError as exc:
-        if "without sending a response" not in str(exc):
-            raise
-        return _edit(port, tokens)
-
-
-def _edit(port: int, tokens: int) -> tuple[float, float, int, str]:
-    body = {
-        "model": "bench",
-        "messages": [{"role": "user", "content": PROMPT}],
-        "max_tokens": tokens,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    start = time.perf_counter()
-    first = last = 0.0
-    count = 0
-    text: list[str] = []
-    with CLIENT.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=body) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            for choice in chunk.get("choices") or []:
-                if piece := (choice.get("delta") or {}).get("content"):
-                    text.append(piece)
-                    last = time.perf_counter()
-                    first = first or last
-            if chunk.get("usage"):
-                count = int(chunk["usage"]["completion_tokens"])
-    return (count - 1) / (last - first), last - start, count, "".join(text)
+    """(decode tok/s, the answer's seconds, tokens, text) of one streamed greedy answer."""
+    pieces: list[str] = []
+    ttft, span, count = stream(port, "bench", PROMPT, tokens, pieces=pieces, system=None)
+    return (count - 1) / span, ttft + span, count, "".join(pieces)
 
 
 def server(name: str, port: int, data: Path, model_dir: Path, args: Any) -> Server:

@@ -1,7 +1,7 @@
 """An agent's edit, with and without speculation: lmspd against llama-server, each alone.
 
     python -m bench.speculation [--rounds 3] [--model-dir DIR] [--llama-server PATH [--gguf FILE]]
-                                [--tokens 400]
+                                [--tokens 400] [--prose]
 
 The request is what a coding agent sends when it changes a file: the file in the prompt
 (``EDITED``, 60 lines of Python) and "repeat it with one name changed"; the answer repeats
@@ -12,7 +12,8 @@ seconds. lmspd runs as it ships (``speculative_tokens`` 16) and with speculation
 (``LMSPD_SPECULATIVE_TOKENS=0``); llama-server as ``bench.peers`` runs it, and with its own
 n-gram speculation (``--spec-type ngram-simple``, this build's prompt-lookup). Rounds alternate
 the servers; the table gives medians (ranges) and lmspd's answers with and without drafts are
-checked to be the same text.
+checked to be the same text. ``--prose`` asks for a story instead: what drafting costs where
+the answer does not repeat its prompt.
 """
 
 from __future__ import annotations
@@ -92,13 +93,15 @@ PROMPT = (
     + EDITED
     + "```\n\nRename the method `total` to `grand_total` everywhere. Reply with the whole file."
 )
+# Where drafts rarely hold: what speculation costs an answer that does not repeat its prompt.
+PROSE = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 SERVERS = ("lmspd", "lmspd, no drafts", "llama-server", "llama-server, ngram-simple")
 
 
-def edit(port: int, tokens: int) -> tuple[float, float, int, str]:
+def edit(port: int, tokens: int, prompt: str = PROMPT) -> tuple[float, float, int, str]:
     """(decode tok/s, the answer's seconds, tokens, text) of one streamed greedy answer."""
     pieces: list[str] = []
-    ttft, span, count = stream(port, "bench", PROMPT, tokens, pieces=pieces, system=None)
+    ttft, span, count = stream(port, "bench", prompt, tokens, pieces=pieces, system=None)
     return (count - 1) / span, ttft + span, count, "".join(pieces)
 
 
@@ -123,6 +126,7 @@ def main() -> None:
     parser.add_argument("--llama-server", type=Path, default=None, help="llama.cpp's llama-server binary")
     parser.add_argument("--gguf", type=Path, default=GGUF, help="the GGUF file llama-server serves")
     parser.add_argument("--tokens", type=int, default=400)
+    parser.add_argument("--prose", action="store_true", help="a story instead of the edit (drafts rarely hold)")
     args = parser.parse_args()
     config = load_config()
     model_dir = (args.model_dir or ModelRegistry(config).resolve(config.default_model).path).resolve()
@@ -140,7 +144,7 @@ def main() -> None:
                 port = free_port()
                 with server(name, port, data, model_dir, args):
                     edit(port, 8)  # the model warm, its first pass paid
-                    rate, seconds, count, text = edit(port, args.tokens)
+                    rate, seconds, count, text = edit(port, args.tokens, PROSE if args.prose else PROMPT)
                 figures[name].append((rate, seconds, count))
                 texts.setdefault(name, text)
                 print(f"round {round_no + 1} {name}: {rate:.1f} tok/s, {seconds:.2f} s, {count} tokens", flush=True)

@@ -23,6 +23,9 @@ NGRAM_MAX = 4
 NGRAM_MIN = 2
 # The longest run of steps without a draft after drafts the model kept none of.
 MAX_PAUSE = 16
+# Steps without a lookup after one found nothing: meanwhile the batch runs a pass ahead
+# (upstream/stepping.py), which a step that may draft cannot.
+MISS_PAUSE = 2
 
 
 @dataclass
@@ -72,18 +75,28 @@ class PromptLookup:
     draft grows while the model keeps all of it and shrinks to what it kept otherwise; a draft
     the model keeps none of pauses drafting for a while, longer each time, so prose that
     rarely repeats pays for few rows it throws away (a pass's rows cost a fraction of a pass
-    each: docs/speculation.md)."""
+    each: docs/speculation.md); a lookup that finds nothing pauses it for ``MISS_PAUSE`` steps,
+    which run a pass ahead as a batch that does not draft does."""
 
     max_draft: int
     window: int = 0  # the next draft's length (0: not yet set)
     pause: int = 0  # steps left without a draft
     backoff: int = 0  # the next pause's length
 
+    def waiting(self) -> bool:
+        """Whether this step drafts nothing (paused)."""
+        return self.pause > 0
+
+    def wait(self) -> None:
+        """A step gone by without a draft."""
+        self.pause = max(0, self.pause - 1)
+
+    def missed(self) -> None:
+        """A lookup found nothing: a few steps without one."""
+        self.pause = max(self.pause, MISS_PAUSE)
+
     def length(self) -> int:
-        """The next draft's length; 0 while paused (each call a step)."""
-        if self.pause > 0:
-            self.pause -= 1
-            return 0
+        """The next draft's length."""
         if self.window == 0:
             self.window = min(4, self.max_draft)
         return self.window
@@ -112,6 +125,9 @@ class Drafter:
     def propose(self, context: list[int], inputs: list[int], room: int) -> list[int]:
         """The draft behind ``inputs`` (the next pass's input), ``context`` being the tokens the
         cache holds: at most ``room`` tokens, [] for none."""
+        if self.policy.waiting():
+            self.policy.wait()
+            return []
         ngrams = self.ngrams
         known = len(ngrams.tokens) - len(inputs)  # what the last call saw of context
         if known < 0 or known > len(context) or (known > 0 and ngrams.tokens[known - 1] != context[known - 1]):
@@ -120,7 +136,18 @@ class Drafter:
         ngrams.truncate(known)
         ngrams.extend(context[known:])
         ngrams.extend(inputs)
-        return ngrams.draft(min(self.policy.length(), room))
+        draft = ngrams.draft(min(self.policy.length(), room))
+        if not draft and room > 0:
+            self.policy.missed()
+        return draft
+
+    def waiting(self) -> bool:
+        """Whether the next steps draft nothing: the batch may run a pass ahead meanwhile."""
+        return self.policy.waiting()
+
+    def wait(self) -> None:
+        """A step gone by (ahead) without a lookup."""
+        self.policy.wait()
 
     def kept(self, drafted: int, accepted: int) -> None:
         self.policy.kept(drafted, accepted)

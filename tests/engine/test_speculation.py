@@ -18,7 +18,7 @@ from mlx_lm.models import cache as caches
 from mlx_lm.utils import load_model
 
 from lmspd.engine import kernels
-from lmspd.engine.speculation import MAX_PAUSE, Drafter, Ngrams, PromptLookup
+from lmspd.engine.speculation import MAX_PAUSE, MISS_PAUSE, Drafter, Ngrams, PromptLookup
 from lmspd.engine.upstream import stepping
 from lmspd.engine.weights import apply_numerics, apply_weight_dtype
 
@@ -86,17 +86,37 @@ def test_the_policy_grows_while_drafts_are_kept_and_pauses_after_misses() -> Non
     policy.kept(16, 16)
     assert policy.length() == 16
     policy.kept(16, 3)
-    assert policy.length() == 4
+    assert policy.length() == 4 and not policy.waiting()
+
+    def pause() -> int:
+        steps = 0
+        while policy.waiting():
+            policy.wait()
+            steps += 1
+        return steps
+
     policy.kept(4, 0)  # none kept: one step without a draft, then two, then four...
-    assert [policy.length() for _ in range(2)] == [0, 1]
+    assert pause() == 1 and policy.length() == 1
     policy.kept(1, 0)
-    assert [policy.length() for _ in range(3)] == [0, 0, 1]
+    assert pause() == 2
     for _ in range(10):
         policy.kept(1, 0)
     assert policy.pause == MAX_PAUSE
-    policy.pause = 0
+    pause()
     policy.kept(1, 1)
     assert policy.backoff == 0 and policy.length() == 2
+    policy.missed()
+    assert pause() == MISS_PAUSE
+
+
+def test_a_drafter_looks_up_nothing_while_paused() -> None:
+    drafter = Drafter(16)
+    assert drafter.propose([1, 2, 3, 4], [9], 8) == []  # nothing to find: a miss pauses it
+    assert drafter.waiting()
+    assert drafter.propose([1, 2, 3, 4, 9], [1], 8) == []  # paused: no lookup, a step of the pause
+    while drafter.waiting():
+        drafter.wait()
+    assert drafter.propose([1, 2, 3, 4, 9, 1, 2], [3], 8) == [4, 9, 1, 2]  # the first draft: 4 tokens
 
 
 # --- rows with a decode step's bits ---------------------------------------------------------

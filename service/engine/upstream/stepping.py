@@ -27,13 +27,16 @@ meets a joining request: ``BatchGenerator._next`` says before its generation ste
 prompt is waiting (``steady``), and a batch ahead finishes the pass in flight and hands it out
 (``_drain``) before anything joins.
 
-A batch of one greedy request without logits processors *speculates* instead of running ahead
-(a ``drafter`` per request, engine/speculation.py's, handed to ``install``): its next input and
-a prompt-lookup draft go through one pass of a few rows, whose rows carry a decode step's bits
+A batch of one greedy request without logits processors *speculates* (a ``drafter`` per
+request, engine/speculation.py's, handed to ``install``): its next input and a prompt-lookup
+draft go through one pass of a few rows, whose rows carry a decode step's bits
 (kernels/attention.h, ``attend_each_row``); the drafted tokens the model itself picks are kept
-and handed out one a step without a pass, the rest trimmed off the cache. The tokens are the
-ones decoding gives, bit for bit (``tests/engine/test_speculation.py``); a request joining
-while kept tokens wait gets the batch back as it would be had they been decoded one at a time.
+and handed out one a step without a pass, the rest trimmed off the cache. While its drafter
+looks for drafts the batch does not run ahead (a draft needs the token in flight); while the
+drafter waits (after a lookup that found nothing, or drafts the model did not keep) it does.
+The tokens are the ones decoding gives, bit for bit (``tests/engine/test_speculation.py``); a
+request joining while kept tokens wait gets the batch back as it would be had they been
+decoded one at a time.
 
 It relies on ``GenerationBatch``'s private state (``_step``, ``_next_tokens``,
 ``_next_logprobs``, ``_num_tokens``, ``__init__`` calling ``_step`` once) and on
@@ -92,6 +95,8 @@ class StepNow(_Upstream):  # type: ignore[misc]
         if self._kept:  # a verified draft's next token: no pass
             self._handed = self._kept.pop(0)
             return [self._handed[0]], [self._handed[1]]
+        if self._ahead and self._speculates():
+            self._drafter().wait()  # a step of its pause, gone by ahead
         if not self._ahead and (draft := self._draft()):
             return self._verify(draft)
         if self._ahead:
@@ -118,7 +123,7 @@ class StepNow(_Upstream):  # type: ignore[misc]
             self.steady
             and not any(self.logits_processors)
             and all(n + 1 < m for n, m in zip(self._num_tokens, self.max_tokens, strict=True))
-            and not self._speculates()
+            and not (self._speculates() and not self._drafter().waiting())
         )
 
     def _speculates(self) -> bool:
@@ -136,14 +141,18 @@ class StepNow(_Upstream):  # type: ignore[misc]
         """The lone request's draft behind its next input (``_next_tokens``), [] for none."""
         if not self._speculates() or self._next_tokens is None:
             return []
+        # Never past the request's last token.
+        room = self.max_tokens[0] - self._num_tokens[0] - 1
+        draft: list[int] = self._drafter().propose(self.tokens[0], self._next_tokens.tolist(), room)
+        return draft
+
+    def _drafter(self) -> Any:
+        """The lone request's drafter (made on first use)."""
         assert self.drafter is not None  # _speculates
         drafter = self._drafters.get(self.uids[0])
         if drafter is None:
             drafter = self._drafters[self.uids[0]] = self.drafter(self.max_draft)
-        # Never past the request's last token.
-        room = self.max_tokens[0] - self._num_tokens[0] - 1
-        draft: list[int] = drafter.propose(self.tokens[0], self._next_tokens.tolist(), room)
-        return draft
+        return drafter
 
     def _verify(self, draft: list[int]) -> tuple[list[int], list[Any]]:
         """The next input and ``draft`` in one pass; the drafted tokens the model picks kept

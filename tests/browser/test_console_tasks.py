@@ -144,6 +144,12 @@ def sign_in(page: Page, token: str) -> None:
     page.get_by_role("button", name="Sign in").click()
 
 
+def signed_in(page: Page, token: str) -> None:
+    """Sign in, and wait until the token was taken (before navigating on)."""
+    sign_in(page, token)
+    expect(page.get_by_role("button", name="Sign out")).to_be_visible(timeout=SLOW)
+
+
 def test_the_page_asks_for_a_token_and_shows_only_its_owners_tasks(
     browser: Browser, tokened: Server, console: Console
 ) -> None:
@@ -174,7 +180,7 @@ def test_the_page_asks_for_a_token_and_shows_only_its_owners_tasks(
     page.get_by_role("button", name="Sign out").click()
     expect(page.get_by_role("heading", name="Sign in")).to_be_visible()
     assert page.evaluate("sessionStorage.getItem('lmspd.token')") is None
-    sign_in(page, TOKENS["alice"])
+    signed_in(page, TOKENS["alice"])
     page.goto("/#/tasks")
     expect(page.locator("#tasks-rows tr").first).to_contain_text(alice_task, timeout=SLOW)
     expect(page.locator("#tasks-rows tr")).to_have_count(1)

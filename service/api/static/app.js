@@ -56,7 +56,9 @@ document.addEventListener("lmspd:unauthorized", () => {
 signout.addEventListener("click", () => {
   setToken("");
   forgetChat(); // the system prompt and turn ids are the token's: the next person never sends them
-  location.hash = "#/chat";
+  // Not location.hash: its hashchange would route after the form is shown, mount the chat page
+  // without a token, and replace the form (and what was typed into it) on the 401.
+  history.replaceState(null, "", "#/chat");
   showTokenForm("");
 });
 

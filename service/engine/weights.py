@@ -198,11 +198,12 @@ def apply_weight_dtype(model: nn.Module, setting: str, kernel_dir: str = "") -> 
 
 
 def resolve_numerics(setting: str) -> str:
-    """``[engine] numerics`` as it runs. ``auto`` is the fast path: inside the budget, its
-    resume exact, faster (docs/numerics.md, "Why auto is fast"); ``fast`` without its SIMD
-    kernel is honoured (the portable kernel computes the same bits)."""
+    """``[engine] numerics`` as it runs. ``auto`` stays exact: the fast path meets the
+    agreement budget and resumes exactly, but misses the divergence budget (docs/numerics.md,
+    "Why auto is exact"); ``fast`` without its SIMD kernel is honoured (the portable kernel
+    computes the same bits)."""
     if setting == "auto":
-        return "fast"
+        return "exact"
     return setting
 
 

@@ -115,10 +115,10 @@ def test_a_row_with_nan_or_inf_says_nan_and_leaves_the_others(ext: ModuleType) -
     assert mx.array_equal(got[0], ext.quantized_matvec(x[:1], q, s, b, 32, 4)[0]).item()
 
 
-def test_the_setting_is_checked_and_auto_is_fast(ext: ModuleType) -> None:
+def test_the_setting_is_checked_and_auto_stays_exact(ext: ModuleType) -> None:
     with pytest.raises(ValueError, match="exact or fast"):
         ext.set_numerics("fastest")
     assert ext.numerics() == "fast"
-    assert resolve_numerics("auto") == "fast"
+    assert resolve_numerics("auto") == "exact"
     assert resolve_numerics("exact") == "exact" and resolve_numerics("fast") == "fast"
     assert ext.q8_simd() == ("avx2" if ext.simd() == "avx2" else "portable")

@@ -66,8 +66,31 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     recycle_after_secs: float = 0.0
     recycle_above_rss_bytes: int = 0
     recycle_drain_secs: float = 60.0
+    # One model over several hosts (docs/distributed.md): each host "ip[:port]" of an MLX ring
+    # group, this server's engine first (rank 0); every other host runs `lmspd engine join
+    # --rank N` with the same list. Empty: one process. Names resolve to their first address.
+    hosts: list[str] = msgspec.field(default_factory=list)
+    # Layers each host holds, in hosts' order (empty: in proportion to each host's memory).
+    host_layers: list[int] = msgspec.field(default_factory=list)
+    # A host silent this long in the middle of a step (or its model's load) is lost: the engine
+    # exits and each task follows its on_restart policy once the group is whole again.
+    group_timeout_secs: float = 30.0
 
     def __post_init__(self) -> None:
+        if self.hosts and len(self.hosts) < 2:
+            raise ConfigError(
+                "engine.hosts names one host: a group needs two or more (leave it empty for one process)",
+                param="engine.hosts",
+            )
+        if self.host_layers and len(self.host_layers) != len(self.hosts):
+            raise ConfigError(
+                f"engine.host_layers has {len(self.host_layers)} entries for {len(self.hosts)} hosts",
+                param="engine.host_layers",
+            )
+        if any(n <= 0 for n in self.host_layers):
+            raise ConfigError("engine.host_layers: every host holds at least one layer", param="engine.host_layers")
+        if self.group_timeout_secs <= 0:
+            raise ConfigError("engine.group_timeout_secs must be > 0", param="engine.group_timeout_secs")
         if self.max_memory_bytes is not None:
             _positive("engine.max_memory_bytes", self.max_memory_bytes)
         for key in ("recycle_after_secs", "recycle_above_rss_bytes", "recycle_drain_secs"):

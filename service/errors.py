@@ -345,6 +345,11 @@ class EngineError(LmspdError):
     title = "Engine error"
 
 
+class EngineGroupError(EngineError):
+    """The engine's group of hosts cannot start or go on (docs/distributed.md): names the host
+    and the cause (unreachable, another lmspd or mlx, a different model file)."""
+
+
 class EngineCrashedError(EngineError):
     code = "engine_crashed"
     title = "Engine crashed"

@@ -31,6 +31,7 @@ async def summary(request: Request) -> Response:
             rss_bytes=st.engine_rss_bytes,
             in_flight=st.engine_in_flight,
             uptime_secs=st.engine_uptime_secs,
+            hosts=st.engine_hosts,
         ),
         speed=wire.Speed(
             generations=st.generations,

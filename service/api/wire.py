@@ -11,6 +11,7 @@ import msgspec
 from starlette.requests import Request
 
 from lmspd.api.guard import is_json
+from lmspd.engine.protocol import GroupHost, HostShare
 from lmspd.errors import InvalidRequestError, PayloadTooLargeError, UnsupportedMediaTypeError
 from lmspd.models.sampling import SamplingDefaults
 from lmspd.store.task_store import TaskRecord
@@ -96,6 +97,7 @@ STATE_FIELDS = (
     "keep_alive_secs",
     "pinned",
     "sampling_defaults",
+    "hosts",
 )
 
 
@@ -115,6 +117,7 @@ class LmspModel(msgspec.Struct, kw_only=True):
     keep_alive_secs: float = 0.0
     pinned: bool = False  # never unloaded for being idle
     sampling_defaults: SamplingDefaults | None = None  # what a request naming none samples with
+    hosts: list[HostShare] | None = None  # split over hosts: each one's part (docs/distributed.md)
 
 
 class LmspModelList(msgspec.Struct, kw_only=True):
@@ -140,6 +143,7 @@ class Model(msgspec.Struct, kw_only=True):
     keep_alive_secs: float = 0.0
     pinned: bool = False
     sampling_defaults: SamplingDefaults | None = None
+    hosts: list[HostShare] | None = None
 
 
 class Recycle(msgspec.Struct, kw_only=True):
@@ -167,6 +171,7 @@ class EngineSummary(msgspec.Struct, kw_only=True):
     rss_bytes: int | None = None  # the engine process's resident set (None while it is down)
     in_flight: int = 0  # the caller's own generations running on it (never another token's)
     uptime_secs: float = 0.0  # since the current engine started
+    hosts: list[GroupHost] | None = None  # its group of hosts, rank 0 first (None: one process)
 
 
 class Speed(msgspec.Struct, kw_only=True):

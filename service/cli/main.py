@@ -45,7 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
     listing = models.add_parser("list", help="show configured and cached models")
     _common(listing)
     models_ctl.add_parsers(models)
-    models_ctl.add_engine_parser(sub)
+    engine = models_ctl.add_engine_parser(sub)
+    join = engine.add_parser("join", help="serve this host's layers in the engine group of [engine] hosts' first")
+    join.add_argument("--rank", type=int, default=1, help="this host's place in [engine] hosts (1 is the second)")
+    join.add_argument("--log-format", choices=LOG_FORMATS, default=default_format(), help="text, or json")
+    _common(join)
 
     srv = sub.add_parser("serve", help="run the HTTP server")
     srv.add_argument("--host", help="bind address (default 127.0.0.1)")
@@ -247,7 +251,18 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return doctor.run(_config(args))
 
 
+def cmd_engine_join(args: argparse.Namespace) -> int:
+    from lmspd.engine.group.join import run
+
+    config = _config(args)
+    setup_logging(args.log_format, logging.WARNING)
+    logging.getLogger("lmspd").setLevel(logging.DEBUG if args.verbose else logging.INFO)
+    level = logging.getLogger("lmspd").getEffectiveLevel()
+    return run(config.engine, args.rank, level, args.log_format, config.cache_dir)
+
+
 COMMANDS = {
+    ("engine", "join"): cmd_engine_join,
     ("models", "pull"): cmd_models_pull,
     ("models", "list"): cmd_models_list,
     ("generate", None): cmd_generate,

@@ -19,12 +19,13 @@ def _connection() -> argparse.ArgumentParser:
     return conn
 
 
-def add_engine_parser(sub: Any) -> None:
-    """Add ``lmspd engine recycle``."""
-    engine = sub.add_parser("engine", help="a running server's engine").add_subparsers(
+def add_engine_parser(sub: Any) -> Any:
+    """Add ``lmspd engine recycle``; the ``engine`` subcommands (``join`` is main's)."""
+    engine = sub.add_parser("engine", help="a running server's engine, or this host's rank in a group").add_subparsers(
         dest="engine_command", required=True
     )
     engine.add_parser("recycle", parents=[_connection()], help="replace the engine while serving (no task fails)")
+    return engine
 
 
 def add_parsers(models: Any) -> None:

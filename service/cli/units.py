@@ -10,6 +10,7 @@ variants (a systemd user unit, a launchd LaunchAgent) run as you, on your config
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import getpass
 import math
 import os
@@ -49,6 +50,13 @@ class Install:
     run_as: str | None = None  # the account a system unit runs as
     config: Path | None = None
     log_path: Path | None = None  # launchd's stdout and stderr
+    join_rank: int | None = None  # a host of an engine group: `lmspd engine join --rank N`, not serve
+
+
+def _command(install: Install) -> list[str]:
+    if install.join_rank is None:
+        return ["serve"]
+    return ["engine", "join", "--rank", str(install.join_rank)]
 
 
 def stop_timeout(shutdown_grace_secs: float) -> int:
@@ -130,24 +138,40 @@ def systemd_unit(install: Install) -> str:
     system = not install.user
     if system:  # models fetched from Hugging Face go to the cache dir, not a home the user may lack
         env["HF_HOME"] = str(install.cache_dir / "huggingface")
-    kind = "user unit (~/.config/systemd/user/lmspd.service)" if install.user else "system unit"
+    name = "lmspd-join.service" if install.join_rank is not None else "lmspd.service"
+    kind = f"user unit (~/.config/systemd/user/{name})" if install.user else "system unit"
+    flags = (" --user" if install.user else "") + (
+        f" --join {install.join_rank}" if install.join_rank is not None else ""
+    )
     lines = [
         f"# lmspd, a local MLX model server, as a systemd {kind}.",
-        "# Written by `lmspd service print --systemd" + (" --user`." if install.user else "`."),
+        f"# Written by `lmspd service print --systemd{flags}`.",
         "[Unit]",
-        "Description=lmspd local MLX model server",
-        *(["After=network-online.target", "Wants=network-online.target"] if system else []),
-        "",
-        "[Service]",
-        "# READY=1 comes once unfinished tasks are recovered and the default model is loaded",
-        "# (a first start may download it: pull it beforehand with `lmspd models pull`).",
-        "Type=notify",
-        "TimeoutStartSec=15min",
     ]
+    if install.join_rank is None:
+        lines += [
+            "Description=lmspd local MLX model server",
+            *(["After=network-online.target", "Wants=network-online.target"] if system else []),
+            "",
+            "[Service]",
+            "# READY=1 comes once unfinished tasks are recovered and the default model is loaded",
+            "# (a first start may download it: pull it beforehand with `lmspd models pull`).",
+            "Type=notify",
+            "TimeoutStartSec=15min",
+        ]
+    else:
+        lines += [
+            f"Description=lmspd engine group, rank {install.join_rank} ([engine] hosts: docs/distributed.md)",
+            *(["After=network-online.target", "Wants=network-online.target"] if system else []),
+            "",
+            "[Service]",
+            "# It joins the group of the server named first in [engine] hosts, again each time it forms.",
+            "Type=simple",
+        ]
     if system:
         lines += [f"User={install.run_as}", f"Group={install.run_as}"]
     lines += [
-        f"ExecStart={_quote(str(install.executable), exec_line=True)} serve",
+        f"ExecStart={_quote(str(install.executable), exec_line=True)} {' '.join(_command(install))}",
         *(f"Environment={_quote(f'{k}={v}')}" for k, v in env.items()),
         "Restart=on-failure",
         "RestartSec=2s",
@@ -190,8 +214,8 @@ def systemd_unit(install: Install) -> str:
 def launchd_plist(install: Install) -> bytes:
     assert install.log_path is not None
     job: dict[str, object] = {
-        "Label": LABEL,
-        "ProgramArguments": [str(install.executable), "serve"],
+        "Label": LABEL if install.join_rank is None else f"{LABEL}.join",
+        "ProgramArguments": [str(install.executable), *_command(install)],
         "EnvironmentVariables": environment(install),
         "RunAtLoad": True,
         "KeepAlive": {"SuccessfulExit": False},  # restarted unless it stopped cleanly (on-failure)
@@ -217,12 +241,25 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], common:
         "--user", action="store_true", help="a user unit / LaunchAgent (default: a system unit / LaunchDaemon)"
     )
     printer.add_argument("--data-dir", help="where the SQLite database lives (env LMSPD_DATA_DIR)")
+    printer.add_argument(
+        "--join",
+        type=int,
+        metavar="RANK",
+        help="a host of an engine group: `lmspd engine join --rank RANK` (docs/distributed.md)",
+    )
     common(printer)
 
 
 def cmd_print(args: argparse.Namespace, config: Config) -> int:
     config_path = args.config or (Path(os.environ["LMSPD_CONFIG"]) if os.environ.get("LMSPD_CONFIG") else None)
     install = install_for(config, launchd=args.launchd, user=args.user, config_path=config_path)
+    if args.join is not None:
+        hosts = config.engine.hosts
+        if not hosts:
+            raise ConfigError("--join: [engine] hosts names no group (docs/distributed.md)", param="engine.hosts")
+        if not 0 < args.join < len(hosts):
+            raise ConfigError(f"--join {args.join}: the ranks that join are 1..{len(hosts) - 1}", param="engine.hosts")
+        install = dataclasses.replace(install, join_rank=args.join)
     if args.launchd:
         sys.stdout.buffer.write(launchd_plist(install))
     else:

@@ -48,6 +48,7 @@ class ModelView(msgspec.Struct, kw_only=True):
     # What a request on it samples with where it names nothing (docs/operations.md, "Sampling
     # defaults"); None: not known until its files are here (a hub model not downloaded yet).
     sampling_defaults: SamplingDefaults | None = None
+    hosts: list[p.HostShare] | None = None  # split over a group: each host's part
 
 
 class ModelLifecycle:
@@ -157,6 +158,7 @@ class ModelLifecycle:
             unload_at=None if state.unload_in_secs is None else int(now + state.unload_in_secs),
             keep_alive_secs=state.keep_alive_secs,
             pinned=state.pinned,
+            hosts=state.hosts or None,
         )
 
     async def view(self, name: str) -> ModelView:

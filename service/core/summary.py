@@ -19,6 +19,7 @@ from typing import Literal
 from lmspd.core.hub import Hub
 from lmspd.core.lifecycle import ModelView
 from lmspd.core.supervisor import Supervisor
+from lmspd.engine.protocol import GroupHost
 from lmspd.errors import LmspdError
 from lmspd.metrics import Metrics
 from lmspd.store.task_store import TaskStore
@@ -37,6 +38,7 @@ class ServerState:
     engine_rss_bytes: int | None  # None when the engine is down
     engine_in_flight: int  # the owner's generations on the engine (its running tasks)
     engine_uptime_secs: float
+    engine_hosts: list[GroupHost] | None  # its group of hosts, rank 0 first (None: one process)
     generations: int  # how many recent generations the speed figures describe
     ttft_secs: float | None  # their median time to first token
     tokens_per_sec: float | None  # their decode speed after the first token
@@ -64,6 +66,7 @@ async def server_state(
         engine_rss_bytes=rss,
         engine_in_flight=tasks.get("running", 0),
         engine_uptime_secs=round(time.monotonic() - supervisor.recycler.started_at, 1),
+        engine_hosts=(engine.info.hosts or None) if engine.info is not None else None,
         generations=generations,
         ttft_secs=ttft,
         tokens_per_sec=speed,
@@ -86,7 +89,8 @@ class ServerStatus:
         if self.hub.closing.is_set():
             return "the server is shutting down"
         if not self.supervisor.engine.alive:
-            return "the engine is down (it is restarted)"
+            why = self.supervisor.engine.last_error
+            return f"the engine is down (it is restarted): {why}" if why else "the engine is down (it is restarted)"
         return self.supervisor.default_refused
 
     async def summary(self, owner: str) -> ServerState:

@@ -111,10 +111,18 @@ class Supervisor:
 
     async def start(self) -> None:
         await self.transitions.recover()
-        await self.engine.start()
+        try:
+            await self.engine.start()
+        except EngineCrashedError as exc:
+            if not self.config.engine.hosts:
+                raise
+            # A group waits for its hosts: the server serves (and /readyz says which host is
+            # missing) while the loop starts the engine again (docs/distributed.md).
+            log.error("the engine group did not form: %s", exc.message)
         self.engine.listeners.append(self.lifecycle.heard)
-        await self.lifecycle.configure()
-        await self.preload()
+        if self.engine.alive:
+            await self.lifecycle.configure()
+            await self.preload()
         self._loop_task = asyncio.create_task(self._loop(), name="supervisor")
 
     def use_engine(self, engine: EngineClient) -> None:

@@ -95,13 +95,18 @@ class Admission:
         self._insert(lm, cmd, tokens, remaining, processors)
         return None
 
-    def admit_compiled(self) -> None:
-        """Requests whose grammar has compiled join the batch (or fail, if it did not compile)."""
+    def compiled(self) -> list[str]:
+        """The requests whose grammar has compiled by now, in the order they began."""
+        return [rid for rid, (_, future) in self.requests.compiling.items() if future.done()]
+
+    def admit_compiled(self, ready: list[str] | None = None) -> None:
+        """Requests whose grammar has compiled join the batch (or fail, if it did not compile);
+        ``ready``: exactly these, waited for (a group's rank 0 says which: engine/group)."""
         compiling = self.requests.compiling
-        for request_id, (cmd, future) in list(compiling.items()):
-            if not future.done():
+        for request_id in self.compiled() if ready is None else ready:
+            if request_id not in compiling:
                 continue
-            del compiling[request_id]
+            cmd, future = compiling.pop(request_id)
             try:
                 template = future.result()
             except GrammarError as exc:

@@ -70,6 +70,7 @@ class LoadedModel:
     fingerprint: str  # the prompt cache's namespace for these weights
     pacer: PrefillPacer
     resident_bytes: int = 0
+    hosts: list[p.HostShare] = field(default_factory=list)  # its parts over a group of hosts
     requests: dict[int, Request] = field(default_factory=dict)
     pieces: TokenPieces | None = None  # built on the first request that asks for logprobs
     grammars: Grammars | None = None  # built on the first constrained request

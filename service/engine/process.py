@@ -70,6 +70,8 @@ class EngineClient:
         self._drained = asyncio.Event()  # set whenever no generation is streaming
         # Keep-alives of models configured with their own (by name), sent with each load.
         self.keep_alive: dict[str, float] = {}
+        # Why the engine last exited, in its own words ("" if it said nothing): /readyz's.
+        self.last_error = ""
 
     @property
     def alive(self) -> bool:
@@ -135,6 +137,8 @@ class EngineClient:
                 for fut in self._loads.pop(reply.model, []):
                     if not fut.done():
                         fut.set_exception(error_from(reply))
+            else:  # the engine's last word before it exits (its group cannot form or went)
+                self.last_error = reply.message
         elif isinstance(reply, p.ModelLoaded):
             if reply.model not in self.loaded:
                 self._tell("loaded", reply.model, "")
@@ -154,6 +158,7 @@ class EngineClient:
         elif isinstance(reply, p.Ready) and self._ready and not self._ready.done():
             r = reply
             log.info("engine ready: pid %d, %s backend, mlx %s, BLAS %s", r.pid, r.backend, r.mlx_version, r.blas)
+            self.last_error = ""
             self._ready.set_result(reply)
 
     def _on_exit(self, process: mp.process.BaseProcess) -> None:
@@ -162,7 +167,8 @@ class EngineClient:
         code = process.exitcode
         if not self._closing:
             log.error("engine process %s exited unexpectedly (exit code %s)", process.pid, code)
-        err = EngineCrashedError(f"the engine process exited (code {code})")
+        why = f": {self.last_error}" if self.last_error else ""
+        err = EngineCrashedError(f"the engine process exited (code {code}){why}")
         for q in self._streams.values():
             q.put_nowait(err)
         for futs in self._loads.values():

@@ -117,11 +117,22 @@ Command = LoadModel | Generate | Cancel | Shutdown | UnloadModel | PinModel | St
 # --- replies --------------------------------------------------------------------------------
 
 
+class GroupHost(msgspec.Struct, frozen=True, kw_only=True):
+    """One host of the engine's group (engine/group): its rank, as configured, its memory,
+    and the ring's speed measured when the group formed."""
+
+    rank: int
+    host: str
+    memory_bytes: int
+    link_bytes_per_sec: float
+
+
 class Ready(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     pid: int
     backend: str  # "cpu" | "gpu"
     mlx_version: str
     blas: str = ""  # the BLAS library MLX's CPU backend runs on (a path, or the bundled reference)
+    hosts: list[GroupHost] = []  # the engine's group, rank 0 first ([]: one process)
 
 
 class ModelLoading(msgspec.Struct, tag=True, frozen=True):
@@ -144,7 +155,19 @@ class ModelLoaded(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     weight_dtype: str
     numerics: str = "exact"  # its products' (docs/numerics.md)
     seconds: float
-    resident_bytes: int = 0  # its weights as held in memory
+    resident_bytes: int = 0  # its weights as held in memory (rank 0's, in a group)
+    hosts: list[HostShare] = []  # split over a group: each host's part, rank 0 first
+
+
+class HostShare(msgspec.Struct, frozen=True, kw_only=True):
+    """One host's part of a model split over the engine's group (docs/distributed.md)."""
+
+    rank: int
+    host: str
+    layers: list[int]  # [first, end): the model's layers it holds
+    resident_bytes: int  # its weights as it holds them (the embeddings and head in each)
+    memory_bytes: int  # the host's physical memory
+    link_bytes_per_sec: float  # the ring's speed, measured when the group formed
 
 
 class ModelState(msgspec.Struct, frozen=True, kw_only=True):
@@ -160,6 +183,7 @@ class ModelState(msgspec.Struct, frozen=True, kw_only=True):
     unload_in_secs: float | None = None  # None: not loaded, busy, pinned or keep-alive 0
     keep_alive_secs: float = 0.0
     pinned: bool = False
+    hosts: list[HostShare] = []  # split over a group: each host's part, rank 0 first
 
 
 class EngineStatus(msgspec.Struct, tag=True, frozen=True, kw_only=True):

@@ -26,6 +26,7 @@ from lmspd.models.registry import context_length_of
 from lmspd.models.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # it imports MLX, which the server process never does (engine/worker.py)
+    from lmspd.engine.group.ring import Group
     from lmspd.engine.prompt_cache import PromptCache
 
 log = logging.getLogger("lmspd.engine")
@@ -50,6 +51,11 @@ class Residency:
         self.pending_loads: deque[p.LoadModel] = deque()  # loads waiting for a busy model's room
         self.lifecycle = Lifecycle(config.keep_alive_secs)
         self.budget = MemoryBudget(config)
+        # The engine's group of hosts (engine/group), None in one process: models load split
+        # by layers, the same file on every host; none is unloaded for being idle (a clock
+        # would decide that differently on each host).
+        self.group: Group | None = None
+        self.host_layers = config.host_layers
         # Memory freed (a model gone, a load's transients) not yet given back (release_freed).
         self.release_due = False
 
@@ -119,7 +125,16 @@ class Residency:
         self._evict_for_one(path)
         self.send(p.ModelLoading(name))
         start = time.perf_counter()
-        model, config = load_model(Path(path))
+        if self.group is not None:  # every host holds this very file, or none loads it
+            from lmspd.engine.group.pipeline import model_digest
+
+            self.group.agree("model file", model_digest(Path(path)))
+        model, config = load_model(Path(path), lazy=self.group is not None)
+        if self.group is not None:  # only this rank's layers are ever read from the file
+            from lmspd.engine.group.pipeline import layer_counts, split
+
+            counts = layer_counts(len(model.layers), [m.memory for m in self.group.members], self.host_layers)
+            split(model, self.group.rank, counts)
         dtype = apply_weight_dtype(model, self.weight_dtype, self.kernel_dir)
         numerics = apply_numerics(model, dtype, self.numerics, self.kernel_dir)
         self.buffer_cache = max(self.buffer_cache, 2 * packed_matrix_bytes(model))
@@ -139,6 +154,10 @@ class Residency:
             name, path, model, Tokenizer(Path(path)), batch, ctx, vocab, dtype, numerics, fingerprint, pacer
         )
         lm.resident_bytes = resident_bytes(model)
+        if self.group is not None:
+            from lmspd.engine.group.pipeline import shares
+
+            lm.hosts = shares(self.group, model, lm.resident_bytes)
         self.models[name] = lm
         self.lifecycle.touch(name)
         self._fit_memory(name)  # its real size may differ from the estimate (auto's choice)
@@ -149,7 +168,12 @@ class Residency:
         seconds = time.perf_counter() - start
         self.send(
             p.ModelLoaded(
-                model=name, weight_dtype=dtype, numerics=numerics, seconds=seconds, resident_bytes=lm.resident_bytes
+                model=name,
+                weight_dtype=dtype,
+                numerics=numerics,
+                seconds=seconds,
+                resident_bytes=lm.resident_bytes,
+                hosts=lm.hosts,
             )
         )
         return lm
@@ -195,6 +219,8 @@ class Residency:
         return [n for n, m in self.models.items() if not m.requests and n not in compiling]
 
     def unload_idle(self) -> None:
+        if self.group is not None:
+            return
         now = time.monotonic()
         for name, lm in self.models.items():
             if lm.requests:  # in use up to now: its keep-alive counts from its last request
@@ -257,6 +283,7 @@ class Residency:
                     unload_in_secs=due,
                     keep_alive_secs=self.lifecycle.keep_alive_of(name),
                     pinned=name in self.lifecycle.pinned,
+                    hosts=lm.hosts,
                 )
             )
         for name in sorted((self.lifecycle.pinned | set(self.lifecycle.keep_alive)) - set(self.models)):

@@ -30,6 +30,9 @@ class Stepper:
         self.residency = residency
         self.requests = requests
         self.prompt_cache = prompt_cache
+        # A failed step ends the engine instead of the batch's requests: in a group of hosts
+        # it means a host is lost, and each task then follows its on_restart policy.
+        self.fatal = False
 
     def step(self) -> list[p.Delta]:
         """One step of each model with requests; the deltas of all their tokens."""
@@ -45,6 +48,8 @@ class Stepper:
             with lm.batch.stats() as stats:
                 prefilled, responses = lm.batch.next()
         except Exception as exc:  # an MLX failure poisons the whole batch
+            if self.fatal:
+                raise
             log.exception("decode step failed")
             self.requests.fail_model(lm, f"generation failed: {exc}")
             self.residency.evict_failed(lm)

@@ -13,11 +13,13 @@ budget), ``Admission`` (admission.py: a ``Generate`` into its model's batch) and
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -31,6 +33,9 @@ from lmspd.engine.stepper import Stepper
 from lmspd.logs import LogFormat
 from lmspd.logs import setup as setup_logging
 
+if TYPE_CHECKING:  # MLX, imported once the BLAS is chosen (main)
+    from lmspd.engine.group.ring import Group
+
 log = logging.getLogger("lmspd.engine")
 
 
@@ -38,10 +43,22 @@ class Engine:
     """The loop: commands from the pipe, each to the part it is for, then one step of every
     batch, and the replies back down the pipe (``send``, which every part is handed)."""
 
-    def __init__(self, conn: Connection, config: EngineConfig, cache_dir: Path | None = None, blas: str = "") -> None:
+    def __init__(
+        self,
+        conn: Connection | None,
+        config: EngineConfig,
+        cache_dir: Path | None = None,
+        blas: str = "",
+        group: Group | None = None,
+        models_dir: Path | None = None,
+    ) -> None:
         from lmspd.engine.prompt_cache import PromptCache
 
-        self.conn = conn
+        self.conn = conn  # None: a group's rank past 0, which answers nobody
+        self.group = group
+        # A joined host's own model directory: rank 0's paths name a model there by its
+        # directory's name (None: at rank 0's path).
+        self.models_dir = models_dir
         self.blas = blas
         self.prompt_cache = PromptCache(
             config.prompt_cache_max_bytes,
@@ -54,9 +71,13 @@ class Engine:
         self.admission = Admission(self.residency, self.requests, self.prompt_cache)
         self.stepper = Stepper(self.residency, self.requests, self.prompt_cache)
         self.running = True
+        self.residency.group = group
+        self.stepper.fatal = group is not None
+        self._loading = False  # the last loop loaded a model: the next tick may wait for the others'
 
     def send(self, reply: p.Reply) -> None:
-        self.conn.send_bytes(p.reply_encoder.encode(reply))
+        if self.conn is not None:
+            self.conn.send_bytes(p.reply_encoder.encode(reply))
 
     # --- loop -------------------------------------------------------------------------------
 
@@ -70,24 +91,24 @@ class Engine:
                 backend="gpu" if mx.metal.is_available() else "cpu",
                 mlx_version=getattr(mx, "__version__", "unknown"),
                 blas=self.blas,
+                hosts=self._hosts(),
             )
         )
         while self.running:
-            timeout = self._timeout()
             try:
-                while self.running and self.conn.poll(timeout):
-                    self._handle_safely(self.conn.recv_bytes())
-                    timeout = 0
+                compiled = self._tick() if self.group is not None else self._take_commands()
             except EOFError:
                 log.warning("the server went away; engine exiting")
                 break
-            self.admission.admit_compiled()
+            self.admission.admit_compiled(compiled)
             self.residency.unload_idle()
             self.residency.release_freed()
             self.residency.retry_loads()
             self.admission.admit_waiting()
             self.requests.send_early()
-            if deltas := self.stepper.step():
+            with self._watched("a step"):
+                deltas = self.stepper.step()
+            if deltas:
                 self.send(p.Deltas(deltas))
             self.requests.send_finished()  # after the step's deltas, which carry their last tokens
             try:
@@ -96,6 +117,55 @@ class Engine:
                 log.exception("prompt cache: entries not written to disk")
         self.prompt_cache.close()  # the write in progress completes: its files are whole
         self.admission.close()
+
+    def _take_commands(self) -> list[str] | None:
+        """One process: each command as it comes, until none is waiting (or, idle, until one
+        comes); every grammar compiled by now joins (None)."""
+        assert self.conn is not None
+        timeout = self._timeout()
+        while self.running and self.conn.poll(timeout):
+            self._handle_safely(self.conn.recv_bytes())
+            timeout = 0
+        return None
+
+    def _tick(self) -> list[str]:
+        """A group: rank 0 takes the commands waiting (or, idle, waits a heartbeat for one) and
+        every rank handles the same ones, in the same order; the grammars compiled by rank 0's
+        count join on every rank (engine/group)."""
+        from lmspd.engine.group.ring import HEARTBEAT_SECS, Tick
+
+        group = self.group
+        assert group is not None
+        tick: Tick | None = None
+        if self.conn is not None:
+            timeout = self._timeout()
+            timeout = HEARTBEAT_SECS if timeout is None else min(timeout, HEARTBEAT_SECS)
+            commands: list[bytes] = []
+            while self.conn.poll(timeout):
+                commands.append(self.conn.recv_bytes())
+                timeout = 0
+            tick = Tick(group.seq + 1, commands, self.admission.compiled())
+        shared = group.tick(tick, slow=self._loading)
+        self._loading = False
+        for data in shared.commands:
+            if self.running:
+                self._handle_safely(data)
+        return shared.compiled
+
+    def _watched(self, what: str) -> contextlib.AbstractContextManager[None]:
+        if self.group is None:
+            return contextlib.nullcontext()
+        return self.group.watching(what)
+
+    def _hosts(self) -> list[p.GroupHost]:
+        group = self.group
+        if group is None:
+            return []
+        link = group.link_bytes_per_sec
+        return [
+            p.GroupHost(rank=r, host=m.host, memory_bytes=m.memory, link_bytes_per_sec=link)
+            for r, m in enumerate(group.members)
+        ]
 
     def _timeout(self) -> float | None:
         """How long the loop may wait for a command: not at all while work is running."""
@@ -128,6 +198,10 @@ class Engine:
         self.residency.release_freed()
 
     def handle(self, cmd: p.Command) -> None:
+        if isinstance(cmd, p.LoadModel):
+            self._loading = True
+        if self.models_dir is not None and isinstance(cmd, p.Generate | p.LoadModel):
+            cmd = msgspec.structs.replace(cmd, path=str(self.models_dir / Path(cmd.path).name))
         if isinstance(cmd, p.Generate):
             self.admission.submit(cmd)
         elif isinstance(cmd, p.Cancel):
@@ -172,7 +246,38 @@ def main(
 
     # Each token out as soon as its pass is done, a lone greedy request's drafts verified
     # (upstream/stepping.py).
-    step_now(config.speculative_tokens, Drafter)
+    step_now(config.speculative_tokens, Drafter, run_ahead=not config.hosts)
     batch_cache.install()  # a merged batch's cache has room for its next position
     prompt_batch.install()  # prefilled prompts move to generation without a copy of their cache
-    Engine(conn, config, Path(cache_dir) if cache_dir else None, blas).run()
+    group = None
+    if config.hosts:
+        group, config = _lead(conn, config)
+    Engine(conn, config, Path(cache_dir) if cache_dir else None, blas, group).run()
+
+
+def _lead(conn: Connection, config: EngineConfig) -> tuple[Group, EngineConfig]:
+    """Rank 0 of the configured group: formed (every host within group_timeout_secs, the
+    same versions), then the settings every rank runs shared. A group that cannot form or
+    go on ends this process, its reason told to the server first (a Failed of no request)."""
+    from lmspd.engine.group.ring import GROUP_LOST, Group, Hello, group_config
+    from lmspd.errors import EngineGroupError
+
+    def lost(message: str) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            reply = p.Failed(request_id=None, code="engine_error", message=message, param="engine.hosts")
+            conn.send_bytes(p.reply_encoder.encode(reply))
+
+    group = Group(config.hosts, 0, config.group_timeout_secs, lost)
+    try:
+        group.start(config.group_timeout_secs)
+        config = group_config(config, group.members)
+        group.share(msgspec.msgpack.encode(Hello(config)), what="the engine settings")
+    except EngineGroupError as exc:
+        log.error("%s", exc.message)
+        lost(exc.message)
+        os._exit(GROUP_LOST)
+    log.info(
+        "engine group formed: %s",
+        ", ".join(f"rank {r} {m.host} ({m.memory >> 20} MiB)" for r, m in enumerate(group.members)),
+    )
+    return group, config

@@ -41,14 +41,16 @@ class Footprint(msgspec.Struct, frozen=True, kw_only=True):
         return self.weights + self.kv
 
 
-def memory_budget(max_memory_bytes: int | None) -> int:
-    """The budget in force: the configured one, else DEFAULT_MEMORY_SHARE of physical memory."""
+def memory_budget(max_memory_bytes: int | None, physical: int | None = None) -> int:
+    """The budget in force: the configured one, else DEFAULT_MEMORY_SHARE of physical memory
+    (this host's, or ``physical`` bytes)."""
     if max_memory_bytes is not None:
         return max_memory_bytes
-    try:
-        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (OSError, ValueError):
-        return 1 << 62  # unknown: no bound beyond max_loaded_models
+    if physical is None:
+        try:
+            physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (OSError, ValueError):
+            return 1 << 62  # unknown: no bound beyond max_loaded_models
     return int(physical * DEFAULT_MEMORY_SHARE)
 
 

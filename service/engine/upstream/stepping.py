@@ -68,6 +68,9 @@ class StepNow(_Upstream):  # type: ignore[misc]
     # The longest draft, and how a request's drafter is made (install's; 0, None: no drafts).
     max_draft: int = 0
     drafter: Callable[[int], Any] | None = None
+    # Whether a settled batch may run a pass ahead (not in a group of hosts: the pass's sends
+    # would be in flight when the loop's next tick goes over the same ring, engine/group).
+    run_ahead: bool = True
     # Upstream's state (untyped there): the tokens the next pass feeds, and their logprobs.
     _next_tokens: Any
     _next_logprobs: Any
@@ -120,7 +123,8 @@ class StepNow(_Upstream):  # type: ignore[misc]
         prompt is waiting to join, no row's logits processors need the tokens' values, and no
         row's next token is its last by ``max_tokens`` (a pass after it would be wasted)."""
         return (
-            self.steady
+            self.run_ahead
+            and self.steady
             and not any(self.logits_processors)
             and all(n + 1 < m for n, m in zip(self._num_tokens, self.max_tokens, strict=True))
             and not (self._speculates() and not self._drafter().waiting())
@@ -227,13 +231,14 @@ def _next(self: Any) -> Any:
     return _upstream_next(self)
 
 
-def install(max_draft: int = 0, drafter: Callable[[int], Any] | None = None) -> bool:
+def install(max_draft: int = 0, drafter: Callable[[int], Any] | None = None, run_ahead: bool = True) -> bool:
     """On the CPU backend, mlx-lm's batches step with ``StepNow`` (True when installed), a lone
     greedy request verifying drafts of up to ``max_draft`` tokens from a ``drafter(max_draft)``
-    of its own (engine/speculation.py's Drafter; 0 or None: none)."""
+    of its own (engine/speculation.py's Drafter; 0 or None: none), running passes ahead where
+    ``run_ahead``."""
     if mx.metal.is_available():
         return False
-    StepNow.max_draft, StepNow.drafter = max_draft, drafter
+    StepNow.max_draft, StepNow.drafter, StepNow.run_ahead = max_draft, drafter, run_ahead
     generate.GenerationBatch = StepNow
     generate.BatchGenerator._next = _next
     return True

@@ -1,0 +1,281 @@
+"""The MLX ring group an engine belongs to: started with a deadline, the hosts' versions and
+model files agreed, each loop's commands shared from rank 0 (``Tick``), and a watchdog.
+
+Why a deadline and a watchdog: MLX's ring backend waits without end for a peer that never
+connects, and a peer that vanishes without closing its sockets (a network drop) leaves a
+collective waiting too. A peer that dies with its sockets closed (kill -9) ends the
+collective at once with ``RuntimeError("[ring] connection to a peer was lost")``. Either way
+the rank exits: the group is rebuilt from scratch when every host is back (docs/distributed.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import json
+import logging
+import os
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import TextIO
+
+import mlx.core as mx
+import msgspec
+import numpy as np
+
+from lmspd.config import EngineConfig
+from lmspd.errors import EngineGroupError as GroupError
+from lmspd.models.footprint import memory_budget
+
+log = logging.getLogger("lmspd.engine")
+
+DEFAULT_PORT = 47100
+# The first collective of a loop carries this many bytes: a loop's commands fit in one.
+FRAME = 512
+# While idle, rank 0 shares an empty tick this often, so every rank knows the others live.
+HEARTBEAT_SECS = 1.0
+# A model's load may keep the others waiting this long at most.
+LOAD_TIMEOUT_SECS = 600.0
+# Exit status of a rank whose group broke: the server restarts its engine, `join` its rank.
+GROUP_LOST = 75
+
+
+class Tick(msgspec.Struct, array_like=True):
+    """One loop of rank 0's: the commands it took, in order, and the grammars compiled by now
+    (their requests join the batch this loop on every rank)."""
+
+    seq: int
+    commands: list[bytes]
+    compiled: list[str]
+    slow: bool = False  # a load among the commands: the next tick may wait LOAD_TIMEOUT_SECS
+
+
+class Hello(msgspec.Struct, array_like=True):
+    """Rank 0's word to the others once the group formed: the engine settings every rank
+    runs (its own, the memory budget the group's, so that every rank decides alike)."""
+
+    config: EngineConfig
+
+
+class Member(msgspec.Struct, array_like=True):
+    """What each rank says of itself when the group starts."""
+
+    host: str
+    versions: str  # lmspd and mlx
+    memory: int  # physical bytes
+
+
+def _devnull() -> TextIO:
+    global _DEVNULL
+    if _DEVNULL is None:
+        _DEVNULL = open(os.devnull, "w")  # noqa: SIM115  # the process's, for faulthandler
+    return _DEVNULL
+
+
+_DEVNULL: TextIO | None = None
+
+
+def endpoint(host: str) -> str:
+    """``host[:port]`` as the ring backend takes it: an IPv4 address and a port."""
+    name, _, port = host.rpartition(":") if ":" in host else (host, "", "")
+    if not name:
+        name, port = host, ""
+    try:
+        ip = socket.gethostbyname(name)
+    except OSError as exc:
+        raise GroupError(f"engine.hosts: cannot resolve {name!r}: {exc}") from exc
+    return f"{ip}:{int(port) if port else DEFAULT_PORT}"
+
+
+def physical_memory() -> int:
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def versions() -> str:
+    from importlib.metadata import version
+
+    return f"lmspd {version('lmspd')}, mlx {getattr(mx, '__version__', 'unknown')}"
+
+
+class Group:
+    """This process's rank in the ring, and what passes between the ranks."""
+
+    def __init__(
+        self, hosts: list[str], rank: int, timeout: float, on_lost: Callable[[str], None] = lambda _: None
+    ) -> None:
+        self.hosts = hosts
+        self.rank = rank
+        self.size = len(hosts)
+        self.timeout = timeout
+        self._on_lost = on_lost
+        self._waiting_since: float | None = None
+        self._wait_limit = timeout
+        self._what = ""
+        self.seq = 0
+        self.members: list[Member] = []
+        self.link_bytes_per_sec = 0.0
+
+    # --- start ------------------------------------------------------------------------------
+
+    def start(self, deadline: float) -> None:
+        """Join the ring (every host within ``deadline`` seconds) and agree on versions."""
+        if not 0 <= self.rank < self.size:
+            raise GroupError(f"rank {self.rank} is not in a group of {self.size} hosts (engine.hosts)")
+        ring = [[endpoint(h)] for h in self.hosts]
+        with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="lmspd-ring-", delete=False) as f:
+            json.dump(ring, f)
+        os.environ["MLX_HOSTFILE"], os.environ["MLX_RANK"] = f.name, str(self.rank)
+        # MLX's init holds the GIL while it waits for its peers, so no Python thread can time it
+        # out: faulthandler's own C thread ends the process at the deadline. What it ends it
+        # for is said first (rank 0's server keeps it until the engine says it is ready).
+        others = ", ".join(f"rank {r} ({h})" for r, h in enumerate(self.hosts) if r != self.rank)
+        self._on_lost(f"the group did not form within {deadline:.0f}s: waiting for {others}")
+        log.info("forming the engine group: waiting up to %.0fs for %s", deadline, others)
+        # Its traceback would show only this wait, which the line above says.
+        faulthandler.dump_traceback_later(deadline, exit=True, file=_devnull())
+        try:
+            mx.distributed.init(strict=True, backend="ring")
+        except RuntimeError as exc:
+            raise GroupError(f"the ring backend did not start: {exc}") from exc
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+            os.unlink(f.name)
+        threading.Thread(target=self._watch, name="ring-watchdog", daemon=True).start()
+        me = Member(self.hosts[self.rank], versions(), physical_memory())
+        self.members = [msgspec.msgpack.decode(b, type=Member) for b in self.gather(msgspec.msgpack.encode(me))]
+        mine = self.members[0].versions
+        for r, m in enumerate(self.members):
+            if m.versions != mine:
+                raise GroupError(
+                    f"rank {r} ({m.host}) runs {m.versions}; rank 0 ({self.members[0].host}) runs {mine}: "
+                    "every host must run the same lmspd and mlx"
+                )
+        self.link_bytes_per_sec = self._measure_link()
+
+    def _measure_link(self) -> float:
+        """Bytes a second through the ring, one 4 MiB all_sum timed (reported, not used)."""
+        x = mx.zeros((1 << 20,), dtype=mx.float32)
+        mx.eval(self._collective(lambda: mx.distributed.all_sum(x), "the link measurement"))
+        start = time.perf_counter()
+        mx.eval(self._collective(lambda: mx.distributed.all_sum(x), "the link measurement"))
+        return x.nbytes / max(time.perf_counter() - start, 1e-9)
+
+    # --- what passes between ranks -------------------------------------------------------------
+
+    def _collective(self, op: Callable[[], mx.array], what: str, limit: float | None = None) -> mx.array:
+        """``op``'s result, evaluated under the watchdog."""
+        self._what, self._wait_limit = what, self.timeout if limit is None else limit
+        self._waiting_since = time.monotonic()
+        try:
+            # A pass may still be in flight (a batch running ahead: upstream/stepping.py), its
+            # sends and gathers on the same ring: they finish first, on every rank alike.
+            mx.synchronize()
+            out = op()
+            mx.eval(out)
+            return out
+        except RuntimeError as exc:  # the ring says a peer is gone
+            self._lost(f"{what}: {exc}")
+            raise
+        finally:
+            self._waiting_since = None
+
+    def gather(self, data: bytes, width: int = 256) -> list[bytes]:
+        """Every rank's ``data`` (at most ``width`` bytes), in rank order."""
+        if len(data) > width - 2:
+            raise ValueError(f"{len(data)} bytes do not fit a gather of {width}")
+        buf = np.zeros(width, dtype=np.uint8)
+        buf[:2] = np.frombuffer(len(data).to_bytes(2, "little"), dtype=np.uint8)
+        buf[2 : 2 + len(data)] = np.frombuffer(data, dtype=np.uint8)
+        x = mx.array(buf)
+        out = np.array(self._collective(lambda: mx.distributed.all_gather(x), "a gather")).reshape(self.size, width)
+        return [bytes(row[2 : 2 + int.from_bytes(bytes(row[:2]), "little")]) for row in out]
+
+    def share(self, data: bytes | None, limit: float | None = None, what: str = "a tick") -> bytes:
+        """Rank 0's ``data`` on every rank (the others pass None)."""
+        head = np.zeros(FRAME, dtype=np.uint8)
+        if self.rank == 0:
+            assert data is not None
+            head[:4] = np.frombuffer(len(data).to_bytes(4, "little"), dtype=np.uint8)
+            first = data[: FRAME - 4]
+            head[4 : 4 + len(first)] = np.frombuffer(first, dtype=np.uint8)
+        x = mx.array(head)
+        got = bytes(np.array(self._collective(lambda: mx.distributed.all_sum(x), what, limit)))
+        n = int.from_bytes(got[:4], "little")
+        if n <= FRAME - 4:
+            return got[4 : 4 + n]
+        rest = np.zeros(n - (FRAME - 4), dtype=np.uint8)
+        if self.rank == 0:
+            assert data is not None
+            rest[:] = np.frombuffer(data[FRAME - 4 :], dtype=np.uint8)
+        y = mx.array(rest)
+        return got[4:] + bytes(np.array(self._collective(lambda: mx.distributed.all_sum(y), what, limit)))
+
+    def tick(self, tick: Tick | None, slow: bool = False) -> Tick:
+        """Rank 0's loop shared (the others pass None); each rank checks it is in step."""
+        limit = LOAD_TIMEOUT_SECS if slow else self.timeout
+        data = msgspec.msgpack.encode(tick) if tick is not None else None
+        shared = msgspec.msgpack.decode(self.share(data, limit), type=Tick)
+        self.seq += 1
+        if shared.seq != self.seq:
+            self._lost(f"out of step: tick {shared.seq} from rank 0, {self.seq} here")
+            raise GroupError(f"rank {self.rank} is out of step with rank 0")
+        return shared
+
+    def agree(self, what: str, value: str) -> None:
+        """Every rank's ``value`` the same (a model file's digest), or a GroupError on all."""
+        values = [v.decode() for v in self.gather(value.encode()[:250])]
+        for r, v in enumerate(values):
+            if v != values[0]:
+                raise GroupError(
+                    f"rank {r} ({self.hosts[r]}) holds a different {what} than rank 0 ({self.hosts[0]}): "
+                    f"{v[:40]} against {values[0][:40]}"
+                )
+
+    @contextlib.contextmanager
+    def watching(self, what: str) -> Iterator[None]:
+        """Work whose passes wait on the other ranks (a step), under the watchdog."""
+        self._what, self._wait_limit = what, self.timeout
+        self._waiting_since = time.monotonic()
+        try:
+            yield
+        except RuntimeError as exc:
+            if "[ring]" in str(exc):
+                self._lost(f"{what}: {exc}")
+            raise
+        finally:
+            self._waiting_since = None
+
+    # --- the watchdog -------------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(0.2)
+            since = self._waiting_since
+            if since is not None and time.monotonic() - since > self._wait_limit:
+                self._lost(f"no answer within {self._wait_limit:.0f}s in {self._what}")
+                os._exit(GROUP_LOST)
+
+    def _lost(self, why: str) -> None:
+        others = ", ".join(f"rank {r} ({h})" for r, h in enumerate(self.hosts) if r != self.rank)
+        message = f"engine group lost ({others}): {why}"
+        log.error(message)
+        self._on_lost(message)
+
+
+def group_config(config: EngineConfig, members: list[Member]) -> EngineConfig:
+    """The engine settings a group runs: what a clock or a host's own memory would decide
+    differently on each host is fixed (docs/distributed.md, "What a group leaves out"): no
+    prompt cache, prefill steps of one size, one memory budget (the hosts' shares summed)."""
+    budget = config.max_memory_bytes
+    if budget is None:
+        budget = sum(memory_budget(None, m.memory) for m in members)
+    return msgspec.structs.replace(
+        config,
+        prompt_cache_max_bytes=0,
+        prompt_cache_disk_max_bytes=0,
+        prefill_interleave_ms=0,
+        max_memory_bytes=budget,
+    )

@@ -35,8 +35,31 @@ def cache_lock(name: str) -> Iterator[None]:
         yield
 
 
-def make_tiny_model(out: Path, tokenizer_from: Path, seed: int = 0, context: int = 256, *, brief: bool = False) -> Path:
+# A random Llama whose layers outweigh its embeddings (the bundled tokenizer's 49,152 rows):
+# 24 layers of width 1024, about 450M parameters, 4-bit. Split over two hosts, each holds its
+# 12 layers and the embeddings (docs/distributed.md).
+LAYERED = {
+    "hidden_size": 1024,
+    "intermediate_size": 4096,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "head_dim": 64,
+}
+
+
+def make_tiny_model(
+    out: Path,
+    tokenizer_from: Path,
+    seed: int = 0,
+    context: int = 256,
+    *,
+    brief: bool = False,
+    shape: dict[str, int] | None = None,
+) -> Path:
     """A 2-layer llama with random 4-bit weights and the real tokenizer.
+
+    ``shape``: config keys overriding the tiny shape (``LAYERED``: a model of 450M parameters).
 
     ``brief``: a model that ends its answers by itself (random weights almost never say
     end-of-sequence), for clients that take an answer cut by its token budget for a failure
@@ -73,6 +96,7 @@ def make_tiny_model(out: Path, tokenizer_from: Path, seed: int = 0, context: int
         "eos_token_id": 2,
         "bos_token_id": 1,
         "quantization": {"group_size": 32, "bits": 4},
+        **(shape or {}),
     }
     mx.random.seed(seed)
     model = Model(ModelArgs.from_dict(config))

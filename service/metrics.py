@@ -214,6 +214,19 @@ class Metrics:
         self.engine_rss_bytes = Gauge(
             "lmspd_engine_rss_bytes", "The engine process's resident set size (read at scrape time)", registry=r
         )
+        # A model split over the engine's group of hosts (docs/distributed.md): each rank's part.
+        self.model_host_resident_bytes = Gauge(
+            "lmspd_model_host_resident_bytes",
+            "Bytes of a split model's weights each host of the engine group holds (read at scrape time)",
+            ["model", "rank", "host"],
+            registry=r,
+        )
+        self.model_host_layers = Gauge(
+            "lmspd_model_host_layers",
+            "Layers of a split model each host of the engine group holds (read at scrape time)",
+            ["model", "rank", "host"],
+            registry=r,
+        )
 
     def _cluster(self, r: CollectorRegistry) -> None:
         # Several nodes on one PostgreSQL (docs/operations.md, "Several nodes"); absent on SQLite.
@@ -276,12 +289,21 @@ class Metrics:
         self.store_commit.observe(seconds)
         self.store_batch.observe(jobs)
 
-    def observe_engine(self, rss_bytes: int, resident: dict[str, int]) -> None:
-        """The engine's memory as its status says: RSS, and each loaded model's weights."""
+    def observe_engine(
+        self, rss_bytes: int, resident: dict[str, int], hosts: dict[str, list[tuple[int, str, int, int]]] | None = None
+    ) -> None:
+        """The engine's memory as its status says: RSS, each loaded model's weights, and a split
+        model's part on each host of the group (rank, host, resident bytes, layers)."""
         self.engine_rss_bytes.set(rss_bytes)
         self.model_resident_bytes.clear()  # an unloaded model's series ends
         for model, nbytes in resident.items():
             self.model_resident_bytes.labels(model).set(nbytes)
+        self.model_host_resident_bytes.clear()
+        self.model_host_layers.clear()
+        for model, shares in (hosts or {}).items():
+            for rank, host, nbytes, layers in shares:
+                self.model_host_resident_bytes.labels(model, str(rank), host).set(nbytes)
+                self.model_host_layers.labels(model, str(rank), host).set(layers)
 
     def observe_node(self, node: str, epoch: int) -> None:
         self.node_info.clear()  # the previous epoch's series ends

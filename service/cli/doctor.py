@@ -221,6 +221,46 @@ def _port(config: Config) -> Finding:
     return Finding("FAIL", "port", f"{where} is in use by another program")
 
 
+def _readyz(host: str, port: int) -> tuple[int, str] | None:
+    """A running server's /readyz: its status and its reason ("" when ready); None: none answers."""
+    conn = http.client.HTTPConnection(host if ":" not in host else f"[{host}]", port, timeout=2)
+    try:
+        conn.request("GET", "/readyz")
+        r = conn.getresponse()
+        body = json.loads(r.read() or b"{}")
+        return r.status, str(body.get("reason") or "")
+    except (OSError, http.client.HTTPException, ValueError):
+        return None
+    finally:
+        conn.close()
+
+
+def _group(config: Config) -> Finding:
+    """The engine's group of hosts (docs/distributed.md): each resolves, and, where this host's
+    server runs, whether the group has formed or which host it waits for."""
+    hosts = config.engine.hosts
+    if not hosts:
+        return Finding("ok", "group", "one process (no [engine] hosts)")
+    from lmspd.engine.group.ring import endpoint
+
+    try:
+        ring = [endpoint(h) for h in hosts]
+    except LmspdError as exc:
+        return Finding("FAIL", "group", exc.message)
+    named = ", ".join(f"rank {r} {e}" for r, e in enumerate(ring))
+    host = config.server.host
+    probe = "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host
+    answer = _readyz(probe, config.server.port)
+    if answer is None:
+        return Finding("ok", "group", f"{named} (this host's server is not running)")
+    status, reason = answer
+    if status == 200:
+        return Finding("ok", "group", f"{named}: formed, the server is ready")
+    if "rank" in reason:
+        return Finding("FAIL", "group", f"{named}: {reason}")
+    return Finding("warn", "group", f"{named}: the server is not ready: {reason}")
+
+
 def _blas(config: Config) -> Finding:
     from lmspd.engine.upstream import blas
 
@@ -290,6 +330,7 @@ def run(config: Config, out: TextIO | None = None) -> int:
         _database,
         _models,
         _port,
+        _group,
     ]
     failed = False
     for check in checks:

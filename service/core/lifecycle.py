@@ -87,7 +87,13 @@ class ModelLifecycle:
         with contextlib.suppress(LmspdError):
             status = await self.engine.status()
             self.metrics.observe_engine(
-                status.rss_bytes, {m.model: m.resident_bytes for m in status.models if m.loaded}
+                status.rss_bytes,
+                {m.model: m.resident_bytes for m in status.models if m.loaded},
+                {
+                    m.model: [(h.rank, h.host, h.resident_bytes, h.layers[1] - h.layers[0]) for h in m.hosts]
+                    for m in status.models
+                    if m.loaded and m.hosts
+                },
             )
 
     async def preload(self, name: str) -> None:

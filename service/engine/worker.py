@@ -144,7 +144,9 @@ class Engine:
             while self.conn.poll(timeout):
                 commands.append(self.conn.recv_bytes())
                 timeout = 0
-            tick = Tick(group.seq + 1, commands, self.admission.compiled())
+            # Nothing to do: the others answer this one, so a silent host is found while idle.
+            idle = not commands and not self.requests.by_id and not self.requests.waiting
+            tick = Tick(group.seq + 1, commands, self.admission.compiled(), ack=idle)
         shared = group.tick(tick, slow=self._loading)
         self._loading = False
         for data in shared.commands:
@@ -271,7 +273,7 @@ def _lead(conn: Connection, config: EngineConfig) -> tuple[Group, EngineConfig]:
     try:
         group.start(config.group_timeout_secs)
         config = group_config(config, group.members)
-        group.share(msgspec.msgpack.encode(Hello(config)), what="the engine settings")
+        group.send(msgspec.msgpack.encode(Hello(config)))
     except EngineGroupError as exc:
         log.error("%s", exc.message)
         lost(exc.message)

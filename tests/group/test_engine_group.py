@@ -26,6 +26,7 @@ import pytest
 
 from harness.generation import PROMPTS, collect, request
 from harness.group import Joiner, loopback_hosts
+from harness.models import LAYERED, make_tiny_model
 from harness.wait import wait_until_async
 from lmspd.config import EngineConfig
 from lmspd.engine import protocol as p
@@ -89,6 +90,40 @@ async def test_two_ranks_answer_token_for_token_as_one_process(
     for h in split.hosts:
         assert 0 < h.resident_bytes < whole.resident_bytes
     assert split.resident_bytes == ranks[0].resident_bytes
+
+
+@pytest.fixture(scope="module")
+def layered(tmp_path_factory: pytest.TempPathFactory, smol_dir: Path) -> ResolvedModel:
+    """A random Llama whose 24 layers outweigh its embeddings (harness.models.LAYERED)."""
+    path = make_tiny_model(tmp_path_factory.mktemp("layered") / "layered", smol_dir, shape=LAYERED, context=512)
+    return ResolvedModel(name="layered", path=path)
+
+
+def _rss(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(x for x in status.splitlines() if x.startswith("VmRSS:")).split()[1]) * 1024
+
+
+async def test_each_rank_holds_about_half_of_a_model_whose_layers_outweigh_its_embeddings(
+    group: EngineClient, solo: EngineClient, joiner: Joiner, layered: ResolvedModel
+) -> None:
+    split = await group.load(layered.name, str(layered.path))
+    whole = await solo.load(layered.name, str(layered.path))
+    try:
+        assert [h.layers for h in split.hosts] == [[12, 24], [0, 12]]  # alike memory: alike shares
+        for h in split.hosts:  # each rank's 12 layers and the embeddings (18% of the model)
+            assert h.resident_bytes < 0.6 * whole.resident_bytes, (h, whole.resident_bytes)
+        # The processes too: each rank's resident set holds what one process does, less about
+        # half the model (the interpreter, MLX and the tokenizer are in each).
+        assert group.process is not None and group.process.pid is not None
+        assert solo.process is not None and solo.process.pid is not None
+        saved = _rss(solo.process.pid) - max(_rss(group.process.pid), _rss(joiner.rank_pid()))
+        assert saved > 0.4 * whole.resident_bytes, saved
+        cmd = request(layered, PROMPTS[0], max_tokens=16)
+        assert (await collect(group, cmd))[0] == (await collect(solo, cmd))[0]
+    finally:
+        await group.unload(layered.name)
+        await solo.unload(layered.name)
 
 
 async def test_a_rank_killed_mid_generation_ends_the_engine_and_the_answer_resumes_exactly(

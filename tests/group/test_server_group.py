@@ -7,6 +7,9 @@ missing, ``/readyz`` names it; the models and the summary show the group.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -58,6 +61,9 @@ def test_the_models_and_the_summary_show_the_group(server: Server, hosts: list[s
     assert all(h["resident_bytes"] > 0 and h["link_bytes_per_sec"] > 0 for h in tiny["hosts"])
     engine = httpx.get(f"{server.url}/lmsp/v1/summary", timeout=10).json()["engine"]
     assert [h["host"] for h in engine["hosts"]] == hosts
+    scrape = httpx.get(f"{server.url}/metrics", timeout=10).text
+    for rank, host in enumerate(hosts):
+        assert f'lmspd_model_host_layers{{host="{host}",model="tiny",rank="{rank}"}} 1.0' in scrape, scrape
 
 
 def test_a_rank_killed_mid_generation_loses_no_task(server: Server, joiner: Joiner, hosts: list[str]) -> None:
@@ -89,6 +95,15 @@ def test_readyz_names_the_missing_host_until_it_joins(
 
     # The engine notices at its next tick (a heartbeat at most) and starts again, waiting.
     wait_until(not_ready, "readyz names the missing host", timeout=60, interval=0.2)
+    doctor = subprocess.run(
+        [sys.executable, "-m", "lmspd.cli", "doctor", "--config", str(server.config)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "LMSPD_PORT": str(server.port)},
+    )
+    line = next(x for x in doctor.stdout.splitlines() if x.split()[1:2] == ["group"])
+    assert line.startswith("FAIL") and f"waiting for rank 1 ({hosts[1]})" in line, doctor.stdout
     with Joiner(tmp_path, hosts, timeout_secs=10) as back:
         wait_until(server.ready, "ready once the host is back", timeout=90, interval=0.2)
         final = wait_final(server.url, submit(server.url, "fail", "Hi", 4)["id"])

@@ -1,5 +1,6 @@
-// Server: version, readiness, the models (loaded, size, idle-unload countdown), the caller's
-// queue by status, the engine, the recent speed: GET /lmsp/v1/summary, read every 2 s.
+// Server: version, readiness, the models (loaded, size, idle-unload countdown; a split model's
+// part on each host), the caller's queue by status, the engine (its group of hosts), the recent
+// speed: GET /lmsp/v1/summary, read every 2 s.
 
 import { api } from "./api.js";
 import { bytes, duration, errorText, h } from "./dom.js";
@@ -48,7 +49,11 @@ export function mount(main) {
     const s = last.summary;
     facts(overview, [["Version", s.version], ["Health", s.ready ? "ready" : "not ready"], ["Server time", new Date(s.now * 1000).toLocaleTimeString()]]);
     facts(queue, STATUSES.map((k) => [k, String(s.tasks[k])]));
-    facts(engine, [["State", s.engine.state], ["PID", s.engine.pid ?? "–"], ["Memory (RSS)", bytes(s.engine.rss_bytes)], ["Generating", String(s.engine.in_flight)], ["Up for", duration(s.engine.uptime_secs)]]);
+    const group = s.engine.hosts
+      ? [["Hosts", s.engine.hosts.map((g) => `rank ${g.rank} ${g.host} (${bytes(g.memory_bytes)})`).join(", ")],
+         ["Link", `${bytes(s.engine.hosts[0].link_bytes_per_sec)}/s`]]
+      : [];
+    facts(engine, [["State", s.engine.state], ["PID", s.engine.pid ?? "–"], ["Memory (RSS)", bytes(s.engine.rss_bytes)], ["Generating", String(s.engine.in_flight)], ["Up for", duration(s.engine.uptime_secs)], ...group]);
     facts(speed, [
       ["TTFT (median)", s.speed.ttft_ms === null ? "–" : `${s.speed.ttft_ms} ms`],
       ["Tokens/s", s.speed.tokens_per_sec === null ? "–" : String(s.speed.tokens_per_sec)],
@@ -57,7 +62,9 @@ export function mount(main) {
     models.replaceChildren(...s.models.map((m) => h("tr", {},
       h("th", { scope: "row" }, m.id),
       h("td", {}, m.loaded ? "loaded" : m.ready ? "on disk" : "not pulled"),
-      h("td", {}, m.loaded ? bytes(m.resident_bytes) : "–"),
+      h("td", {}, !m.loaded ? "–" : m.hosts
+        ? m.hosts.map((g) => `${bytes(g.resident_bytes)} on rank ${g.rank} (layers ${g.layers[0]}–${g.layers[1] - 1})`).join(", ")
+        : bytes(m.resident_bytes)),
       h("td", {}, m.weight_dtype || "–"),
       h("td", {}, String(m.running)),
       h("td", { class: "countdown" }, countdown(m)))));

@@ -54,7 +54,7 @@ def follow(config: EngineConfig, rank: int, models_dir: str | None, log_level: i
     group = Group(config.hosts, rank, config.group_timeout_secs)
     try:
         group.start(JOIN_WAIT_TIMEOUTS * config.group_timeout_secs)
-        hello = msgspec.msgpack.decode(group.share(None, what="the engine settings"), type=Hello)
+        hello = msgspec.msgpack.decode(group.receive(config.group_timeout_secs), type=Hello)
     except EngineGroupError as exc:
         log.error("%s", exc.message)
         raise SystemExit(GROUP_LOST) from exc

@@ -33,8 +33,6 @@ from lmspd.models.footprint import memory_budget
 log = logging.getLogger("lmspd.engine")
 
 DEFAULT_PORT = 47100
-# The first collective of a loop carries this many bytes: a loop's commands fit in one.
-FRAME = 512
 # While idle, rank 0 shares an empty tick this often, so every rank knows the others live.
 HEARTBEAT_SECS = 1.0
 # A model's load may keep the others waiting this long at most.
@@ -50,7 +48,7 @@ class Tick(msgspec.Struct, array_like=True):
     seq: int
     commands: list[bytes]
     compiled: list[str]
-    slow: bool = False  # a load among the commands: the next tick may wait LOAD_TIMEOUT_SECS
+    ack: bool = False  # answer it (rank 0's idle heartbeat: is every rank still there?)
 
 
 class Hello(msgspec.Struct, array_like=True):
@@ -115,6 +113,7 @@ class Group:
         self._wait_limit = timeout
         self._what = ""
         self.seq = 0
+        self._peers: list[socket.socket] = []  # the control channel: rank 0's to each rank, or ours to it
         self.members: list[Member] = []
         self.link_bytes_per_sec = 0.0
 
@@ -154,6 +153,7 @@ class Group:
                     "every host must run the same lmspd and mlx"
                 )
         self.link_bytes_per_sec = self._measure_link()
+        self._connect()
 
     def _measure_link(self) -> float:
         """Bytes a second through the ring, one 4 MiB all_sum timed (reported, not used)."""
@@ -193,35 +193,95 @@ class Group:
         out = np.array(self._collective(lambda: mx.distributed.all_gather(x), "a gather")).reshape(self.size, width)
         return [bytes(row[2 : 2 + int.from_bytes(bytes(row[:2]), "little")]) for row in out]
 
-    def share(self, data: bytes | None, limit: float | None = None, what: str = "a tick") -> bytes:
-        """Rank 0's ``data`` on every rank (the others pass None)."""
-        head = np.zeros(FRAME, dtype=np.uint8)
+    # --- the control channel: rank 0's ticks ----------------------------------------------------
+
+    def _connect(self) -> None:
+        """The control channel: a TCP connection from each rank to rank 0, beside the ring.
+        Ticks go over it because a rank waiting in an MLX collective spins (an idle rank would
+        keep a core busy), while one waiting on a socket sleeps."""
+        host = endpoint(self.hosts[0]).rsplit(":", 1)[0]
         if self.rank == 0:
-            assert data is not None
-            head[:4] = np.frombuffer(len(data).to_bytes(4, "little"), dtype=np.uint8)
-            first = data[: FRAME - 4]
-            head[4 : 4 + len(first)] = np.frombuffer(first, dtype=np.uint8)
-        x = mx.array(head)
-        got = bytes(np.array(self._collective(lambda: mx.distributed.all_sum(x), what, limit)))
-        n = int.from_bytes(got[:4], "little")
-        if n <= FRAME - 4:
-            return got[4 : 4 + n]
-        rest = np.zeros(n - (FRAME - 4), dtype=np.uint8)
-        if self.rank == 0:
-            assert data is not None
-            rest[:] = np.frombuffer(data[FRAME - 4 :], dtype=np.uint8)
-        y = mx.array(rest)
-        return got[4:] + bytes(np.array(self._collective(lambda: mx.distributed.all_sum(y), what, limit)))
+            with socket.create_server((host, 0)) as server:
+                self.gather(server.getsockname()[1].to_bytes(2, "little"))
+                server.settimeout(self.timeout)
+                for _ in range(self.size - 1):
+                    try:
+                        conn, _ = server.accept()
+                    except OSError as exc:
+                        raise GroupError(f"a rank did not open the control channel: {exc}") from exc
+                    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    self._peers.append(conn)
+        else:
+            port = int.from_bytes(self.gather(b"")[0], "little")
+            try:
+                conn = socket.create_connection((host, port), timeout=self.timeout)
+            except OSError as exc:
+                raise GroupError(f"rank 0's control channel ({host}:{port}) refused: {exc}") from exc
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._peers.append(conn)
+
+    def send(self, data: bytes) -> None:
+        """Rank 0: ``data`` to every other rank."""
+        frame = len(data).to_bytes(4, "little") + data
+        for r, conn in enumerate(self._peers, start=1):
+            try:
+                conn.sendall(frame)
+            except OSError as exc:
+                raise self._gone(f"rank {r} ({self.hosts[r]}) closed the control channel: {exc}") from exc
+
+    def receive(self, limit: float) -> bytes:
+        """A rank past 0: rank 0's next ``send``, within ``limit`` seconds."""
+        conn = self._peers[0]
+        conn.settimeout(limit)
+        try:
+            n = int.from_bytes(self._read(conn, 4), "little")
+            return self._read(conn, n)
+        except TimeoutError as exc:
+            raise self._gone(f"no word from rank 0 ({self.hosts[0]}) within {limit:.0f}s") from exc
+        except OSError as exc:
+            raise self._gone(f"rank 0 ({self.hosts[0]}) closed the control channel: {exc}") from exc
+
+    @staticmethod
+    def _read(conn: socket.socket, n: int) -> bytes:
+        data = bytearray()
+        while len(data) < n:
+            chunk = conn.recv(n - len(data))
+            if not chunk:
+                raise ConnectionResetError("closed")
+            data += chunk
+        return bytes(data)
+
+    def _gone(self, why: str) -> GroupError:
+        self._lost(why)
+        return GroupError(why)
 
     def tick(self, tick: Tick | None, slow: bool = False) -> Tick:
-        """Rank 0's loop shared (the others pass None); each rank checks it is in step."""
+        """Rank 0's loop sent (the others pass None and receive it); each rank checks it is in
+        step. A tick that asks (rank 0's idle heartbeat) is answered, so a rank gone silent is
+        found while nothing runs too; a busy loop's passes find it (the watchdog)."""
         limit = LOAD_TIMEOUT_SECS if slow else self.timeout
-        data = msgspec.msgpack.encode(tick) if tick is not None else None
-        shared = msgspec.msgpack.decode(self.share(data, limit), type=Tick)
+        if tick is not None:
+            self.send(msgspec.msgpack.encode(tick))
+            shared = tick
+            for r, conn in enumerate(self._peers, start=1) if tick.ack else ():
+                conn.settimeout(self.timeout)
+                try:
+                    self._read(conn, 1)
+                except TimeoutError as exc:
+                    raise self._gone(f"no answer from rank {r} ({self.hosts[r]}) within {self.timeout:.0f}s") from exc
+                except OSError as exc:
+                    raise self._gone(f"rank {r} ({self.hosts[r]}) closed the control channel: {exc}") from exc
+        else:
+            # Rank 0 ticks at least every HEARTBEAT_SECS; a step or a load may come between.
+            shared = msgspec.msgpack.decode(self.receive(limit + HEARTBEAT_SECS), type=Tick)
+            if shared.ack:
+                try:
+                    self._peers[0].sendall(b"\x01")
+                except OSError as exc:
+                    raise self._gone(f"rank 0 ({self.hosts[0]}) closed the control channel: {exc}") from exc
         self.seq += 1
         if shared.seq != self.seq:
-            self._lost(f"out of step: tick {shared.seq} from rank 0, {self.seq} here")
-            raise GroupError(f"rank {self.rank} is out of step with rank 0")
+            raise self._gone(f"out of step: tick {shared.seq} from rank 0, {self.seq} here")
         return shared
 
     def agree(self, what: str, value: str) -> None:

@@ -16,17 +16,24 @@ from types import TracebackType
 from harness.wait import wait_until
 
 
-def free_ports(n: int) -> list[int]:
-    """``n`` loopback ports free now (bound together, so they differ, then released)."""
+def free_port_pairs(n: int) -> list[int]:
+    """``n`` loopback ports P each free now with P + 1 (a rank's ring port and, on rank 0, its
+    control channel's), all different (held together while chosen, then released)."""
     with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
+        found: list[int] = []
+        while len(found) < n:
+            first = stack.enter_context(socket.socket())
+            first.bind(("127.0.0.1", 0))
+            port = first.getsockname()[1]
+            second = stack.enter_context(socket.socket())
+            with contextlib.suppress(OSError):
+                second.bind(("127.0.0.1", port + 1))
+                found.append(port)
+        return found
 
 
 def loopback_hosts(n: int = 2) -> list[str]:
-    return [f"127.0.0.1:{port}" for port in free_ports(n)]
+    return [f"127.0.0.1:{port}" for port in free_port_pairs(n)]
 
 
 def toml_list(values: list[str]) -> str:

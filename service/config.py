@@ -75,6 +75,10 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # A host silent this long in the middle of a step (or its model's load) is lost: the engine
     # exits and each task follows its on_restart policy once the group is whole again.
     group_timeout_secs: float = 30.0
+    # A group that cannot form (a host missing when the engine starts) runs the models on this
+    # host alone, where they fit, until the engine next starts (`lmspd engine recycle` once the
+    # host is back); off: the engine waits for every host, and the server is not ready.
+    group_continue_alone: bool = False
 
     def __post_init__(self) -> None:
         if self.hosts and len(self.hosts) < 2:

@@ -65,8 +65,12 @@ async def healthz(request: Request) -> Response:
 
 
 async def readyz(request: Request) -> Response:
-    why = state_of(request).core.status.not_ready()
-    return _json(Health("ready") if why is None else Health("not_ready", why), 200 if why is None else 503)
+    status = state_of(request).core.status
+    why = status.not_ready()
+    return _json(
+        Health("ready", status.serving_alone()) if why is None else Health("not_ready", why),
+        200 if why is None else 503,
+    )
 
 
 async def capabilities(request: Request) -> Response:

@@ -51,7 +51,8 @@ class TaskList(msgspec.Struct, kw_only=True):
 
 class Health(msgspec.Struct, omit_defaults=True):
     """``/healthz`` (always ``ok``) and ``/readyz`` (``ready``, or ``not_ready`` with a 503 and
-    the ``reason``: shutting down, the engine down, or the default model unable to load)."""
+    the ``reason``: shutting down, the engine down, or the default model unable to load; ready
+    with a ``reason`` when an engine configured for a group of hosts serves alone)."""
 
     status: Literal["ok", "ready", "not_ready"]
     reason: str | None = None

@@ -254,6 +254,8 @@ def _group(config: Config) -> Finding:
     if answer is None:
         return Finding("ok", "group", f"{named} (this host's server is not running)")
     status, reason = answer
+    if status == 200 and reason:
+        return Finding("warn", "group", f"{named}: {reason}")
     if status == 200:
         return Finding("ok", "group", f"{named}: formed, the server is ready")
     if "rank" in reason:

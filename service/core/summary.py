@@ -93,6 +93,13 @@ class ServerStatus:
             return f"the engine is down (it is restarted): {why}" if why else "the engine is down (it is restarted)"
         return self.supervisor.default_refused
 
+    def serving_alone(self) -> str | None:
+        """Why an engine configured for a group of hosts serves alone (None: it does not)."""
+        info = self.supervisor.engine.info
+        if info is None or not info.alone:
+            return None
+        return f"serving alone (engine.group_continue_alone): {info.alone}"
+
     async def summary(self, owner: str) -> ServerState:
         """``owner``'s task counts, the models, the engine and the recent speed."""
         return await server_state(

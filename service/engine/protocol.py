@@ -133,6 +133,8 @@ class Ready(msgspec.Struct, tag=True, frozen=True, kw_only=True):
     mlx_version: str
     blas: str = ""  # the BLAS library MLX's CPU backend runs on (a path, or the bundled reference)
     hosts: list[GroupHost] = []  # the engine's group, rank 0 first ([]: one process)
+    # Configured for a group, serving alone (engine.group_continue_alone): why ("": not so).
+    alone: str = ""
 
 
 class ModelLoading(msgspec.Struct, tag=True, frozen=True):

@@ -51,11 +51,14 @@ class Engine:
         blas: str = "",
         group: Group | None = None,
         models_dir: Path | None = None,
+        *,
+        alone: str = "",
     ) -> None:
         from lmspd.engine.prompt_cache import PromptCache
 
         self.conn = conn  # None: a group's rank past 0, which answers nobody
         self.group = group
+        self.alone = alone  # configured for a group, serving alone: why (group_continue_alone)
         # A joined host's own model directory: rank 0's paths name a model there by its
         # directory's name (None: at rank 0's path).
         self.models_dir = models_dir
@@ -92,6 +95,7 @@ class Engine:
                 mlx_version=getattr(mx, "__version__", "unknown"),
                 blas=self.blas,
                 hosts=self._hosts(),
+                alone=self.alone,
             )
         )
         while self.running:
@@ -251,17 +255,18 @@ def main(
     step_now(config.speculative_tokens, Drafter, run_ahead=not config.hosts)
     batch_cache.install()  # a merged batch's cache has room for its next position
     prompt_batch.install()  # prefilled prompts move to generation without a copy of their cache
-    group = None
+    group, alone = None, ""
     if config.hosts:
-        group, config = _lead(conn, config)
-    Engine(conn, config, Path(cache_dir) if cache_dir else None, blas, group).run()
+        group, config, alone = _lead(conn, config)
+    Engine(conn, config, Path(cache_dir) if cache_dir else None, blas, group, alone=alone).run()
 
 
-def _lead(conn: Connection, config: EngineConfig) -> tuple[Group, EngineConfig]:
+def _lead(conn: Connection, config: EngineConfig) -> tuple[Group | None, EngineConfig, str]:
     """Rank 0 of the configured group: formed (every host within group_timeout_secs, the
-    same versions), then the settings every rank runs shared. A group that cannot form or
-    go on ends this process, its reason told to the server first (a Failed of no request)."""
-    from lmspd.engine.group.ring import GROUP_LOST, Group, Hello, group_config
+    same versions), with the settings every rank runs. A group that cannot form ends this
+    process, its reason told to the server first (a Failed of no request); or, with
+    group_continue_alone, the engine runs the models alone (no group, and why)."""
+    from lmspd.engine.group.ring import GROUP_LOST, Group
     from lmspd.errors import EngineGroupError
 
     def lost(message: str) -> None:
@@ -271,10 +276,12 @@ def _lead(conn: Connection, config: EngineConfig) -> tuple[Group, EngineConfig]:
 
     group = Group(config.hosts, 0, config.group_timeout_secs, lost)
     try:
-        group.start(config.group_timeout_secs)
-        config = group_config(config, group.members)
-        group.send(msgspec.msgpack.encode(Hello(config)))
+        config = group.start(config.group_timeout_secs, config)
     except EngineGroupError as exc:
+        if config.group_continue_alone:
+            log.warning("serving alone (engine.group_continue_alone): %s", exc.message)
+            # This host's own settings, its own memory budget among them.
+            return None, msgspec.structs.replace(config, hosts=[], host_layers=[]), exc.message
         log.error("%s", exc.message)
         lost(exc.message)
         os._exit(GROUP_LOST)
@@ -282,4 +289,4 @@ def _lead(conn: Connection, config: EngineConfig) -> tuple[Group, EngineConfig]:
         "engine group formed: %s",
         ", ".join(f"rank {r} {m.host} ({m.memory >> 20} MiB)" for r, m in enumerate(group.members)),
     )
-    return group, config
+    return group, config, ""

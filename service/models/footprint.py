@@ -117,9 +117,13 @@ def estimate_or_zero(path: Path, engine: EngineConfig) -> Footprint:
 
 def refuse_oversized(name: str, path: Path, engine: EngineConfig) -> Footprint:
     """ModelTooLargeError (naming the model, its estimate and the budget) for a model that
-    cannot fit in the memory budget even alone; else its estimate."""
+    cannot fit in the memory budget even alone; else its estimate. An engine split over a group
+    of hosts with no budget configured has the hosts' budgets summed, which only its engine
+    knows (engine/group: it refuses there, at load)."""
     found = estimate_or_zero(path, engine)
     budget = memory_budget(engine.max_memory_bytes)
+    if engine.hosts and engine.max_memory_bytes is None:
+        return found
     if found.total > budget:
         raise ModelTooLargeError(
             f"model '{name}' needs about {found.total} bytes ({found.weights} of weights as "

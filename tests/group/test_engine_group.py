@@ -178,6 +178,22 @@ async def test_a_missing_host_is_named_once_the_timeout_passes() -> None:
     await engine.close()
 
 
+async def test_with_continue_alone_a_missing_host_leaves_rank_0_serving_alone(
+    solo: EngineClient, tiny: ResolvedModel
+) -> None:
+    hosts = loopback_hosts()
+    engine = EngineClient(EngineConfig(hosts=hosts, group_timeout_secs=2.0, group_continue_alone=True))
+    info = await engine.start()
+    try:
+        assert info.hosts == [] and f"waiting for rank 1 ({hosts[1]})" in info.alone
+        await engine.load(tiny.name, str(tiny.path))
+        await solo.load(tiny.name, str(tiny.path))
+        cmd = request(tiny, PROMPTS[0], max_tokens=16)
+        assert (await collect(engine, cmd))[0] == (await collect(solo, cmd))[0]
+    finally:
+        await engine.close()
+
+
 async def test_a_host_running_another_lmspd_is_refused_by_both(tmp_path: Path) -> None:
     """The other host's lmspd says another version (a sitecustomize there, as another install
     would): the group does not form, and both ends say who runs what."""
@@ -258,12 +274,15 @@ async def test_a_join_to_something_that_is_not_rank_0_says_so(tmp_path: Path) ->
 
     thread = threading.Thread(target=accept, daemon=True)
     thread.start()
-    hosts = [f"127.0.0.1:{port}", loopback_hosts(1)[0]]
+    hosts = [f"127.0.0.1:{port - 1}", loopback_hosts(1)[0]]  # its control port is the server's
     try:
         with Joiner(tmp_path, hosts, timeout_secs=1.0) as j:
-            # It connects, and then hears nothing an engine would say (or cannot connect).
+            # It connects, and then hears nothing an engine would say.
             await wait_until_async(
-                lambda: f"rank 0 ({hosts[0]})" in j.log and "joining again" in j.log,
+                lambda: (
+                    f"rank 0 ({hosts[0]}, control port {port}) did not answer as an lmspd engine" in j.log
+                    and "joining again" in j.log
+                ),
                 lambda: f"the join said it could not form the group: {j.log}",
                 timeout=60,
             )

@@ -109,3 +109,16 @@ def test_readyz_names_the_missing_host_until_it_joins(
         final = wait_final(server.url, submit(server.url, "fail", "Hi", 4)["id"])
         assert final["status"] == "succeeded"
         assert "joined the engine group" in back.log
+
+
+def test_with_continue_alone_a_server_missing_its_host_serves_alone_and_says_so(
+    tmp_path: Path, model_cache: Path, tiny: ResolvedModel
+) -> None:
+    hosts = loopback_hosts()
+    engine = f"hosts = {toml_list(hosts)}\ngroup_timeout_secs = 2\ngroup_continue_alone = true\n"
+    with tiny_server(tmp_path, model_cache, tiny, engine=engine) as srv:
+        srv.start()
+        ready = httpx.get(f"{srv.url}/readyz", timeout=5).json()
+        assert ready["status"] == "ready" and "serving alone (engine.group_continue_alone)" in ready["reason"]
+        assert f"waiting for rank 1 ({hosts[1]})" in ready["reason"]
+        assert wait_final(srv.url, submit(srv.url, "fail", "Hi", 4)["id"])["status"] == "succeeded"

@@ -66,3 +66,15 @@ def test_service_print_join_writes_the_joining_hosts_unit(tmp_path: Path) -> Non
     assert "<string>com.lmspd.join</string>" in plist.stdout and "<string>join</string>" in plist.stdout
     bad = subprocess.run([*run, "--systemd", "--join", "2"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--join 2: the ranks that join are 1..1" in bad.stderr
+
+
+def test_a_group_without_a_budget_leaves_the_refusal_to_its_engine(smol_dir: Path) -> None:
+    """The hosts' budgets summed are the group's, known to its engine only: the server's
+    intake refuses no model for this host's memory; a configured budget still binds."""
+    from lmspd.errors import ModelTooLargeError
+    from lmspd.models.footprint import refuse_oversized
+
+    group = EngineConfig(hosts=["10.0.0.1", "10.0.0.2"])
+    assert refuse_oversized("smol", smol_dir, group).total > 0
+    with pytest.raises(ModelTooLargeError):
+        refuse_oversized("smol", smol_dir, EngineConfig(hosts=["10.0.0.1", "10.0.0.2"], max_memory_bytes=1 << 20))

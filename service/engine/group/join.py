@@ -49,17 +49,16 @@ def follow(config: EngineConfig, rank: int, models_dir: str | None, log_level: i
     from lmspd.engine.upstream.lean import import_mlx_lm
 
     import_mlx_lm()
-    from lmspd.engine.group.ring import GROUP_LOST, Group, Hello
+    from lmspd.engine.group.ring import GROUP_LOST, Group
 
     group = Group(config.hosts, rank, config.group_timeout_secs)
     try:
-        group.start(JOIN_WAIT_TIMEOUTS * config.group_timeout_secs)
-        hello = msgspec.msgpack.decode(group.receive(config.group_timeout_secs), type=Hello)
+        settings = group.start(JOIN_WAIT_TIMEOUTS * config.group_timeout_secs)
     except EngineGroupError as exc:
         log.error("%s", exc.message)
         raise SystemExit(GROUP_LOST) from exc
     # Rank 0's settings, but this host's own place for the kernels it builds.
-    settings = msgspec.structs.replace(hello.config, kernel_dir=config.kernel_dir)
+    settings = msgspec.structs.replace(settings, kernel_dir=config.kernel_dir)
     log.info("joined the engine group as rank %d of %d (%s)", rank, group.size, config.hosts[0])
     from lmspd.engine.speculation import Drafter
     from lmspd.engine.upstream import batch_cache, prompt_batch

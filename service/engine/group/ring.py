@@ -1,11 +1,13 @@
-"""The MLX ring group an engine belongs to: started with a deadline, the hosts' versions and
-model files agreed, each loop's commands shared from rank 0 (``Tick``), and a watchdog.
+"""The MLX ring group an engine belongs to: formed on a control channel (every rank meets rank
+0 within a deadline, the hosts' versions agreed, rank 0's settings handed out), then MLX's ring;
+each loop's commands sent from rank 0 (``Tick``); model files agreed; and a watchdog.
 
-Why a deadline and a watchdog: MLX's ring backend waits without end for a peer that never
-connects, and a peer that vanishes without closing its sockets (a network drop) leaves a
-collective waiting too. A peer that dies with its sockets closed (kill -9) ends the
-collective at once with ``RuntimeError("[ring] connection to a peer was lost")``. Either way
-the rank exits: the group is rebuilt from scratch when every host is back (docs/distributed.md).
+Why the control channel and the watchdog (docs/distributed.md): MLX's ring backend waits
+without end for a peer that never connects, holding the GIL; a rank waiting in a collective
+spins; and a peer that vanishes without closing its sockets (a network drop) leaves a
+collective waiting. A peer that dies with its sockets closed (kill -9) ends the collective at
+once with ``RuntimeError("[ring] connection to a peer was lost")``. Either way the rank exits:
+the group is formed again from scratch when every host is back.
 """
 
 from __future__ import annotations
@@ -51,19 +53,29 @@ class Tick(msgspec.Struct, array_like=True):
     ack: bool = False  # answer it (rank 0's idle heartbeat: is every rank still there?)
 
 
-class Hello(msgspec.Struct, array_like=True):
-    """Rank 0's word to the others once the group formed: the engine settings every rank
-    runs (its own, the memory budget the group's, so that every rank decides alike)."""
-
-    config: EngineConfig
-
-
 class Member(msgspec.Struct, array_like=True):
     """What each rank says of itself when the group starts."""
 
     host: str
     versions: str  # lmspd and mlx
     memory: int  # physical bytes
+
+
+class Join(msgspec.Struct, array_like=True):
+    """A rank's first word to rank 0 on the control channel."""
+
+    rank: int
+    member: Member
+
+
+class Welcome(msgspec.Struct, array_like=True):
+    """Rank 0's answer once every rank has joined: the engine settings every rank runs (its
+    own, the memory budget the group's, so that every rank decides alike) and the members; or
+    why the group does not form."""
+
+    config: EngineConfig
+    members: list[Member]
+    refusal: str = ""
 
 
 def _devnull() -> TextIO:
@@ -119,22 +131,114 @@ class Group:
 
     # --- start ------------------------------------------------------------------------------
 
-    def start(self, deadline: float) -> None:
-        """Join the ring (every host within ``deadline`` seconds) and agree on versions."""
+    def start(self, deadline: float, config: EngineConfig | None = None) -> EngineConfig:
+        """Form the group: every rank meets rank 0 on the control channel within ``deadline``
+        seconds (the same versions, or none forms), then the ring starts; the engine settings
+        every rank runs, rank 0's (``config``, which it passes) for the group (group_config)."""
         if not 0 <= self.rank < self.size:
             raise GroupError(f"rank {self.rank} is not in a group of {self.size} hosts (engine.hosts)")
-        ring = [[endpoint(h)] for h in self.hosts]
+        ring = [endpoint(h) for h in self.hosts]
+        if self.rank == 0:
+            assert config is not None
+            welcome = self._welcome(ring[0], deadline, config)
+        else:
+            welcome = self._join(ring[0], deadline)
+        self.members = welcome.members
+        self._init_ring(ring)
+        threading.Thread(target=self._watch, name="ring-watchdog", daemon=True).start()
+        self.link_bytes_per_sec = self._measure_link()
+        return welcome.config
+
+    def _me(self) -> Member:
+        return Member(self.hosts[self.rank], versions(), physical_memory())
+
+    def _welcome(self, ring0: str, deadline: float, config: EngineConfig) -> Welcome:
+        """Rank 0: every other rank's Join, within ``deadline``; their Welcome."""
+        ip, port = ring0.rsplit(":", 1)
+        members: dict[int, Member] = {0: self._me()}
+        joined: dict[int, socket.socket] = {}
+        waiting = ", ".join(f"rank {r} ({h})" for r, h in enumerate(self.hosts) if r)
+        log.info("forming the engine group: waiting up to %.0fs for %s", deadline, waiting)
+        end = time.monotonic() + deadline
+        try:
+            with socket.create_server((ip, int(port) + 1), reuse_port=False) as server:
+                while len(joined) < self.size - 1:
+                    left = end - time.monotonic()
+                    missing = ", ".join(f"rank {r} ({h})" for r, h in enumerate(self.hosts) if r and r not in joined)
+                    if left <= 0:
+                        raise GroupError(f"the group did not form within {deadline:.0f}s: waiting for {missing}")
+                    server.settimeout(left)
+                    try:
+                        conn, _ = server.accept()
+                    except TimeoutError:
+                        continue
+                    join = self._hear_join(conn)
+                    if join is None or join.rank in joined or not 0 < join.rank < self.size:
+                        conn.close()  # not a rank of this group (a stray connection): waited on
+                        continue
+                    joined[join.rank], members[join.rank] = conn, join.member
+        except OSError as exc:
+            raise GroupError(f"the control channel cannot listen on {ip}:{int(port) + 1}: {exc}") from exc
+        ordered = [members[r] for r in range(self.size)]
+        self._peers = [joined[r] for r in range(1, self.size)]
+        for r, m in enumerate(ordered):
+            if m.versions != ordered[0].versions:
+                why = (
+                    f"rank {r} ({m.host}) runs {m.versions}; rank 0 ({ordered[0].host}) runs "
+                    f"{ordered[0].versions}: every host must run the same lmspd and mlx"
+                )
+                self.send(msgspec.msgpack.encode(Welcome(config, ordered, refusal=why)))
+                raise GroupError(why)
+        welcome = Welcome(group_config(config, ordered), ordered)
+        self.send(msgspec.msgpack.encode(welcome))
+        return welcome
+
+    def _hear_join(self, conn: socket.socket) -> Join | None:
+        conn.settimeout(self.timeout)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            n = int.from_bytes(self._read(conn, 4), "little")
+            if n > 1 << 16:
+                return None
+            return msgspec.msgpack.decode(self._read(conn, n), type=Join)
+        except (OSError, msgspec.DecodeError):
+            return None
+
+    def _join(self, ring0: str, deadline: float) -> Welcome:
+        """A rank past 0: meet rank 0 (trying until ``deadline``); its Welcome."""
+        ip, port = ring0.rsplit(":", 1)
+        where = f"rank 0 ({self.hosts[0]}, control port {int(port) + 1})"
+        log.info("joining the engine group of %s: trying for up to %.0fs", where, deadline)
+        end = time.monotonic() + deadline
+        while True:
+            try:
+                conn = socket.create_connection((ip, int(port) + 1), timeout=self.timeout)
+                break
+            except OSError as exc:
+                if time.monotonic() + 0.2 > end:
+                    raise GroupError(f"the group did not form within {deadline:.0f}s: {where}: {exc}") from exc
+                time.sleep(0.2)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._peers = [conn]
+        data = msgspec.msgpack.encode(Join(self.rank, self._me()))
+        try:
+            conn.sendall(len(data).to_bytes(4, "little") + data)
+            welcome = msgspec.msgpack.decode(self.receive(self.timeout, quiet=True), type=Welcome)
+        except (GroupError, msgspec.DecodeError) as exc:
+            raise GroupError(f"{where} did not answer as an lmspd engine: {exc}") from exc
+        if welcome.refusal:
+            raise GroupError(welcome.refusal)
+        return welcome
+
+    def _init_ring(self, ring: list[str]) -> None:
+        """MLX's ring, every rank present by now (the control channel said so)."""
         with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="lmspd-ring-", delete=False) as f:
-            json.dump(ring, f)
+            json.dump([[e] for e in ring], f)
         os.environ["MLX_HOSTFILE"], os.environ["MLX_RANK"] = f.name, str(self.rank)
-        # MLX's init holds the GIL while it waits for its peers, so no Python thread can time it
-        # out: faulthandler's own C thread ends the process at the deadline. What it ends it
-        # for is said first (rank 0's server keeps it until the engine says it is ready).
-        others = ", ".join(f"rank {r} ({h})" for r, h in enumerate(self.hosts) if r != self.rank)
-        self._on_lost(f"the group did not form within {deadline:.0f}s: waiting for {others}")
-        log.info("forming the engine group: waiting up to %.0fs for %s", deadline, others)
-        # Its traceback would show only this wait, which the line above says.
-        faulthandler.dump_traceback_later(deadline, exit=True, file=_devnull())
+        # MLX's init holds the GIL while it waits, so no Python thread can time it out:
+        # faulthandler's own C thread ends the process if a rank vanished just now.
+        self._on_lost(f"the ring did not start within {self.timeout:.0f}s")
+        faulthandler.dump_traceback_later(self.timeout, exit=True, file=_devnull())
         try:
             mx.distributed.init(strict=True, backend="ring")
         except RuntimeError as exc:
@@ -142,18 +246,6 @@ class Group:
         finally:
             faulthandler.cancel_dump_traceback_later()
             os.unlink(f.name)
-        threading.Thread(target=self._watch, name="ring-watchdog", daemon=True).start()
-        me = Member(self.hosts[self.rank], versions(), physical_memory())
-        self.members = [msgspec.msgpack.decode(b, type=Member) for b in self.gather(msgspec.msgpack.encode(me))]
-        mine = self.members[0].versions
-        for r, m in enumerate(self.members):
-            if m.versions != mine:
-                raise GroupError(
-                    f"rank {r} ({m.host}) runs {m.versions}; rank 0 ({self.members[0].host}) runs {mine}: "
-                    "every host must run the same lmspd and mlx"
-                )
-        self.link_bytes_per_sec = self._measure_link()
-        self._connect()
 
     def _measure_link(self) -> float:
         """Bytes a second through the ring, one 4 MiB all_sum timed (reported, not used)."""
@@ -195,31 +287,6 @@ class Group:
 
     # --- the control channel: rank 0's ticks ----------------------------------------------------
 
-    def _connect(self) -> None:
-        """The control channel: a TCP connection from each rank to rank 0, beside the ring.
-        Ticks go over it because a rank waiting in an MLX collective spins (an idle rank would
-        keep a core busy), while one waiting on a socket sleeps."""
-        host = endpoint(self.hosts[0]).rsplit(":", 1)[0]
-        if self.rank == 0:
-            with socket.create_server((host, 0)) as server:
-                self.gather(server.getsockname()[1].to_bytes(2, "little"))
-                server.settimeout(self.timeout)
-                for _ in range(self.size - 1):
-                    try:
-                        conn, _ = server.accept()
-                    except OSError as exc:
-                        raise GroupError(f"a rank did not open the control channel: {exc}") from exc
-                    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                    self._peers.append(conn)
-        else:
-            port = int.from_bytes(self.gather(b"")[0], "little")
-            try:
-                conn = socket.create_connection((host, port), timeout=self.timeout)
-            except OSError as exc:
-                raise GroupError(f"rank 0's control channel ({host}:{port}) refused: {exc}") from exc
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._peers.append(conn)
-
     def send(self, data: bytes) -> None:
         """Rank 0: ``data`` to every other rank."""
         frame = len(data).to_bytes(4, "little") + data
@@ -229,17 +296,19 @@ class Group:
             except OSError as exc:
                 raise self._gone(f"rank {r} ({self.hosts[r]}) closed the control channel: {exc}") from exc
 
-    def receive(self, limit: float) -> bytes:
-        """A rank past 0: rank 0's next ``send``, within ``limit`` seconds."""
+    def receive(self, limit: float, quiet: bool = False) -> bytes:
+        """A rank past 0: rank 0's next ``send``, within ``limit`` seconds (``quiet``: a failure
+        raised, not reported as the group lost)."""
         conn = self._peers[0]
         conn.settimeout(limit)
+        gone = GroupError if quiet else self._gone
         try:
             n = int.from_bytes(self._read(conn, 4), "little")
             return self._read(conn, n)
         except TimeoutError as exc:
-            raise self._gone(f"no word from rank 0 ({self.hosts[0]}) within {limit:.0f}s") from exc
+            raise gone(f"no word from rank 0 ({self.hosts[0]}) within {limit:.0f}s") from exc
         except OSError as exc:
-            raise self._gone(f"rank 0 ({self.hosts[0]}) closed the control channel: {exc}") from exc
+            raise gone(f"rank 0 ({self.hosts[0]}) closed the control channel: {exc}") from exc
 
     @staticmethod
     def _read(conn: socket.socket, n: int) -> bytes:

@@ -112,6 +112,9 @@ class PromptCache:
         )
         self.dirty: OrderedDict[Key, None] = OrderedDict()
         self.ends = PromptEnds()
+        # In a group of hosts (engine/group): this rank's layers and the model's, whose KV the
+        # budget counts in whole layers (below).
+        self.share: tuple[int, int] | None = None
         self.fit(max_bytes)
         self.flushed_at = time.monotonic()
         # Files are written on a thread of their own: hashing and fsyncing a large cache takes
@@ -125,9 +128,18 @@ class PromptCache:
 
     def fit(self, room: int) -> None:
         """Hold at most ``room`` bytes from now on: a sixteenth of it (16 MiB at most) for the
-        prompt ends, the rest for the KV; the least recently used go first."""
+        prompt ends, the rest for the KV; the least recently used go first.
+
+        A rank of a group holds ``share`` = (its layers, all layers) of each entry's KV: its
+        bound is that many whole layers' worth of ``room``, so that every rank, comparing its
+        own bytes with its own bound, evicts the same entries at the same moment (every layer
+        of a splittable model holds the same KV: engine/group/pipeline.py)."""
         self.ends.resize(min(DEFAULT_ENDS_BYTES, room // 16))
-        self.lru.max_bytes = room - self.ends.max_bytes
+        kv = room - self.ends.max_bytes
+        if self.share is not None:
+            held, layers = self.share
+            kv = held * (kv // layers)
+        self.lru.max_bytes = kv
         self.lru.trim_to(n_bytes=self.lru.max_bytes)
 
     def fetch(self, namespace: Namespace, tokens: list[int]) -> Hit:

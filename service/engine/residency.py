@@ -134,7 +134,8 @@ class Residency:
             from lmspd.engine.group.pipeline import layer_counts, split
 
             counts = layer_counts(len(model.layers), [m.memory for m in self.group.members], self.host_layers)
-            split(model, self.group.rank, counts)
+            first, end = split(model, self.group.rank, counts)
+            self.prompt_cache.share = (end - first, sum(counts))
         dtype = apply_weight_dtype(model, self.weight_dtype, self.kernel_dir)
         numerics = apply_numerics(model, dtype, self.numerics, self.kernel_dir)
         self.buffer_cache = max(self.buffer_cache, 2 * packed_matrix_bytes(model))
@@ -196,7 +197,11 @@ class Residency:
         mx.clear_cache()
 
     def _held(self) -> int:
-        return sum(self.budget.held(m.path, m.resident_bytes) for m in self.models.values())
+        # A split model counts as every host's part (the group's budget; the same on each rank).
+        return sum(
+            self.budget.held(m.path, sum(h.resident_bytes for h in m.hosts) if m.hosts else m.resident_bytes)
+            for m in self.models.values()
+        )
 
     def _fit_cache(self, extra: int = 0) -> None:
         """The prompt cache keeps what the models (and ``extra`` bytes about to load) leave."""

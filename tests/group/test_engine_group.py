@@ -19,12 +19,14 @@ import socket
 import subprocess
 import sys
 import threading
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 
-from harness.generation import PROMPTS, collect, request
+from harness.generation import GREEDY, PROMPTS, collect, request
 from harness.group import Joiner, loopback_hosts
 from harness.models import LAYERED, make_tiny_model
 from harness.wait import wait_until_async
@@ -33,6 +35,7 @@ from lmspd.engine import protocol as p
 from lmspd.engine.process import EngineClient
 from lmspd.errors import EngineCrashedError, LmspdError
 from lmspd.models.registry import ResolvedModel
+from lmspd.prompting.generation import build_generate
 
 TIMEOUT = 5.0  # group_timeout_secs: a silent rank is lost after this
 
@@ -124,6 +127,50 @@ async def test_each_rank_holds_about_half_of_a_model_whose_layers_outweigh_its_e
     finally:
         await group.unload(layered.name)
         await solo.unload(layered.name)
+
+
+async def test_the_prompt_cache_hits_and_evicts_alike_on_every_rank(
+    tmp_path: Path, solo: EngineClient, tiny_long: ResolvedModel
+) -> None:
+    """Four conversations of three turns each, twice over, with a cache bound that keeps about
+    two of them (an entry's KV is 512 bytes a token in 256-token blocks, 128 KiB and up): each
+    rank's hits and evictions must be the same, or the ranks' batches would part (a hang, then
+    the watchdog). The answers equal one process's; a conversation's later turns hit, and its
+    first turn the second time round misses (evicted meanwhile)."""
+    hosts = loopback_hosts()
+    with Joiner(tmp_path, hosts, timeout_secs=TIMEOUT):
+        budget = 400 << 10
+        engine = EngineClient(EngineConfig(hosts=hosts, group_timeout_secs=TIMEOUT, prompt_cache_max_bytes=budget))
+        await engine.start()
+        try:
+            await engine.load(tiny_long.name, str(tiny_long.path))
+            await solo.load(tiny_long.name, str(tiny_long.path))
+            topics = ["the sea", "a mountain", "the city at night", "an old library"]
+            history: dict[str, list[dict[str, str]]] = {t: [] for t in topics}
+            cached: list[int] = []
+            for _round in range(2):
+                for topic, turn in [(t, n) for t in topics for n in range(3)]:
+                    messages = [*history[topic], {"role": "user", "content": f"Turn {turn}: tell me of {topic}."}]
+                    cmd = build_generate(
+                        tiny_long, messages, request_id=uuid.uuid4().hex, max_tokens=24, sampling=GREEDY
+                    )
+                    ids, text, fin = await collect(engine, cmd)
+                    assert (
+                        ids
+                        == (await collect(solo, msgspec.structs.replace(cmd, request_id="solo-" + cmd.request_id)))[0]
+                    )
+                    cached.append(fin.cached_tokens)
+                    history[topic] = [*messages, {"role": "assistant", "content": text}]
+            # Each conversation's 2nd and 3rd turns find its earlier turns; the first turn of
+            # its second round finds only what all share (the chat template's system turn, 31
+            # or 32 tokens): its own entry was evicted meanwhile.
+            shared = 40
+            assert all(cached[i] > shared for i in range(24) if i % 3), cached
+            assert all(n < shared for n in cached[12::3]), cached
+            status = await engine.status()
+            assert 0 < status.prompt_cache_bytes <= budget
+        finally:
+            await engine.close()
 
 
 async def test_a_rank_killed_mid_generation_ends_the_engine_and_the_answer_resumes_exactly(

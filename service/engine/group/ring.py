@@ -395,16 +395,17 @@ class Group:
 
 
 def group_config(config: EngineConfig, members: list[Member]) -> EngineConfig:
-    """The engine settings a group runs: what a clock or a host's own memory would decide
-    differently on each host is fixed (docs/distributed.md, "What a group leaves out"): no
-    prompt cache, prefill steps of one size, one memory budget (the hosts' shares summed)."""
+    """The engine settings a group runs: what a clock or a host's own memory or disk would decide
+    differently on each host is fixed (docs/distributed.md, "What a group leaves out"): the
+    prompt cache in memory only, prefill steps of one size, one model at a time, one memory
+    budget (the hosts' shares summed)."""
     budget = config.max_memory_bytes
     if budget is None:
         budget = sum(memory_budget(None, m.memory) for m in members)
     return msgspec.structs.replace(
         config,
-        prompt_cache_max_bytes=0,
         prompt_cache_disk_max_bytes=0,
         prefill_interleave_ms=0,
+        max_loaded_models=1,
         max_memory_bytes=budget,
     )

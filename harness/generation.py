@@ -9,7 +9,9 @@ from typing import Any
 from lmspd.engine import protocol as p
 from lmspd.engine.process import EngineClient
 from lmspd.models.registry import ResolvedModel
+from lmspd.prompting import grammar
 from lmspd.prompting.generation import build_generate
+from lmspd.responses.tools import JsonSchemaFormat, tool_options
 
 GREEDY = p.SamplingParams(temperature=0.0)
 PROMPTS = ["Tell me a story.", "What is 2 + 2?", "List three colours, please, in order.", "Hi"]
@@ -46,3 +48,24 @@ async def deltas_of(engine: EngineClient, cmd: p.Generate) -> tuple[list[p.Delta
         else:
             return deltas, ev
     raise AssertionError("stream ended without Finished")
+
+
+# A JSON schema the tiny model answers under (constrained decoding): an enum, a bounded integer,
+# a bounded array.
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "colour": {"enum": ["red", "green", "blue"]},
+        "count": {"type": "integer", "minimum": 0, "maximum": 99},
+        "tags": {"type": "array", "items": {"type": "boolean"}, "minItems": 1, "maxItems": 3},
+    },
+    "required": ["colour", "count", "tags"],
+    "additionalProperties": False,
+}
+
+
+def schema_grammar(schema: dict[str, object]) -> str:
+    fmt = JsonSchemaFormat(name="out", schema=schema)
+    lark = grammar.build(text_format=fmt, tools=tool_options(None, None, None, None), tool_format=None, special={})
+    assert lark is not None
+    return lark

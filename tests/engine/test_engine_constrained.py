@@ -11,30 +11,12 @@ import jsonschema
 import msgspec
 import pytest
 
-from harness.generation import PROMPTS, collect, request
+from harness.generation import PROMPTS, SCHEMA, collect, request, schema_grammar
 from lmspd.engine.process import EngineClient
 from lmspd.errors import InvalidRequestError
 from lmspd.models.registry import ResolvedModel
 from lmspd.prompting import grammar
-from lmspd.responses.tools import JsonSchemaFormat, tool_options
-
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "colour": {"enum": ["red", "green", "blue"]},
-        "count": {"type": "integer", "minimum": 0, "maximum": 99},
-        "tags": {"type": "array", "items": {"type": "boolean"}, "minItems": 1, "maxItems": 3},
-    },
-    "required": ["colour", "count", "tags"],
-    "additionalProperties": False,
-}
-
-
-def schema_grammar(schema: dict[str, object]) -> str:
-    fmt = JsonSchemaFormat(name="out", schema=schema)
-    lark = grammar.build(text_format=fmt, tools=tool_options(None, None, None, None), tool_format=None, special={})
-    assert lark is not None
-    return lark
+from lmspd.responses.tools import tool_options
 
 
 async def test_random_weights_give_valid_json_under_a_schema(engine: EngineClient, tiny: ResolvedModel) -> None:

@@ -10,26 +10,17 @@ import uuid
 import msgspec
 import pytest
 
-from harness.generation import PROMPTS, collect, request
+from harness.generation import PROMPTS, collect, request, schema_grammar
 from lmspd.engine import protocol as p
 from lmspd.engine.process import EngineClient
 from lmspd.errors import InvalidRequestError
 from lmspd.models.registry import ResolvedModel
-from lmspd.prompting import grammar
 from lmspd.responses.enforce import MAX_OPTIONAL_PROPERTIES
-from lmspd.responses.tools import JsonSchemaFormat, tool_options
 
 # Intake refuses these (no finite instance); sent to the engine directly, the first needs
 # more parser work in one step than the budget allows, the second finds no token at all.
 ENDLESS = {"type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]}
 SELF = {"$ref": "#"}
-
-
-def schema_grammar(schema: dict[str, object]) -> str:
-    fmt = JsonSchemaFormat(name="out", schema=schema)
-    lark = grammar.build(text_format=fmt, tools=tool_options(None, None, None, None), tool_format=None, special={})
-    assert lark is not None
-    return lark
 
 
 @pytest.mark.parametrize("schema", [ENDLESS, SELF], ids=["step-budget", "no-token"])

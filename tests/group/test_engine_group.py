@@ -12,6 +12,7 @@ different model file are each a clear error naming the host.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import signal
@@ -23,10 +24,11 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import jsonschema
 import msgspec
 import pytest
 
-from harness.generation import GREEDY, PROMPTS, collect, request
+from harness.generation import GREEDY, PROMPTS, SCHEMA, collect, request, schema_grammar
 from harness.group import Joiner, loopback_hosts
 from harness.models import LAYERED, make_tiny_model
 from harness.wait import wait_until_async
@@ -93,6 +95,26 @@ async def test_two_ranks_answer_token_for_token_as_one_process(
     for h in split.hosts:
         assert 0 < h.resident_bytes < whole.resident_bytes
     assert split.resident_bytes == ranks[0].resident_bytes
+
+
+async def test_grammars_compile_and_constrain_alike_on_every_rank(
+    group: EngineClient, solo: EngineClient, tiny: ResolvedModel
+) -> None:
+    """Each rank compiles a new grammar on its own thread; the request joins the batch on every
+    rank in the loop where rank 0's has compiled (the tick says which), beside a free request."""
+    await group.load(tiny.name, str(tiny.path))
+    await solo.load(tiny.name, str(tiny.path))
+    lark = schema_grammar(SCHEMA)
+    answers = []
+    for engine in (group, solo):
+        free = request(tiny, PROMPTS[0], max_tokens=16)
+        constrained = [msgspec.structs.replace(request(tiny, q, max_tokens=64), grammar=lark) for q in PROMPTS[:3]]
+        results = await asyncio.gather(collect(engine, free), *(collect(engine, c) for c in constrained))
+        answers.append([r[0] for r in results])
+        for _, text, fin in results[1:]:
+            assert fin.reason == "stop", text
+            jsonschema.validate(json.loads(text), SCHEMA)
+    assert answers[0] == answers[1]
 
 
 @pytest.fixture(scope="module")

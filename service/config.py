@@ -28,8 +28,9 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_loaded_models: int = 1
     weight_dtype: WeightDtype = "auto"
     # lmspd's kernels' products (docs/numerics.md): "exact" computes MLX's own bits; "fast" takes
-    # 8-bit activations for 4-bit weights, judged by bench.quality; "auto" is exact for now
-    # (docs/numerics.md, "Why auto is exact"; env LMSPD_NUMERICS).
+    # 8-bit activations for 4-bit weights, judged by bench.quality; "auto" is fast for a model of
+    # 256 MiB of weights or more, exact below (docs/numerics.md, "What auto runs"; env
+    # LMSPD_NUMERICS).
     numerics: NumericsSetting = "auto"
     # A lone greedy request verifies prompt-lookup drafts of up to this many tokens in one pass
     # and keeps those the model itself picks: the same tokens, fewer passes where the answer

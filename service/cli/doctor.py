@@ -305,7 +305,7 @@ def _kernels(config: Config) -> Finding:
 def _numerics(config: Config) -> Finding:
     """Which products the models run (docs/numerics.md): the exact path or the fast one."""
     from lmspd.engine import kernels
-    from lmspd.engine.weights import resolve_numerics
+    from lmspd.engine.weights import AUTO_FAST_BYTES, resolve_numerics
 
     setting, dtype = config.engine.numerics, config.engine.weight_dtype
     if dtype not in ("auto", "quantized_float32"):
@@ -314,7 +314,14 @@ def _numerics(config: Config) -> Finding:
     if path is None:
         return Finding("ok", "numerics", f"{setting}: settled when the kernels are built (the first model load)")
     fast_simd = kernels.load_path(path).q8_simd()
-    if resolve_numerics(setting) == "fast":
+    if setting == "auto":
+        return Finding(
+            "ok",
+            "numerics",
+            f"auto: exact (MLX's own bits) for models under {AUTO_FAST_BYTES >> 20} MiB of weights, "
+            f"fast (8-bit activations, {fast_simd}) from there on; each model's on the models list",
+        )
+    if resolve_numerics(setting, 0) == "fast":
         return Finding("ok", "numerics", f"fast: 8-bit activations in 4-bit weights' products ({fast_simd})")
     return Finding("ok", "numerics", f"exact: MLX's own bits (numerics {setting}; fast path's kernel {fast_simd})")
 

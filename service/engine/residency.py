@@ -118,7 +118,7 @@ class Residency:
 
         from lmspd.engine.packed import packed_matrix_bytes
         from lmspd.engine.prompt_cache import model_fingerprint
-        from lmspd.engine.weights import apply_numerics, apply_weight_dtype
+        from lmspd.engine.weights import apply_numerics, apply_weight_dtype, weight_file_bytes
 
         if (refused := self.budget.refusal(name, path)) is not None:
             raise refused
@@ -137,7 +137,7 @@ class Residency:
             first, end = split(model, self.group.rank, counts)
             self.prompt_cache.share = (end - first, sum(counts))
         dtype = apply_weight_dtype(model, self.weight_dtype, self.kernel_dir)
-        numerics = apply_numerics(model, dtype, self.numerics, self.kernel_dir)
+        numerics = apply_numerics(model, dtype, self.numerics, self.kernel_dir, weight_file_bytes(Path(path)))
         self.buffer_cache = max(self.buffer_cache, 2 * packed_matrix_bytes(model))
         bound_buffer_cache(self.buffer_cache)
         mx.eval(model.parameters())

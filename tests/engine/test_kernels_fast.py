@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from lmspd.engine import kernels
-from lmspd.engine.weights import resolve_numerics
+from lmspd.engine.weights import AUTO_FAST_BYTES, resolve_numerics
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the kernels are built on Linux only")
 
@@ -115,10 +115,12 @@ def test_a_row_with_nan_or_inf_says_nan_and_leaves_the_others(ext: ModuleType) -
     assert mx.array_equal(got[0], ext.quantized_matvec(x[:1], q, s, b, 32, 4)[0]).item()
 
 
-def test_the_setting_is_checked_and_auto_stays_exact(ext: ModuleType) -> None:
+def test_the_setting_is_checked_and_auto_is_fast_only_for_large_models(ext: ModuleType) -> None:
     with pytest.raises(ValueError, match="exact or fast"):
         ext.set_numerics("fastest")
     assert ext.numerics() == "fast"
-    assert resolve_numerics("auto") == "exact"
-    assert resolve_numerics("exact") == "exact" and resolve_numerics("fast") == "fast"
+    assert resolve_numerics("auto", 98 << 20) == "exact"  # the bundled model's weights
+    assert resolve_numerics("auto", AUTO_FAST_BYTES) == "fast"
+    for size in (0, AUTO_FAST_BYTES):
+        assert resolve_numerics("exact", size) == "exact" and resolve_numerics("fast", size) == "fast"
     assert ext.q8_simd() == ("avx2" if ext.simd() == "avx2" else "portable")

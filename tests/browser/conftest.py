@@ -19,9 +19,10 @@ from harness.clients import require, require_module
 
 require_module("playwright")
 
-from playwright.sync_api import Browser, Playwright, sync_playwright  # noqa: E402
+from playwright.sync_api import Browser, Page, Playwright, sync_playwright  # noqa: E402
 
-from harness.browser import CHROMIUM, FLAGS, Console  # noqa: E402
+from harness.browser import CHROMIUM, FLAGS, LAPTOP, Console  # noqa: E402
+from harness.server import Server  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -42,3 +43,11 @@ def browser(playwright: Playwright) -> Iterator[Browser]:
 @pytest.fixture
 def console() -> Console:
     return Console()
+
+
+@pytest.fixture
+def page(browser: Browser, server: Server, console: Console) -> Iterator[Page]:
+    """A laptop-sized page on the module's ``server`` (each module says which), watched."""
+    context = browser.new_context(viewport=LAPTOP, base_url=server.url)
+    yield console.watch(context.new_page())
+    context.close()

@@ -32,13 +32,6 @@ def server(tmp_path_factory: pytest.TempPathFactory, model_cache: Path, tiny_lon
         yield srv
 
 
-@pytest.fixture
-def page(browser: Browser, server: Server, console: Console) -> Iterator[Page]:
-    context = browser.new_context(viewport=LAPTOP, base_url=server.url)
-    yield console.watch(context.new_page())
-    context.close()
-
-
 def output_text(response: dict[str, Any]) -> str:
     return "".join(c["text"] for item in response["output"] if item["type"] == "message" for c in item["content"])
 

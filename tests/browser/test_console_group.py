@@ -7,9 +7,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from playwright.sync_api import Browser, Page, expect
+from playwright.sync_api import Page, expect
 
-from harness.browser import LAPTOP, Console
+from harness.browser import Console
 from harness.group import Joiner, loopback_hosts, toml_list
 from harness.server import Server, submit, tiny_server, wait_final
 from lmspd.models.registry import ResolvedModel
@@ -30,13 +30,6 @@ def server(
     with Joiner(work, hosts), tiny_server(work, model_cache, tiny, engine=f"hosts = {toml_list(hosts)}\n") as srv:
         srv.start()
         yield srv
-
-
-@pytest.fixture
-def page(browser: Browser, server: Server, console: Console) -> Iterator[Page]:
-    context = browser.new_context(viewport=LAPTOP, base_url=server.url)
-    yield console.watch(context.new_page())
-    context.close()
 
 
 def test_the_server_page_shows_the_group(page: Page, server: Server, hosts: list[str], console: Console) -> None:

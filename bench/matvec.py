@@ -1,6 +1,6 @@
 """lmspd's matvec kernel per layer shape, against the memory-bandwidth bound of what it reads.
 
-    python -m bench.matvec [--model-dir DIR] [--rounds 7] [--rows 1 8] [--against REV]
+    python -m bench.matvec [--model-dir DIR] [--rounds 7] [--rows 1 8] [--against REV] [--numerics fast]
 
 For each distinct packed product of the model (shape, bits, group; the output head too), enough
 copies of its real weights that one pass over them streams from memory rather than the caches
@@ -44,6 +44,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--against", metavar="REV", default="", help="a git revision's kernels, alternated")
+    parser.add_argument("--numerics", choices=["exact", "fast"], default="exact", help="the products' (numerics.md)")
     args = parser.parse_args()
     from lmspd.engine.upstream.blas import load as load_blas
 
@@ -68,6 +69,9 @@ def run(args: argparse.Namespace, other: Any) -> None:
     from lmspd.engine.weights import apply_weight_dtype
 
     ext = kernels.load()
+    for kernel in (ext, other):
+        if kernel is not None:
+            kernel.set_numerics(args.numerics)
     model_dir = args.model_dir or default_model_dir()
     model, _ = load_model(Path(model_dir))
     apply_weight_dtype(model, "quantized_float32")

@@ -135,7 +135,25 @@ LMSPD_NO_CONTRACT_ATTR void q8_portable(const int8_t* xq, const float* xd, const
 
 #if defined(LMSPD_SIMD_AVX2)
 #define LMSPD_Q8_SIMD 1
+
+// A block's eight lanes: lane k the integer sum of its stored elements 4k..4k+3 times their
+// weights. VNNI's vpdpbusd (AVX512-VNNI with VL, or AVX-VNNI) sums the four products in one
+// instruction; vpmaddubsw + vpmaddwd sum them in two (the pairs cannot saturate: 15 * 127 * 2 is
+// under 2^15). The same integers either way, so the same bits (tests/engine/test_kernels_fast.py).
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+inline constexpr const char* kQ8Simd = "avx512-vnni";
+inline __m256i q8_lanes(__m256i wq, __m256i xv, __m256i) { return _mm256_dpbusd_epi32(_mm256_setzero_si256(), wq, xv); }
+#elif defined(__AVXVNNI__)
+inline constexpr const char* kQ8Simd = "avx-vnni";
+inline __m256i q8_lanes(__m256i wq, __m256i xv, __m256i) {
+  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), wq, xv);
+}
+#else
 inline constexpr const char* kQ8Simd = "avx2";
+inline __m256i q8_lanes(__m256i wq, __m256i xv, __m256i ones) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(wq, xv), ones);
+}
+#endif
 
 // MC rows (at most 4) by TC output columns: each block's nibbles unpacked once for the MC rows.
 // xq, xd: the first row's; xs: the first row's group sums (row mm of group g at g * 8 + mm).
@@ -169,7 +187,7 @@ __attribute__((noinline)) void q8_block(const int8_t* xq, const float* xd, const
 #pragma GCC unroll 4
         for (int mm = 0; mm < MC; ++mm) {
           const __m256i xv = _mm256_load_si256(reinterpret_cast<const __m256i*>(xq + size_t(mm) * K + j * Q8_BLOCK));
-          const __m256i lanes = _mm256_madd_epi16(_mm256_maddubs_epi16(wq, xv), ones);
+          const __m256i lanes = q8_lanes(wq, xv, ones);
           res[t][mm] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_set1_ps(s * xd[size_t(mm) * B + j]),
                                        res[t][mm]);
         }

@@ -133,6 +133,13 @@ def _under(path: Path, parent: Path) -> bool:
     return path == parent or parent in path.parents
 
 
+_SERVE_STOP = [
+    "# SIGTERM to lmspd alone: it stops intake, ends event streams within server.shutdown_grace_secs,",
+    "# leaves running tasks recoverable and stops its engine process itself; SIGKILL only past the timeout.",
+]
+_JOIN_STOP = ["# SIGTERM to the join: it stops its rank process (rank 0's engine sees the host go)."]
+
+
 def systemd_unit(install: Install) -> str:
     env = environment(install)
     system = not install.user
@@ -175,8 +182,7 @@ def systemd_unit(install: Install) -> str:
         *(f"Environment={_quote(f'{k}={v}')}" for k, v in env.items()),
         "Restart=on-failure",
         "RestartSec=2s",
-        "# SIGTERM to lmspd alone: it stops intake, ends event streams within server.shutdown_grace_secs,",
-        "# leaves running tasks recoverable and stops its engine process itself; SIGKILL only past the timeout.",
+        *(_SERVE_STOP if install.join_rank is None else _JOIN_STOP),
         "KillSignal=SIGTERM",
         "KillMode=mixed",
         f"TimeoutStopSec={install.stop_timeout_secs}",

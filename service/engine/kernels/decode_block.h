@@ -192,7 +192,8 @@ class DecodeTail : public mx::UnaryPrimitive {
     auto& enc = mx::cpu::get_command_encoder(stream());
     std::vector<View> weak = task_arrays(inputs, out, enc);
     const auto kernel = [&](int first, int q) {
-      return Packed{first, quant_[q], quant_[q + 1], kernel_for(quant_[q], quant_[q + 1], inputs[first + 1].dtype())};
+      const Kernel k = kernel_for(quant_[q], quant_[q + 1], inputs[first + 1].dtype(), true, fast_);
+      return Packed{first, quant_[q], quant_[q + 1], k};
     };
     const Packed o = kernel(7, 0), gate_up = kernel(11, 2), down = kernel(14, 4);
     enc.dispatch([weak = std::move(weak), attention = attention_, o, gate_up, down, widths = widths_,
@@ -226,7 +227,8 @@ class DecodeTail : public mx::UnaryPrimitive {
   const char* name() const override { return "LmspdDecodeTail"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const DecodeTail&>(other);
-    return attention_ == o.attention_ && quant_ == o.quant_ && widths_ == o.widths_ && eps_ == o.eps_;
+    return attention_ == o.attention_ && quant_ == o.quant_ && widths_ == o.widths_ && eps_ == o.eps_ &&
+           fast_ == o.fast_;
   }
 
  private:
@@ -234,6 +236,7 @@ class DecodeTail : public mx::UnaryPrimitive {
   std::array<int, 6> quant_;  // bits and group size of o_proj, gate/up, down
   std::vector<int> widths_;   // gate's and up's
   float eps_;
+  bool fast_ = built_fast();  // the numerics when its graph was built
 };
 
 inline void check_tables(const mx::array& cos, const mx::array& sin, const mx::array& offset, int dims, int D, int B) {

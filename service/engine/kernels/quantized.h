@@ -97,7 +97,10 @@ struct Kernel {
   Q8Kernel q8 = nullptr;
 };
 
-// The process's numerics, set once by the engine before its first product (docs/numerics.md).
+// The process's numerics (docs/numerics.md), as the engine last set it: each product's primitive
+// takes it when its graph is built (``built_fast``), not when it is evaluated, so a pass still
+// in flight (evaluated asynchronously: upstream/stepping.py) keeps its model's numerics after
+// the engine sets another model's for that one's step.
 inline std::atomic<bool>& fast_numerics() {
   static std::atomic<bool> fast{false};
   return fast;
@@ -203,8 +206,10 @@ inline ExactKernel exact_kernel_for(int bits, int group_size, mx::Dtype dtype, b
 #undef LMSPD_DTYPES
 #undef LMSPD_CASES
 
-inline Kernel kernel_for(int bits, int group_size, mx::Dtype dtype, bool simd = true) {
-  const bool q8 = bits == 4 && fast_numerics().load(std::memory_order_relaxed);
+inline bool built_fast() { return fast_numerics().load(std::memory_order_relaxed); }
+
+inline Kernel kernel_for(int bits, int group_size, mx::Dtype dtype, bool simd, bool fast) {
+  const bool q8 = bits == 4 && fast;
   return Kernel{exact_kernel_for(bits, group_size, dtype, simd), q8 ? q8_kernel_for(group_size, dtype, simd) : nullptr};
 }
 
@@ -290,7 +295,7 @@ class QuantizedMatvec : public mx::UnaryPrimitive {
     const int K = x.shape(-1);
     const int M = static_cast<int>(x.size() / K);
     const int N = out.shape(-1);
-    Kernel kernel = kernel_for(bits_, group_size_, sc.dtype(), simd_);
+    Kernel kernel = kernel_for(bits_, group_size_, sc.dtype(), simd_, fast_);
     const bool split = split_;
     const int GS = group_size_;
     // After x, w, scales, biases: up (swiglu), then the residual.
@@ -320,12 +325,13 @@ class QuantizedMatvec : public mx::UnaryPrimitive {
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const QuantizedMatvec&>(other);
     return bits_ == o.bits_ && group_size_ == o.group_size_ && split_ == o.split_ && simd_ == o.simd_ &&
-           swiglu_ == o.swiglu_ && residual_ == o.residual_;
+           swiglu_ == o.swiglu_ && residual_ == o.residual_ && fast_ == o.fast_;
   }
 
  private:
   int bits_, group_size_;
   bool split_, simd_, swiglu_, residual_;
+  bool fast_ = built_fast();  // the numerics when its graph was built
 };
 
 // Sibling layers' products of one x (q, k and v; gate and up) as one primitive, their weights
@@ -358,7 +364,7 @@ class QuantizedMatvecs : public mx::Primitive {
     const int M = static_cast<int>(x.size() / K);
     const int GS = group_size_, bits = bits_;
     const size_t item = sc.itemsize();
-    Kernel kernel = kernel_for(bits_, group_size_, sc.dtype(), true);
+    Kernel kernel = kernel_for(bits_, group_size_, sc.dtype(), true, fast_);
     std::vector<int> widths = widths_;
     std::vector<View> weak;
     weak.reserve(inputs.size() + outputs.size());
@@ -387,7 +393,7 @@ class QuantizedMatvecs : public mx::Primitive {
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const QuantizedMatvecs&>(other);
     return bits_ == o.bits_ && group_size_ == o.group_size_ && widths_ == o.widths_ && split_ == o.split_ &&
-           norm_ == o.norm_ && eps_ == o.eps_;
+           norm_ == o.norm_ && eps_ == o.eps_ && fast_ == o.fast_;
   }
 
  private:
@@ -395,6 +401,7 @@ class QuantizedMatvecs : public mx::Primitive {
   std::vector<int> widths_;
   bool split_, norm_;
   float eps_;
+  bool fast_ = built_fast();  // the numerics when its graph was built
 };
 
 class Dequantize : public mx::UnaryPrimitive {

@@ -71,6 +71,7 @@ class LoadedModel:
     pacer: PrefillPacer
     resident_bytes: int = 0
     hosts: list[p.HostShare] = field(default_factory=list)  # its parts over a group of hosts
+    kernels: Any = None  # lmspd's kernels' module where they run its products (quantized_float32)
     requests: dict[int, Request] = field(default_factory=dict)
     pieces: TokenPieces | None = None  # built on the first request that asks for logprobs
     grammars: Grammars | None = None  # built on the first constrained request

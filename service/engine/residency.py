@@ -155,6 +155,10 @@ class Residency:
             name, path, model, Tokenizer(Path(path)), batch, ctx, vocab, dtype, numerics, fingerprint, pacer
         )
         lm.resident_bytes = resident_bytes(model)
+        if dtype == "quantized_float32":
+            from lmspd.engine import kernels
+
+            lm.kernels = kernels.load(kernels.cache_root(self.kernel_dir))
         if self.group is not None:
             from lmspd.engine.group.pipeline import shares
 

@@ -43,10 +43,8 @@ class Stepper:
         return deltas
 
     def step_model(self, lm: LoadedModel, deltas: list[p.Delta]) -> None:
-        if lm.weight_dtype == "quantized_float32":  # its numerics: models loaded together may differ
-            from lmspd.engine.weights import enter_numerics
-
-            enter_numerics(lm.numerics, self.residency.kernel_dir)
+        if lm.kernels is not None:  # its numerics (the process's setting): models loaded together may differ
+            lm.kernels.set_numerics(lm.numerics)
         lm.batch.prefill_step_size = lm.pacer.step_size(any(r.decoding for r in lm.requests.values()))
         try:
             with lm.batch.stats() as stats:

@@ -221,17 +221,12 @@ def weight_file_bytes(model_dir: Path) -> int:
 
 def apply_numerics(model: nn.Module, dtype: str, setting: str, kernel_dir: str = "", weight_bytes: int = 0) -> str:
     """What a model now run in ``dtype`` computes its products with (docs/numerics.md): "fast"
-    only where lmspd's kernels multiply 4-bit weights; the kernels set to it (``enter_numerics``
-    sets them again before each of its steps: the setting is the process's)."""
+    only where lmspd's kernels multiply 4-bit weights; the kernels set to it (the setting is the
+    process's: stepper.Stepper sets it again before each of the model's steps)."""
     if dtype != "quantized_float32":
         return "exact"  # MLX's own products
     chosen = resolve_numerics(setting, weight_bytes)
     four_bit = any(getattr(m, "bits", 0) == 4 for _, m in model.named_modules() if isinstance(m, packed.PackedLinear))
     numerics = chosen if four_bit else "exact"
-    enter_numerics(numerics, kernel_dir)
-    return numerics
-
-
-def enter_numerics(numerics: str, kernel_dir: str = "") -> None:
-    """The kernels' products set to ``numerics`` for what runs next (one model's step)."""
     kernels.load(kernels.cache_root(kernel_dir)).set_numerics(numerics)
+    return numerics

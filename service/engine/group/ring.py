@@ -250,29 +250,19 @@ class Group:
     def _measure_link(self) -> float:
         """Bytes a second through the ring, one 4 MiB all_sum timed (reported, not used)."""
         x = mx.zeros((1 << 20,), dtype=mx.float32)
-        mx.eval(self._collective(lambda: mx.distributed.all_sum(x), "the link measurement"))
+        self._collective(lambda: mx.distributed.all_sum(x), "the link measurement")
         start = time.perf_counter()
-        mx.eval(self._collective(lambda: mx.distributed.all_sum(x), "the link measurement"))
+        self._collective(lambda: mx.distributed.all_sum(x), "the link measurement")
         return x.nbytes / max(time.perf_counter() - start, 1e-9)
 
     # --- what passes between ranks -------------------------------------------------------------
 
-    def _collective(self, op: Callable[[], mx.array], what: str, limit: float | None = None) -> mx.array:
+    def _collective(self, op: Callable[[], mx.array], what: str) -> mx.array:
         """``op``'s result, evaluated under the watchdog."""
-        self._what, self._wait_limit = what, self.timeout if limit is None else limit
-        self._waiting_since = time.monotonic()
-        try:
-            # A pass may still be in flight (a batch running ahead: upstream/stepping.py), its
-            # sends and gathers on the same ring: they finish first, on every rank alike.
-            mx.synchronize()
+        with self.watching(what):
             out = op()
             mx.eval(out)
-            return out
-        except RuntimeError as exc:  # the ring says a peer is gone
-            self._lost(f"{what}: {exc}")
-            raise
-        finally:
-            self._waiting_since = None
+        return out
 
     def gather(self, data: bytes, width: int = 256) -> list[bytes]:
         """Every rank's ``data`` (at most ``width`` bytes), in rank order."""
